@@ -1,0 +1,31 @@
+"""fastbert: a drop-in, faster BertModel for transformers checkpoints, and the fused kernels under it."""
+
+from fastbert.config import BertConfig
+from fastbert.heads import (
+    BertForMaskedLM,
+    BertForMultipleChoice,
+    BertForNextSentencePrediction,
+    BertForPreTraining,
+    BertForQuestionAnswering,
+    BertForSequenceClassification,
+    BertForTokenClassification,
+)
+from fastbert.modeling import BertModel
+from fastbert.ops import BackendUnavailable, explain, use_backend
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendUnavailable",
+    "BertConfig",
+    "BertForMaskedLM",
+    "BertForMultipleChoice",
+    "BertForNextSentencePrediction",
+    "BertForPreTraining",
+    "BertForQuestionAnswering",
+    "BertForSequenceClassification",
+    "BertForTokenClassification",
+    "BertModel",
+    "explain",
+    "use_backend",
+]

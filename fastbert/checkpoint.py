@@ -1,0 +1,277 @@
+"""Checkpoints: transformers' directory layout and key names, safetensors only unless the caller opts in.
+
+`from_pretrained(dir)` reads config.json + model.safetensors (or a sharded index); `save_pretrained(dir)` writes a
+directory transformers' own `from_pretrained` loads. The file format is judged by its first bytes, not its name: a
+pickle (zip or raw) is refused unless `allow_pickle=True`, and even then loaded with `weights_only=True`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from fastbert.config import BertConfig
+
+log = logging.getLogger("fastbert.checkpoint")
+
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+PICKLE_NAMES = ("pytorch_model.bin", "model.pt", "model.bin")
+# Buffers older transformers versions saved; they carry no information.
+IGNORED_KEYS = ("embeddings.position_ids", "embeddings.token_type_ids")
+# TF-era LayerNorm names still found in old checkpoints.
+LEGACY_RENAMES = ((".gamma", ".weight"), (".beta", ".bias"))
+
+M = TypeVar("M", bound="PreTrainedModel")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded as asked (missing, mismatched or unexpected keys, a refused format)."""
+
+
+def sniff_format(path: str | os.PathLike) -> str:
+    """'safetensors', 'pickle' or 'unknown', from the file's header bytes."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":  # torch.save zip archive / raw pickle protocol 2+
+        return "pickle"
+    if len(head) == 9:
+        n = int.from_bytes(head[:8], "little")
+        if 0 < n <= size - 8 and head[8:9] == b"{":
+            return "safetensors"
+    return "unknown"
+
+
+def load_state_dict_file(path: str | os.PathLike, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
+    """Read one weights file; safetensors always, pickle only with `allow_pickle=True`."""
+    kind = sniff_format(path)
+    if kind == "safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    if kind == "pickle":
+        if not allow_pickle:
+            raise CheckpointError(
+                f"{path} is a pickle checkpoint; pickles can run code on load, so fastbert refuses them by default. "
+                "Convert it to safetensors, or pass allow_pickle=True if you trust its source."
+            )
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        return dict(state.get("state_dict", state)) if isinstance(state, Mapping) else state
+    raise CheckpointError(f"{path} is neither a safetensors nor a torch checkpoint (unrecognised header)")
+
+
+def load_checkpoint_dir(directory: str | os.PathLike, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor of a transformers-style directory (single file, sharded index, or opted-in pickle)."""
+    directory = os.fspath(directory)
+    single, index = os.path.join(directory, WEIGHTS_NAME), os.path.join(directory, WEIGHTS_INDEX_NAME)
+    if os.path.isfile(single):
+        return load_state_dict_file(single, allow_pickle)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        state: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            state.update(load_state_dict_file(os.path.join(directory, shard), allow_pickle))
+        return state
+    for name in PICKLE_NAMES:
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            return load_state_dict_file(path, allow_pickle)
+    raise FileNotFoundError(f"no {WEIGHTS_NAME} (or {WEIGHTS_INDEX_NAME}) in {directory}")
+
+
+def _normalise_keys(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for key, value in state.items():
+        for old, new in LEGACY_RENAMES:
+            if key.endswith(old) and "LayerNorm" in key:
+                key = key[: -len(old)] + new
+        out[key] = value
+    return out
+
+
+class PreTrainedModel(nn.Module):
+    """Loading, saving and initialisation shared by BertModel and every head."""
+
+    base_model_prefix = "bert"
+    # Parameters tied to another one; a checkpoint may omit them (transformers does) or carry an equal copy.
+    tied_keys: tuple[str, ...] = ()
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    # ------------------------------------------------------------ initialisation
+    def post_init(self) -> None:
+        self.apply(self._init_weights)
+        self.tie_weights()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, 0.0, std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, 0.0, std)
+            if module.padding_idx is not None:
+                with torch.no_grad():
+                    module.weight[module.padding_idx].zero_()
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+
+    def tie_weights(self) -> None:
+        """Heads with an MLM decoder tie it to the word embeddings here."""
+
+    # ------------------------------------------------------------------ counting
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Unique parameters (shared ALBERT layers and tied decoders count once)."""
+        return sum(
+            p.numel() for name, p in self.named_parameters() if not (exclude_embeddings and "embeddings." in name)
+        )
+
+    # --------------------------------------------------------------- state dicts
+    def unique_state_dict(self) -> dict[str, torch.Tensor]:
+        """State dict with each shared tensor once, under its first name (how transformers saves tied weights)."""
+        seen: set[tuple[int, int]] = set()
+        out = {}
+        for key, value in self.state_dict().items():
+            ident = (value.untyped_storage().data_ptr(), value.storage_offset())
+            if ident in seen:
+                continue
+            seen.add(ident)
+            out[key] = value
+        return out
+
+    def _adapt_prefix(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Move between a bare BertModel's keys and a head's `bert.`-prefixed ones, as transformers does."""
+        prefix = self.base_model_prefix + "."
+        own = self.state_dict().keys()
+        has_prefix = any(k.startswith(prefix) for k in own)
+        ckpt_prefixed = any(k.startswith(prefix) for k in state)
+        if has_prefix and not ckpt_prefixed:
+            return {prefix + k: v for k, v in state.items()}
+        if not has_prefix and ckpt_prefixed:
+            return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+        return state
+
+    def load_checkpoint_state(self, state: Mapping[str, torch.Tensor], strict_heads: bool = False) -> None:
+        """Load a transformers-keyed state dict; missing, unexpected or mis-shaped keys raise with names and shapes.
+
+        A checkpoint without any head weights (a bare encoder) leaves the head freshly initialised, as transformers
+        does for fine-tuning; `strict_heads=True` makes that an error too.
+        """
+        state = self._adapt_prefix(_normalise_keys(state))
+        state = {k: v for k, v in state.items() if not k.endswith(IGNORED_KEYS)}
+        own = self.state_dict()
+        unique = self.unique_state_dict()
+        aliases = set(own) - set(unique)  # other names of shared/tied tensors
+        prefix = self.base_model_prefix + "."
+        head_keys = {k for k in unique if not k.startswith(prefix) and not _is_base_key(k)}
+        unexpected = sorted(k for k in state if k not in own)
+        base_foreign = [k for k in unexpected if _is_base_key(k.removeprefix(prefix))]
+        if base_foreign:
+            raise CheckpointError(f"unexpected keys in the checkpoint: {base_foreign[:20]}")
+        if unexpected:
+            log.info("ignoring checkpoint keys this model has no place for: %s", unexpected[:20])
+        mismatched = [
+            f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+            for k in state
+            if k in own and state[k].shape != own[k].shape
+        ]
+        if mismatched:
+            raise CheckpointError("shape mismatch between checkpoint and model:\n  " + "\n  ".join(mismatched))
+        missing = sorted(k for k in unique if k not in state and not _alias_present(k, state, aliases, self))
+        fresh_heads = [k for k in missing if k in head_keys]
+        if fresh_heads and (strict_heads or any(k in state for k in head_keys)):
+            raise CheckpointError(f"missing keys in the checkpoint: {fresh_heads}")
+        missing = [k for k in missing if k not in head_keys]
+        if missing:
+            shapes = [f"{k} {tuple(unique[k].shape)}" for k in missing[:20]]
+            raise CheckpointError(f"missing keys in the checkpoint ({len(missing)}): {shapes}")
+        if fresh_heads:
+            log.warning("newly initialised (not in the checkpoint): %s", fresh_heads)
+        with torch.no_grad():
+            for key, value in own.items():
+                if key in state and key not in aliases:
+                    value.copy_(state[key])
+                elif key in unique and key not in state:
+                    source = _alias_present(key, state, aliases, self)
+                    if source:
+                        value.copy_(state[source])
+        self.tie_weights()
+
+    # ------------------------------------------------------------ public API
+    @classmethod
+    def from_pretrained(
+        cls: type[M],
+        directory: str | os.PathLike,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        allow_pickle: bool = False,
+        strict_heads: bool = False,
+        **config_overrides: Any,
+    ) -> M:
+        """Load a transformers- or fastbert-saved directory; `dtype`/`device` cast after loading."""
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
+        config = BertConfig.from_pretrained(directory)
+        for key, value in config_overrides.items():
+            setattr(config, key, value)
+        config.validate()
+        model = cls(config)
+        model.load_checkpoint_state(load_checkpoint_dir(directory, allow_pickle), strict_heads=strict_heads)
+        model.eval()
+        return model.to(device=device, dtype=dtype) if dtype is not None or device is not None else model
+
+    def save_pretrained(self, directory: str | os.PathLike) -> None:
+        """Write config.json + model.safetensors that transformers (and fastbert) load."""
+        from safetensors.torch import save_file
+
+        os.makedirs(directory, exist_ok=True)
+        config = self.config.to_dict()
+        config["architectures"] = [type(self).__name__]
+        dtype = next(self.parameters()).dtype
+        config["dtype"] = str(dtype).removeprefix("torch.")
+        with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.unique_state_dict().items()}
+        save_file(tensors, os.path.join(directory, WEIGHTS_NAME), metadata={"format": "pt"})
+
+    @classmethod
+    def from_hf(cls: type[M], hf_model: nn.Module) -> M:
+        """Convert a live transformers BERT model (any head) into this fastbert class, weights copied."""
+        hf_config = hf_model.config.to_dict()
+        config = BertConfig.from_dict({k: v for k, v in hf_config.items() if k in _hf_fields()})
+        param = next(hf_model.parameters())
+        model = cls(config)
+        model.load_checkpoint_state(hf_model.state_dict())
+        return model.to(device=param.device, dtype=param.dtype).train(hf_model.training)
+
+
+def _is_base_key(key: str) -> bool:
+    return key.startswith(("embeddings.", "encoder.", "pooler."))
+
+
+def _alias_present(key: str, state: Mapping[str, torch.Tensor], aliases: set[str], model: nn.Module) -> str | None:
+    """If `key` shares storage with a name the checkpoint does carry, return that name."""
+    own = model.state_dict()
+    target = own[key]
+    for alias in aliases | set(own):
+        if alias != key and alias in state and own[alias].data_ptr() == target.data_ptr():
+            return alias
+    return None
+
+
+def _hf_fields() -> set[str]:
+    from fastbert.config import _DEFAULTS
+
+    return set(_DEFAULTS) | {"architectures"}

@@ -1,0 +1,324 @@
+"""Every BERT head, with transformers' module names, outputs and loss semantics.
+
+With ALBERT options the same classes serve: the MLM transform maps H -> E before the decoder tied to the E-wide
+word embeddings, and `BertForPreTraining`'s second head is sentence-order prediction when trained on SOP pairs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastbert import reference
+from fastbert.checkpoint import PreTrainedModel
+from fastbert.config import BertConfig
+from fastbert.modeling import ACT_OF_CONFIG, BertModel
+from fastbert.outputs import (
+    MaskedLMOutput,
+    ModelOutput,
+    MultipleChoiceModelOutput,
+    NextSentencePredictorOutput,
+    PreTrainingOutput,
+    QuestionAnsweringModelOutput,
+    SequenceClassifierOutput,
+    TokenClassifierOutput,
+)
+
+
+class BertPredictionHeadTransform(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.embedding_dim)
+        self.act = ACT_OF_CONFIG[config.hidden_act]
+        self.LayerNorm = nn.LayerNorm(config.embedding_dim, eps=config.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = reference.activation(self.dense(x), self.act)
+        return reference.layer_norm(x, self.LayerNorm.weight, self.LayerNorm.bias, self.LayerNorm.eps)
+
+
+class BertLMPredictionHead(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.transform = BertPredictionHeadTransform(config)
+        self.decoder = nn.Linear(config.embedding_dim, config.vocab_size, bias=True)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+        self.decoder.bias = self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.transform(x))
+
+
+class BertOnlyMLMHead(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.predictions = BertLMPredictionHead(config)
+
+    def forward(self, sequence_output: torch.Tensor) -> torch.Tensor:
+        return self.predictions(sequence_output)
+
+
+class BertOnlyNSPHead(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.seq_relationship = nn.Linear(config.hidden_size, 2)
+
+    def forward(self, pooled_output: torch.Tensor) -> torch.Tensor:
+        return self.seq_relationship(pooled_output)
+
+
+class BertPreTrainingHeads(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.predictions = BertLMPredictionHead(config)
+        self.seq_relationship = nn.Linear(config.hidden_size, 2)
+
+    def forward(self, sequence_output: torch.Tensor, pooled_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.predictions(sequence_output), self.seq_relationship(pooled_output)
+
+
+def _finish(output: ModelOutput, return_dict: bool) -> ModelOutput | tuple:
+    return output if return_dict else output.to_tuple()
+
+
+def _encoder_kwargs(kwargs: dict) -> dict:
+    """Encoder arguments of a head's forward; the head decides the return type itself."""
+    return {**kwargs, "return_dict": True}
+
+
+class _WithMLMDecoder(PreTrainedModel):
+    """Ties `cls.predictions.decoder.weight` to the word embeddings, as transformers does."""
+
+    def tie_weights(self) -> None:
+        if getattr(self.config, "tie_word_embeddings", True):
+            self.cls.predictions.decoder.weight = self.bert.embeddings.word_embeddings.weight
+        self.cls.predictions.decoder.bias = self.cls.predictions.bias
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.cls.predictions.decoder
+
+
+def _mlm_loss(logits: torch.Tensor, labels: torch.Tensor | None, vocab: int) -> torch.Tensor | None:
+    return None if labels is None else F.cross_entropy(logits.view(-1, vocab).float(), labels.view(-1))
+
+
+class BertForMaskedLM(_WithMLMDecoder):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__(config)
+        self.bert = BertModel(config, add_pooling_layer=False)
+        self.cls = BertOnlyMLMHead(config)
+        self.post_init()
+
+    def forward(self, input_ids=None, labels=None, return_dict: bool = True, **kwargs) -> MaskedLMOutput | tuple:
+        """`labels` [B, S]: token ids at masked positions, -100 elsewhere."""
+        out = self.bert(input_ids, **_encoder_kwargs(kwargs))
+        logits = self.cls(out.last_hidden_state)
+        loss = _mlm_loss(logits, labels, self.config.vocab_size)
+        result = MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
+        return _finish(result, return_dict)
+
+
+class BertForPreTraining(_WithMLMDecoder):
+    """MLM + NSP (BERT) or MLM + SOP (ALBERT): the second head predicts `next_sentence_label` either way."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__(config)
+        self.bert = BertModel(config)
+        self.cls = BertPreTrainingHeads(config)
+        self.post_init()
+
+    def forward(
+        self, input_ids=None, labels=None, next_sentence_label=None, return_dict: bool = True, **kwargs
+    ) -> PreTrainingOutput | tuple:
+        out = self.bert(input_ids, **_encoder_kwargs(kwargs))
+        prediction, relationship = self.cls(out.last_hidden_state, out.pooler_output)
+        loss = None
+        if labels is not None and next_sentence_label is not None:
+            loss = _mlm_loss(prediction, labels, self.config.vocab_size) + F.cross_entropy(
+                relationship.view(-1, 2).float(), next_sentence_label.view(-1)
+            )
+        result = PreTrainingOutput(
+            loss=loss,
+            prediction_logits=prediction,
+            seq_relationship_logits=relationship,
+            hidden_states=out.hidden_states,
+            attentions=out.attentions,
+        )
+        return _finish(result, return_dict)
+
+
+class BertForNextSentencePrediction(PreTrainedModel):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__(config)
+        self.bert = BertModel(config)
+        self.cls = BertOnlyNSPHead(config)
+        self.post_init()
+
+    def forward(self, input_ids=None, labels=None, return_dict: bool = True, **kwargs):
+        """`labels` [B]: 0 = B follows A, 1 = B is random."""
+        out = self.bert(input_ids, **_encoder_kwargs(kwargs))
+        logits = self.cls(out.pooler_output)
+        loss = None if labels is None else F.cross_entropy(logits.view(-1, 2).float(), labels.view(-1))
+        result = NextSentencePredictorOutput(
+            loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions
+        )
+        return _finish(result, return_dict)
+
+
+def _classifier_dropout(config: BertConfig) -> float:
+    return config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+
+
+class BertForSequenceClassification(PreTrainedModel):
+    """Single-label (CE), regression (num_labels == 1, MSE) or multi-label (BCE), picked as transformers does."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.bert = BertModel(config)
+        self.dropout = nn.Dropout(_classifier_dropout(config))
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def forward(self, input_ids=None, labels=None, return_dict: bool = True, **kwargs):
+        out = self.bert(input_ids, **_encoder_kwargs(kwargs))
+        logits = self.classifier(self.dropout(out.pooler_output))
+        loss = None if labels is None else self._loss(logits, labels)
+        result = SequenceClassifierOutput(
+            loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions
+        )
+        return _finish(result, return_dict)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.config.problem_type is None:
+            if self.num_labels == 1:
+                self.config.problem_type = "regression"
+            elif labels.dtype in (torch.long, torch.int):
+                self.config.problem_type = "single_label_classification"
+            else:
+                self.config.problem_type = "multi_label_classification"
+        kind = self.config.problem_type
+        if kind == "regression":
+            if self.num_labels == 1:
+                return F.mse_loss(logits.squeeze().float(), labels.squeeze().to(torch.float32))
+            return F.mse_loss(logits.float(), labels.float())
+        if kind == "single_label_classification":
+            return F.cross_entropy(logits.view(-1, self.num_labels).float(), labels.view(-1))
+        if kind == "multi_label_classification":
+            return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
+        raise ValueError(f"unknown problem_type {kind!r}")
+
+
+class BertForTokenClassification(PreTrainedModel):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.bert = BertModel(config, add_pooling_layer=False)
+        self.dropout = nn.Dropout(_classifier_dropout(config))
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def forward(self, input_ids=None, labels=None, return_dict: bool = True, **kwargs):
+        """`labels` [B, S]: a class per token, -100 where no loss is wanted."""
+        out = self.bert(input_ids, **_encoder_kwargs(kwargs))
+        logits = self.classifier(self.dropout(out.last_hidden_state))
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits.view(-1, self.num_labels).float(), labels.view(-1))
+        result = TokenClassifierOutput(
+            loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions
+        )
+        return _finish(result, return_dict)
+
+
+class BertForQuestionAnswering(PreTrainedModel):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.bert = BertModel(config, add_pooling_layer=False)
+        self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def forward(self, input_ids=None, start_positions=None, end_positions=None, return_dict: bool = True, **kwargs):
+        """Span positions outside the input are ignored in the loss (clamped to S, the ignore index)."""
+        out = self.bert(input_ids, **_encoder_kwargs(kwargs))
+        logits = self.qa_outputs(out.last_hidden_state)
+        start_logits, end_logits = (t.squeeze(-1).contiguous() for t in logits.split(1, dim=-1))
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            ignored = start_logits.size(1)
+            start = start_positions.view(-1).clamp(0, ignored)
+            end = end_positions.view(-1).clamp(0, ignored)
+            loss = 0.5 * (
+                F.cross_entropy(start_logits.float(), start, ignore_index=ignored)
+                + F.cross_entropy(end_logits.float(), end, ignore_index=ignored)
+            )
+        result = QuestionAnsweringModelOutput(
+            loss=loss,
+            start_logits=start_logits,
+            end_logits=end_logits,
+            hidden_states=out.hidden_states,
+            attentions=out.attentions,
+        )
+        return _finish(result, return_dict)
+
+
+class BertForMultipleChoice(PreTrainedModel):
+    """Inputs [B, num_choices, S]; one score per choice."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__(config)
+        self.bert = BertModel(config)
+        self.dropout = nn.Dropout(_classifier_dropout(config))
+        self.classifier = nn.Linear(config.hidden_size, 1)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        return_dict: bool = True,
+        **kwargs,
+    ):
+        lead = input_ids if input_ids is not None else inputs_embeds
+        if lead is None or lead.dim() < 3:
+            raise ValueError("BertForMultipleChoice takes inputs of shape [batch, num_choices, seqlen]")
+        num_choices = lead.shape[1]
+
+        def flat(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.reshape(-1, *t.shape[2:])
+
+        out = self.bert(
+            flat(input_ids),
+            attention_mask=flat(attention_mask),
+            token_type_ids=flat(token_type_ids),
+            position_ids=flat(position_ids),
+            inputs_embeds=flat(inputs_embeds),
+            **_encoder_kwargs(kwargs),
+        )
+        logits = self.classifier(self.dropout(out.pooler_output)).view(-1, num_choices)
+        loss = None if labels is None else F.cross_entropy(logits.float(), labels.view(-1))
+        result = MultipleChoiceModelOutput(
+            loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions
+        )
+        return _finish(result, return_dict)
+
+
+HEADS = {
+    cls.__name__: cls
+    for cls in (
+        BertModel,
+        BertForMaskedLM,
+        BertForPreTraining,
+        BertForNextSentencePrediction,
+        BertForSequenceClassification,
+        BertForTokenClassification,
+        BertForQuestionAnswering,
+        BertForMultipleChoice,
+    )
+}

@@ -1,0 +1,291 @@
+"""One BERT definition for every backend: embeddings -> encoder -> pooler, on packed (unpadded) tokens.
+
+Module and parameter names are transformers' (`embeddings.word_embeddings`, `encoder.layer.0.attention.self.query`,
+...), so state dicts load unchanged. The fusable steps go through `fastbert.ops`, which picks a kernel per call.
+The batch is unpadded once before the embedding and repadded once at the output.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastbert import ops, reference
+from fastbert.checkpoint import PreTrainedModel
+from fastbert.config import BertConfig
+from fastbert.outputs import BaseModelOutputWithPooling
+from fastbert.padding import Packing, unpad
+from fastbert.validation import validate_inputs
+
+ACT_OF_CONFIG = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+
+
+class BertEmbeddings(nn.Module):
+    """word + position + token-type, LayerNorm, dropout; with `embedding_size` < hidden, then a projection E -> H."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        dim = config.embedding_dim
+        self.word_embeddings = nn.Embedding(config.vocab_size, dim, padding_idx=config.pad_token_id)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, dim)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, dim)
+        self.LayerNorm = nn.LayerNorm(dim, eps=config.layer_norm_eps)
+        self.dropout_p = config.hidden_dropout_prob
+        self.projection = nn.Linear(dim, config.hidden_size) if dim != config.hidden_size else None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,  # [T] packed
+        token_type_ids: torch.Tensor,  # [T]
+        position_ids: torch.Tensor,  # [T]
+        inputs_embeds: torch.Tensor | None = None,  # [T, E]
+    ) -> torch.Tensor:  # [T, H]
+        x = ops.embedding_layernorm(
+            input_ids,
+            token_type_ids,
+            position_ids,
+            self.word_embeddings.weight,
+            self.position_embeddings.weight,
+            self.token_type_embeddings.weight,
+            self.LayerNorm.weight,
+            self.LayerNorm.bias,
+            self.LayerNorm.eps,
+            dropout_p=self.dropout_p,
+            training=self.training,
+            inputs_embeds=inputs_embeds,
+        )
+        return self.projection(x) if self.projection is not None else x
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.query = nn.Linear(hidden, hidden)
+        self.key = nn.Linear(hidden, hidden)
+        self.value = nn.Linear(hidden, hidden)
+        self.dropout_p = config.attention_probs_dropout_prob
+        self._fused: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
+
+    def qkv_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Q, K and V projections as one [3H, H] GEMM; cached for inference, rebuilt when any weight changes."""
+        parts = (self.query, self.key, self.value)
+        if torch.is_grad_enabled() and any(p.weight.requires_grad for p in parts):
+            return torch.cat([p.weight for p in parts]), torch.cat([p.bias for p in parts])
+        key = tuple((p.weight._version, p.weight.data_ptr(), p.bias._version, p.bias.data_ptr()) for p in parts)
+        if self._fused is None or self._fused[0] != key:
+            with torch.no_grad():
+                fused = torch.cat([p.weight for p in parts]), torch.cat([p.bias for p in parts])
+            self._fused = (key, *fused)
+        return self._fused[1], self._fused[2]
+
+    def forward(
+        self, x: torch.Tensor, packing: Packing, output_attentions: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [T, H] -> [T, H], probs [B, nH, S, S] or None
+        weight, bias = self.qkv_weight()
+        qkv = F.linear(x, weight, bias).view(x.shape[0], 3, self.num_heads, self.head_dim)
+        if output_attentions:
+            ctx, probs = reference.attention_with_probs(
+                qkv, packing.cu_seqlens, packing.max_seqlen, self.dropout_p, self.training
+            )
+        else:
+            ctx, probs = ops.attention(qkv, packing.cu_seqlens, packing.max_seqlen, self.dropout_p, self.training), None
+        return ctx.reshape(x.shape[0], -1), probs
+
+
+class BertSelfOutput(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout_p = config.hidden_dropout_prob
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return ops.bias_residual_layernorm(
+            F.linear(x, self.dense.weight),
+            self.dense.bias,
+            residual,
+            self.LayerNorm.weight,
+            self.LayerNorm.bias,
+            self.LayerNorm.eps,
+            self.dropout_p,
+            self.training,
+        )
+
+
+class BertAttention(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.self = BertSelfAttention(config)
+        self.output = BertSelfOutput(config)
+
+    def forward(
+        self, x: torch.Tensor, packing: Packing, output_attentions: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ctx, probs = self.self(x, packing, output_attentions)
+        return self.output(ctx, x), probs
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.act = ACT_OF_CONFIG[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.bias_act(F.linear(x, self.dense.weight), self.dense.bias, self.act)
+
+
+class BertOutput(BertSelfOutput):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__(config)
+        self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
+
+
+class BertFeedForward(nn.Module):
+    """intermediate + output: a container only so ALBERT-style FFN sharing can share one object."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.intermediate = BertIntermediate(config)
+        self.output = BertOutput(config)
+
+
+class BertLayer(nn.Module):
+    def __init__(
+        self, config: BertConfig, attention: BertAttention | None = None, ffn: BertFeedForward | None = None
+    ) -> None:
+        super().__init__()
+        self.attention = attention or BertAttention(config)
+        ffn = ffn or BertFeedForward(config)
+        self.intermediate, self.output = ffn.intermediate, ffn.output
+
+    def forward(
+        self, x: torch.Tensor, packing: Packing, output_attentions: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        h, probs = self.attention(x, packing, output_attentions)
+        return self.output(self.intermediate(h), h), probs
+
+
+def build_layers(config: BertConfig) -> nn.ModuleList:
+    """num_hidden_layers layers; with ALBERT sharing, layer i reuses group i * G // L's attention/FFN/whole layer."""
+    groups = config.num_hidden_groups if config.layer_sharing != "none" else config.num_hidden_layers
+    attention = [BertAttention(config) for _ in range(groups)] if config.layer_sharing == "attention" else None
+    ffn = [BertFeedForward(config) for _ in range(groups)] if config.layer_sharing == "ffn" else None
+    whole = [BertLayer(config) for _ in range(groups)] if config.layer_sharing == "all" else None
+    layers = []
+    for i in range(config.num_hidden_layers):
+        g = config.group_of_layer(i)
+        if whole is not None:
+            layers.append(whole[g])
+        else:
+            layers.append(BertLayer(config, attention[g] if attention else None, ffn[g] if ffn else None))
+    return nn.ModuleList(layers)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.layer = build_layers(config)
+
+    def forward(
+        self, x: torch.Tensor, packing: Packing, output_hidden_states: bool = False, output_attentions: bool = False
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        hidden, attentions = [x] if output_hidden_states else [], []
+        for layer in self.layer:
+            x, probs = layer(x, packing, output_attentions)
+            if output_hidden_states:
+                hidden.append(x)
+            if output_attentions:
+                attentions.append(probs)
+        return x, hidden, attentions
+
+
+class BertPooler(nn.Module):
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [B, S, H] -> [B, H]
+        return torch.tanh(self.dense(hidden_states[:, 0]))
+
+
+def _pad_probs(probs: torch.Tensor, seqlen: int) -> torch.Tensor:
+    """[B, nH, s, s] (s = longest real sequence) -> transformers' [B, nH, S, S]."""
+    pad = seqlen - probs.shape[-1]
+    return F.pad(probs, (0, pad, 0, pad)) if pad else probs
+
+
+class BertModel(PreTrainedModel):
+    """Drop-in for `transformers.BertModel`: same checkpoints, same forward contract, same outputs."""
+
+    def __init__(self, config: BertConfig, add_pooling_layer: bool = True) -> None:
+        super().__init__(config)
+        self.embeddings = BertEmbeddings(config)
+        self.encoder = BertEncoder(config)
+        self.pooler = BertPooler(config) if add_pooling_layer else None
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embeddings.word_embeddings
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,  # [B, S]
+        attention_mask: torch.Tensor | None = None,  # [B, S] 0/1, bool or float; 1 = attend
+        token_type_ids: torch.Tensor | None = None,  # [B, S]
+        position_ids: torch.Tensor | None = None,  # [B, S] or [1, S] or [S]
+        inputs_embeds: torch.Tensor | None = None,  # [B, S, E]
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+        return_dict: bool = True,
+        packed_output: bool = False,
+    ) -> BaseModelOutputWithPooling | tuple:
+        """Encode a batch; `packed_output=True` gives `last_hidden_state` as `[total_tokens, H]` (valid tokens only)."""
+        batch, seqlen = validate_inputs(
+            self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds
+        )
+        lead = input_ids if input_ids is not None else inputs_embeds
+        device = lead.device
+        if batch == 0:
+            return self._empty_output(lead, seqlen, return_dict, output_hidden_states, output_attentions)
+        packing = unpad(attention_mask, batch, seqlen, device)
+        if position_ids is None:
+            position_ids = torch.arange(seqlen, device=device)
+        position_ids = position_ids.reshape(-1, seqlen).expand(batch, seqlen)
+        if token_type_ids is None:
+            token_type_ids = torch.zeros(batch, seqlen, dtype=torch.long, device=device)
+        x = self.embeddings(
+            packing.pack(input_ids) if input_ids is not None else None,
+            packing.pack(token_type_ids),
+            packing.pack(position_ids),
+            packing.pack(inputs_embeds) if inputs_embeds is not None else None,
+        )
+        x, hidden, attentions = self.encoder(x, packing, output_hidden_states, output_attentions)
+        sequence_output = packing.repad(x)
+        pooled = self.pooler(sequence_output) if self.pooler is not None else None
+        out = BaseModelOutputWithPooling(
+            last_hidden_state=x if packed_output else sequence_output,
+            pooler_output=pooled,
+            hidden_states=tuple(h if packed_output else packing.repad(h) for h in hidden) or None,
+            attentions=tuple(_pad_probs(p, seqlen) for p in attentions) or None,
+        )
+        return out if return_dict else out.to_tuple()
+
+    def _empty_output(
+        self, lead: torch.Tensor, seqlen: int, return_dict: bool, output_hidden_states: bool, output_attentions: bool
+    ) -> BaseModelOutputWithPooling | tuple:
+        cfg, dtype = self.config, self.embeddings.word_embeddings.weight.dtype
+        hidden = lead.new_zeros(0, seqlen, cfg.hidden_size, dtype=dtype)
+        out = BaseModelOutputWithPooling(
+            last_hidden_state=hidden,
+            pooler_output=lead.new_zeros(0, cfg.hidden_size, dtype=dtype) if self.pooler is not None else None,
+            hidden_states=(hidden,) * (cfg.num_hidden_layers + 1) if output_hidden_states else None,
+            attentions=(lead.new_zeros(0, cfg.num_attention_heads, seqlen, seqlen, dtype=dtype),)
+            * cfg.num_hidden_layers
+            if output_attentions
+            else None,
+        )
+        return out if return_dict else out.to_tuple()

@@ -1,0 +1,264 @@
+"""The dispatch layer: one function per fused op, each sent to the first backend that takes the call.
+
+What a backend supports is data (`Backend`: devices, dtypes, a loader, per-op limits), so a fallback can say why
+it happened: `fastbert.explain()` lists the last decision per op, and the `fastbert.ops` logger records each new
+one at DEBUG. `FASTBERT_BACKEND=triton|native|torch` (or `use_backend(...)`, or `BertConfig.backend`) forces one
+backend; a forced backend that cannot take a call raises `BackendUnavailable`, it never silently degrades.
+
+Importing this module never needs a GPU, Triton or the native extension: backends load lazily, and a failed load
+is recorded as the reason to fall back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from fastbert import reference
+
+log = logging.getLogger("fastbert.ops")
+
+OPS = ("embedding_layernorm", "bias_act", "bias_residual_layernorm", "attention")
+FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+class BackendUnavailable(RuntimeError):
+    """A forced backend cannot run this call (the message says why)."""
+
+
+LimitCheck = Callable[..., "str | None"]
+
+
+@dataclass
+class Backend:
+    """A backend as data: what it takes, how to load it, and per-op limits (each returns a reason or None)."""
+
+    name: str
+    devices: tuple[str, ...]
+    dtypes: tuple[torch.dtype, ...]
+    module: str  # imported on first use; must define a function per op it lists in `ops`
+    ops: tuple[str, ...] = OPS
+    limits: dict[str, LimitCheck] = field(default_factory=dict)
+    device_check: Callable[[str], str | None] | None = None  # e.g. Triton on CPU only under TRITON_INTERPRET=1
+    _loaded: ModuleType | None = field(default=None, repr=False)
+    _load_error: str | None = field(default=None, repr=False)
+
+    def load(self) -> tuple[ModuleType | None, str | None]:
+        if self._loaded is None and self._load_error is None:
+            try:
+                self._loaded = importlib.import_module(self.module)
+                ready = getattr(self._loaded, "unavailable_reason", None)
+                if callable(ready) and (reason := ready()):
+                    self._loaded, self._load_error = None, reason
+            except Exception as exc:  # ImportError, a stale .so, a missing driver: all are reasons, not crashes
+                self._load_error = f"{type(exc).__name__}: {exc}"
+        return self._loaded, self._load_error
+
+    def refuses(self, op: str, device: torch.device, dtype: torch.dtype, args: tuple, kwargs: dict) -> str | None:
+        """Why this backend cannot take the call, or None if it can."""
+        if op not in self.ops:
+            return f"does not implement {op}"
+        if device.type not in self.devices:
+            return f"runs on {'/'.join(self.devices)}, not {device.type}"
+        if self.device_check is not None and (reason := self.device_check(device.type)):
+            return reason
+        if dtype not in self.dtypes:
+            return f"does not take {dtype}"
+        module, error = self.load()
+        if module is None:
+            return f"unavailable ({error})"
+        check = self.limits.get(op)
+        return check(*args, **kwargs) if check is not None else None
+
+
+def _triton_device_check(device_type: str) -> str | None:
+    if device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "runs on CPU tensors only under TRITON_INTERPRET=1"
+    return None
+
+
+def _native_no_grad(*args: Any, **kwargs: Any) -> str | None:
+    if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        return "forward only: inputs require grad"
+    return None
+
+
+_BACKENDS: dict[str, Backend] = {
+    "triton": Backend(
+        "triton",
+        devices=("cuda", "cpu"),
+        dtypes=(torch.float32, torch.float16, torch.bfloat16),
+        module="fastbert.kernels",
+        device_check=_triton_device_check,
+    ),
+    "native": Backend(
+        "native",
+        devices=("cpu", "cuda"),
+        dtypes=(torch.float32, torch.bfloat16, torch.float16),
+        module="fastbert.native",
+        limits={op: _native_no_grad for op in OPS},
+    ),
+    "torch": Backend("torch", devices=("cpu", "cuda", "mps", "meta"), dtypes=FLOATS, module="fastbert.reference"),
+}
+_AUTO_ORDER = ("triton", "native", "torch")
+
+_state = threading.local()
+_decisions: dict[str, str] = {}
+
+
+def register_backend(backend: Backend, before: str | None = "torch") -> None:
+    """Add or replace a backend; it is tried before `before` in automatic mode."""
+    global _AUTO_ORDER
+    _BACKENDS[backend.name] = backend
+    order = [n for n in _AUTO_ORDER if n != backend.name]
+    order.insert(order.index(before) if before in order else len(order), backend.name)
+    _AUTO_ORDER = tuple(order)
+
+
+def backends() -> dict[str, Backend]:
+    return dict(_BACKENDS)
+
+
+def forced_backend() -> str | None:
+    """The backend forced by `use_backend` or FASTBERT_BACKEND, if any ('auto' means none)."""
+    name = getattr(_state, "forced", None) or os.environ.get("FASTBERT_BACKEND") or None
+    if name in (None, "auto"):
+        return None
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; expected one of {sorted(_BACKENDS)} or 'auto'")
+    return name
+
+
+@contextlib.contextmanager
+def use_backend(name: str | None) -> Iterator[None]:
+    """Force a backend inside a block (`None`/'auto' restores automatic choice)."""
+    previous = getattr(_state, "forced", None)
+    if name not in (None, "auto") and name not in _BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; expected one of {sorted(_BACKENDS)} or 'auto'")
+    _state.forced = name
+    try:
+        yield
+    finally:
+        _state.forced = previous
+
+
+def _first_tensor(args: tuple) -> torch.Tensor:
+    return next(a for a in args if isinstance(a, torch.Tensor))
+
+
+def select(op: str, args: tuple, kwargs: dict) -> tuple[Callable, str]:
+    """Pick the implementation for one call; returns (function, backend name)."""
+    lead = _first_tensor(args)
+    device, dtype = lead.device, (lead.dtype if lead.is_floating_point() else _first_float(args))
+    forced = forced_backend()
+    if forced is not None:
+        backend = _BACKENDS[forced]
+        reason = backend.refuses(op, device, dtype, args, kwargs)
+        if reason:
+            raise BackendUnavailable(f"{op}: forced backend {forced!r} cannot run on {device.type}/{dtype}: {reason}")
+        _record(op, f"{forced} (forced)")
+        return getattr(backend.load()[0], op), forced
+    why = []
+    for name in _AUTO_ORDER:
+        backend = _BACKENDS[name]
+        reason = backend.refuses(op, device, dtype, args, kwargs)
+        if reason is None:
+            _record(op, name + (f" (skipped {'; '.join(why)})" if why else ""))
+            return getattr(backend.load()[0], op), name
+        why.append(f"{name}: {reason}")
+    raise BackendUnavailable(f"{op}: no backend takes {device.type}/{dtype}: {'; '.join(why)}")
+
+
+def _first_float(args: tuple) -> torch.dtype:
+    return next((a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), torch.float32)
+
+
+def _record(op: str, decision: str) -> None:
+    if _decisions.get(op) != decision:
+        _decisions[op] = decision
+        log.debug("%s -> %s", op, decision)
+
+
+def explain() -> str:
+    """The backend each op last ran on, and why the ones before it were skipped."""
+    if not _decisions:
+        return "no fused op has run yet"
+    return "\n".join(f"{op}: {decision}" for op, decision in sorted(_decisions.items()))
+
+
+def _dispatch(op: str, *args: Any, **kwargs: Any) -> torch.Tensor:
+    fn, _ = select(op, args, kwargs)
+    return fn(*args, **kwargs)
+
+
+# One public function per op; the signatures are the references' (see fastbert/reference.py), without `upcast`.
+def embedding_layernorm(
+    input_ids: torch.Tensor | None,
+    token_type_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    word_weight: torch.Tensor,
+    position_weight: torch.Tensor,
+    type_weight: torch.Tensor,
+    ln_weight: torch.Tensor,
+    ln_bias: torch.Tensor,
+    eps: float,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    inputs_embeds: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """LayerNorm(word[ids] + position[pos] + type[tt]) then dropout, in one pass where a kernel exists."""
+    return _dispatch(
+        "embedding_layernorm",
+        input_ids,
+        token_type_ids,
+        position_ids,
+        word_weight,
+        position_weight,
+        type_weight,
+        ln_weight,
+        ln_bias,
+        eps,
+        dropout_p=dropout_p,
+        training=training,
+        inputs_embeds=inputs_embeds,
+    )
+
+
+def bias_act(x: torch.Tensor, bias: torch.Tensor, kind: str = reference.ACT_GELU) -> torch.Tensor:
+    """act(x + bias) for act in gelu (erf), gelu_tanh, relu."""
+    return _dispatch("bias_act", x, bias, kind)
+
+
+def bias_residual_layernorm(
+    x: torch.Tensor,
+    bias: torch.Tensor,
+    residual: torch.Tensor,
+    ln_weight: torch.Tensor,
+    ln_bias: torch.Tensor,
+    eps: float,
+    dropout_p: float = 0.0,
+    training: bool = False,
+) -> torch.Tensor:
+    """LayerNorm(dropout(x + bias) + residual)."""
+    return _dispatch("bias_residual_layernorm", x, bias, residual, ln_weight, ln_bias, eps, dropout_p, training)
+
+
+def attention(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Varlen bidirectional attention over packed QKV `[T, 3, nH, D]` -> `[T, nH, D]`."""
+    return _dispatch("attention", qkv, cu_seqlens, max_seqlen, dropout_p, training, scale)

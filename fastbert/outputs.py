@@ -1,0 +1,54 @@
+"""Model outputs readable the three ways transformers users expect: `out.logits`, `out["logits"]`, `out[0]`.
+
+Fields left as None are absent, exactly as in transformers, so `out[0]` is the first field that was computed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+
+class ModelOutput(OrderedDict):
+    """An ordered mapping of the non-None fields, with attribute access and integer indexing."""
+
+    fields: tuple[str, ...] = ()
+
+    def __init__(self, **values: Any) -> None:
+        unknown = set(values) - set(self.fields)
+        if unknown:
+            raise TypeError(f"{type(self).__name__} has no field(s) {sorted(unknown)}")
+        super().__init__((k, values[k]) for k in self.fields if values.get(k) is not None)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in type(self).fields:
+            return self.get(name)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def __getitem__(self, key: str | int | slice) -> Any:
+        if isinstance(key, str):
+            return super().__getitem__(key)
+        return self.to_tuple()[key]
+
+    def to_tuple(self) -> tuple[Any, ...]:
+        return tuple(self.values())
+
+
+def _output(name: str, *fields: str) -> type[ModelOutput]:
+    return type(name, (ModelOutput,), {"fields": fields, "__doc__": f"Fields: {', '.join(fields)}."})
+
+
+BaseModelOutputWithPooling = _output(
+    "BaseModelOutputWithPooling", "last_hidden_state", "pooler_output", "hidden_states", "attentions"
+)
+MaskedLMOutput = _output("MaskedLMOutput", "loss", "logits", "hidden_states", "attentions")
+PreTrainingOutput = _output(
+    "PreTrainingOutput", "loss", "prediction_logits", "seq_relationship_logits", "hidden_states", "attentions"
+)
+NextSentencePredictorOutput = _output("NextSentencePredictorOutput", "loss", "logits", "hidden_states", "attentions")
+SequenceClassifierOutput = _output("SequenceClassifierOutput", "loss", "logits", "hidden_states", "attentions")
+TokenClassifierOutput = _output("TokenClassifierOutput", "loss", "logits", "hidden_states", "attentions")
+MultipleChoiceModelOutput = _output("MultipleChoiceModelOutput", "loss", "logits", "hidden_states", "attentions")
+QuestionAnsweringModelOutput = _output(
+    "QuestionAnsweringModelOutput", "loss", "start_logits", "end_logits", "hidden_states", "attentions"
+)

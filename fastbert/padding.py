@@ -1,0 +1,64 @@
+"""Unpad once, repad once: the encoder runs on `[total_tokens, H]` and never sees a padding token.
+
+`Packing` carries what every layer needs (`cu_seqlens`, `max_seqlen`) plus how to get back to `[B, S, ...]`.
+Building it costs the only host sync of a forward pass (`max_seqlen` must be a Python int).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Where the valid tokens of a `[batch, seqlen]` batch sit once packed."""
+
+    batch: int
+    seqlen: int
+    cu_seqlens: torch.Tensor  # [batch + 1] int32: sequence b owns packed rows cu_seqlens[b]:cu_seqlens[b + 1]
+    max_seqlen: int
+    indices: torch.Tensor | None  # [total] int64 flat positions in batch * seqlen; None when nothing is padded
+
+    @property
+    def total(self) -> int:
+        return self.batch * self.seqlen if self.indices is None else self.indices.numel()
+
+    @property
+    def lengths(self) -> torch.Tensor:  # [batch] int32
+        return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, S, ...] -> [T, ...] (a view when nothing is padded)."""
+        flat = x.reshape(self.batch * self.seqlen, *x.shape[2:])
+        return flat if self.indices is None else flat.index_select(0, self.indices)
+
+    def repad(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, ...] -> [B, S, ...] with zeros at padded positions."""
+        if self.indices is None:
+            return x.reshape(self.batch, self.seqlen, *x.shape[1:])
+        out = x.new_zeros(self.batch * self.seqlen, *x.shape[1:]).index_copy(0, self.indices, x)
+        return out.view(self.batch, self.seqlen, *x.shape[1:])
+
+
+def dense(batch: int, seqlen: int, device: torch.device) -> Packing:
+    """A batch with no padding: packing is a reshape."""
+    cu = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=device)
+    return Packing(batch, seqlen, cu, seqlen, None)
+
+
+def unpad(attention_mask: torch.Tensor | None, batch: int, seqlen: int, device: torch.device) -> Packing:
+    """Packing for a 0/1 key mask `[B, S]` (1 = real token); any layout of ones works, not only left-aligned."""
+    if attention_mask is None:
+        return dense(batch, seqlen, device)
+    valid = attention_mask.to(device=device, dtype=torch.bool)
+    lengths = valid.sum(dim=1, dtype=torch.int32)
+    stats = torch.stack([lengths.max(), lengths.sum()]).tolist() if batch else [0, 0]  # the one host sync
+    max_seqlen, total = int(stats[0]), int(stats[1])
+    if total == batch * seqlen:
+        return dense(batch, seqlen, device)
+    cu = torch.zeros(batch + 1, dtype=torch.int32, device=device)
+    cu[1:] = torch.cumsum(lengths, 0)
+    indices = valid.reshape(-1).nonzero(as_tuple=False).squeeze(1)
+    return Packing(batch, seqlen, cu, max_seqlen, indices)

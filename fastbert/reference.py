@@ -1,0 +1,167 @@
+"""Every fused op in plain torch: the specification, the portable (CPU) path and the test oracle.
+
+Each function computes in its inputs' dtype, or in fp32 with `upcast=True` (cast back once on return), the way
+FlashAttention's references do. Kernels in `fastbert.kernels` and `csrc/` must match these.
+
+Packed layout: tokens of all sequences laid end to end, `[total_tokens, ...]`; sequence b owns rows
+`cu_seqlens[b]:cu_seqlens[b + 1]` (int32, length batch + 1); `max_seqlen` is a Python int (no host sync).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+ACT_GELU, ACT_GELU_TANH, ACT_RELU = "gelu", "gelu_tanh", "relu"
+ACTIVATIONS = (ACT_GELU, ACT_GELU_TANH, ACT_RELU)
+
+
+def _up(t: torch.Tensor | None, upcast: bool) -> torch.Tensor | None:
+    if t is None or not upcast or t.dtype == torch.float64:
+        return t
+    return t.float()
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm with fp32 statistics whatever the input dtype (fp16 overflows in the variance otherwise)."""
+    if x.dtype in (torch.float16, torch.bfloat16):
+        return F.layer_norm(x.float(), x.shape[-1:], weight.float(), bias.float(), eps).to(x.dtype)
+    return F.layer_norm(x, x.shape[-1:], weight.to(x.dtype), bias.to(x.dtype), eps)
+
+
+def embedding_layernorm(
+    input_ids: torch.Tensor | None,  # [*] int
+    token_type_ids: torch.Tensor,  # [*] int
+    position_ids: torch.Tensor,  # [*] int
+    word_weight: torch.Tensor,  # [V, E]
+    position_weight: torch.Tensor,  # [P, E]
+    type_weight: torch.Tensor,  # [Tt, E]
+    ln_weight: torch.Tensor,  # [E]
+    ln_bias: torch.Tensor,  # [E]
+    eps: float,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    inputs_embeds: torch.Tensor | None = None,  # [*, E], replaces the word lookup
+    upcast: bool = False,
+) -> torch.Tensor:  # [*, E]
+    """LayerNorm(word[ids] + position[pos] + type[tt]), then dropout."""
+    dtype = word_weight.dtype if inputs_embeds is None else inputs_embeds.dtype
+    words = F.embedding(input_ids, word_weight) if inputs_embeds is None else inputs_embeds
+    x = _up(words, upcast) + _up(F.embedding(token_type_ids, type_weight), upcast)
+    x = x + _up(F.embedding(position_ids, position_weight), upcast)
+    x = layer_norm(x, _up(ln_weight, upcast), _up(ln_bias, upcast), eps)
+    return F.dropout(x, dropout_p, training).to(dtype)
+
+
+def activation(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """The pointwise activations BERT configs name: erf GELU, tanh GELU (`gelu_new`), ReLU."""
+    if kind == ACT_GELU:
+        return F.gelu(x)
+    if kind == ACT_GELU_TANH:
+        return F.gelu(x, approximate="tanh")
+    if kind == ACT_RELU:
+        return F.relu(x)
+    raise ValueError(f"unknown activation {kind!r}; expected one of {ACTIVATIONS}")
+
+
+def bias_act(
+    x: torch.Tensor,  # [*, N]
+    bias: torch.Tensor,  # [N]
+    kind: str = ACT_GELU,
+    upcast: bool = False,
+) -> torch.Tensor:  # [*, N]
+    """act(x + bias): the epilogue of the FFN's first GEMM."""
+    return activation(_up(x, upcast) + _up(bias, upcast), kind).to(x.dtype)
+
+
+def bias_residual_layernorm(
+    x: torch.Tensor,  # [*, N], a GEMM output without its bias
+    bias: torch.Tensor,  # [N]
+    residual: torch.Tensor,  # [*, N]
+    ln_weight: torch.Tensor,  # [N]
+    ln_bias: torch.Tensor,  # [N]
+    eps: float,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    upcast: bool = False,
+) -> torch.Tensor:  # [*, N]
+    """LayerNorm(dropout(x + bias) + residual): the epilogue of every BERT sub-layer."""
+    h = F.dropout(_up(x, upcast) + _up(bias, upcast), dropout_p, training) + _up(residual, upcast)
+    return layer_norm(h, _up(ln_weight, upcast), _up(ln_bias, upcast), eps).to(x.dtype)
+
+
+def packed_positions(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each packed token: (its sequence index, its position inside the sequence). No host sync."""
+    token = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    seq = torch.searchsorted(cu_seqlens[1:].contiguous(), token, right=True)
+    return seq, token - cu_seqlens[seq]
+
+
+def _to_padded(
+    qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """[T, 3, nH, D] packed -> ([3, B, nH, S, D], key mask [B, 1, 1, S] or None, flat index [T] or None)."""
+    batch = cu_seqlens.numel() - 1
+    total, _, heads, dim = qkv.shape
+    if total == batch * max_seqlen:  # no padding anywhere: a view, no mask
+        return qkv.view(batch, max_seqlen, 3, heads, dim).permute(2, 0, 3, 1, 4), None, None
+    seq, pos = packed_positions(cu_seqlens, total)
+    flat = seq.long() * max_seqlen + pos.long()
+    padded = qkv.new_zeros(batch * max_seqlen, 3, heads, dim).index_copy(0, flat, qkv)
+    padded = padded.view(batch, max_seqlen, 3, heads, dim).permute(2, 0, 3, 1, 4)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).view(batch, 1, 1, 1)
+    keys = torch.arange(max_seqlen, device=qkv.device).view(1, 1, 1, max_seqlen)
+    # An empty sequence attends to every (zero) key so no softmax row is all -inf; its rows are never read back.
+    mask = (keys < lengths) | (lengths == 0)
+    return padded, mask, flat
+
+
+def attention(
+    qkv: torch.Tensor,  # [T, 3, nH, D] packed tokens
+    cu_seqlens: torch.Tensor,  # [B + 1] int32
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    scale: float | None = None,
+    upcast: bool = False,
+) -> torch.Tensor:  # [T, nH, D]
+    """softmax(q k^T * scale) v within each sequence (bidirectional), fp32 softmax."""
+    total, _, heads, dim = qkv.shape
+    if total == 0:
+        return qkv.new_zeros(0, heads, dim)
+    padded, mask, flat = _to_padded(_up(qkv, upcast), cu_seqlens, max_seqlen)
+    q, k, v = padded.unbind(0)
+    p = dropout_p if training else 0.0
+    scale = scale if scale is not None else 1.0 / math.sqrt(dim)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=scale)  # [B, nH, S, D]
+    out = out.transpose(1, 2).reshape(-1, heads, dim)
+    out = out if flat is None else out.index_select(0, flat)
+    return out.to(qkv.dtype)
+
+
+def attention_with_probs(
+    qkv: torch.Tensor,  # [T, 3, nH, D]
+    cu_seqlens: torch.Tensor,  # [B + 1] int32
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [T, nH, D], [B, nH, S, S]
+    """The slow path that materialises the probabilities (`output_attentions`, attention distillation)."""
+    total, _, heads, dim = qkv.shape
+    batch = cu_seqlens.numel() - 1
+    if total == 0:
+        return qkv.new_zeros(0, heads, dim), qkv.new_zeros(batch, heads, max_seqlen, max_seqlen)
+    padded, mask, flat = _to_padded(qkv, cu_seqlens, max_seqlen)
+    q, k, v = padded.unbind(0)
+    scale = scale if scale is not None else 1.0 / math.sqrt(dim)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    dropped = F.dropout(probs, dropout_p, training)
+    out = torch.matmul(dropped.to(v.dtype), v).transpose(1, 2).reshape(-1, heads, dim)
+    out = out if flat is None else out.index_select(0, flat)
+    return out, probs.to(qkv.dtype)

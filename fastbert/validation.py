@@ -1,0 +1,111 @@
+"""Input checks that run before any kernel, with the same errors on every device.
+
+Out-of-range ids would be silent memory errors inside a fused gather on a GPU, so they are caught here. The range
+checks cost one host sync for all of them together.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastbert.config import BertConfig
+
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
+_MASK_DTYPES = (torch.bool, *_INT_DTYPES, torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _check_ids(name: str, t: torch.Tensor, shape: torch.Size) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _INT_DTYPES:
+        raise TypeError(f"{name} must be an integer tensor (int64 or int32), got {t.dtype}")
+    if t.shape != shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)} but input_ids has shape {tuple(shape)}")
+
+
+def validate_inputs(
+    config: BertConfig,
+    input_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    token_type_ids: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+) -> tuple[int, int]:
+    """Check every input against the config; returns (batch, seqlen). Raises TypeError / ValueError."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("pass exactly one of input_ids or inputs_embeds")
+    if input_ids is not None:
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+        if input_ids.dtype not in _INT_DTYPES:
+            raise TypeError(f"input_ids must be an integer tensor (int64 or int32), got {input_ids.dtype}")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be 2-D [batch, seqlen], got shape {tuple(input_ids.shape)}")
+        shape = input_ids.shape
+    else:
+        if not inputs_embeds.is_floating_point():
+            raise TypeError(f"inputs_embeds must be a floating-point tensor, got {inputs_embeds.dtype}")
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.embedding_dim:
+            raise ValueError(
+                f"inputs_embeds must be [batch, seqlen, {config.embedding_dim}], got {tuple(inputs_embeds.shape)}"
+            )
+        shape = inputs_embeds.shape[:2]
+    batch, seqlen = int(shape[0]), int(shape[1])
+    if seqlen == 0:
+        raise ValueError("empty sequence length: input has shape [batch, 0]; every sequence needs at least 1 position")
+    if seqlen > config.max_position_embeddings:
+        raise ValueError(
+            f"sequence length {seqlen} is longer than max_position_embeddings={config.max_position_embeddings}"
+        )
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype not in _MASK_DTYPES:
+            raise TypeError(f"attention_mask must be a bool, integer or float tensor, got {attention_mask!r:.60}")
+        if attention_mask.shape != shape:
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has shape {tuple(shape)}; "
+                "expected a 2-D 0/1 mask (1 = attend)"
+            )
+    if token_type_ids is not None:
+        _check_ids("token_type_ids", token_type_ids, shape)
+    if position_ids is not None:
+        if position_ids.dim() == 1:
+            position_ids = position_ids.unsqueeze(0)
+        _check_ids("position_ids", position_ids.expand(shape) if position_ids.shape[0] == 1 else position_ids, shape)
+    if batch == 0:
+        return batch, seqlen
+    _check_ranges(config, input_ids, attention_mask, token_type_ids, position_ids)
+    return batch, seqlen
+
+
+def _check_ranges(
+    config: BertConfig,
+    input_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    token_type_ids: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+) -> None:
+    checks: list[tuple[str, torch.Tensor]] = []
+    if input_ids is not None:
+        checks.append(("input_ids", input_ids))
+    if token_type_ids is not None:
+        checks.append(("token_type_ids", token_type_ids))
+    if position_ids is not None:
+        checks.append(("position_ids", position_ids))
+    stats = [torch.stack([t.min(), t.max()]).long() for _, t in checks]
+    mask_bad = None
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        mask_bad = ((attention_mask != 0) & (attention_mask != 1)).any().long().view(1)
+    values = torch.cat(stats + ([mask_bad] if mask_bad is not None else [])).tolist() if stats else []
+    limits = {
+        "input_ids": ("vocab_size", config.vocab_size),
+        "token_type_ids": ("type_vocab_size", config.type_vocab_size),
+        "position_ids": ("max_position_embeddings", config.max_position_embeddings),
+    }
+    for i, (name, _) in enumerate(checks):
+        low, high = values[2 * i], values[2 * i + 1]
+        field, bound = limits[name]
+        if low < 0 or high >= bound:
+            bad = low if low < 0 else high
+            raise ValueError(f"{name} contains {bad}, outside [0, {bound}) ({field}={bound})")
+    if mask_bad is not None and values[-1]:
+        raise ValueError("attention_mask must contain only 0 and 1 (1 = attend, 0 = padding)")
