@@ -1,0 +1,117 @@
+"""WordPiece tokenisation through the `tokenizers` library: load a checkpoint's vocabulary or train a new one.
+
+`WordPieceTokenizer` produces BERT's `[CLS] A [SEP] B [SEP]` layout with segment ids and pair truncation, as
+torch tensors ready for `BertModel`. No hand-written tokeniser: the `tokenizers` Rust core does the work.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+
+import torch
+
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+def _require_tokenizers():
+    try:
+        import tokenizers
+    except ImportError as exc:  # the training extra; inference never needs it
+        raise ImportError("tokenisation needs the `tokenizers` package: pip install 'fastbert-kernels[train]'") from exc
+    return tokenizers
+
+
+class WordPieceTokenizer:
+    """A BERT WordPiece tokenizer: ids, segment ids and attention masks for single texts or pairs."""
+
+    def __init__(self, tokenizer) -> None:  # a tokenizers.Tokenizer
+        self._tok = tokenizer
+        vocab = tokenizer.get_vocab()
+        missing = [t for t in SPECIAL_TOKENS if t not in vocab]
+        if missing:
+            raise ValueError(f"vocabulary lacks BERT special tokens {missing}")
+        self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (vocab[t] for t in SPECIAL_TOKENS)
+        self.special_ids = frozenset((self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def backend(self):
+        """The underlying `tokenizers.Tokenizer`."""
+        return self._tok
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, lowercase: bool | None = None) -> WordPieceTokenizer:
+        """A directory holding tokenizer.json or vocab.txt, or either file itself."""
+        tokenizers = _require_tokenizers()
+        path = os.fspath(path)
+        candidates = (
+            [path] if os.path.isfile(path) else [os.path.join(path, n) for n in ("tokenizer.json", "vocab.txt")]
+        )
+        for file in candidates:
+            if not os.path.isfile(file):
+                continue
+            if file.endswith(".json"):
+                return cls(tokenizers.Tokenizer.from_file(file))
+            from tokenizers.implementations import BertWordPieceTokenizer
+
+            return cls(BertWordPieceTokenizer(file, lowercase=True if lowercase is None else lowercase)._tokenizer)
+        raise FileNotFoundError(f"no tokenizer.json or vocab.txt at {path}")
+
+    @classmethod
+    def train(
+        cls, texts: Iterable[str], vocab_size: int = 8000, min_frequency: int = 2, lowercase: bool = True
+    ) -> WordPieceTokenizer:
+        """Learn a new WordPiece vocabulary from an iterable of texts."""
+        _require_tokenizers()
+        from tokenizers.implementations import BertWordPieceTokenizer
+
+        tok = BertWordPieceTokenizer(lowercase=lowercase)
+        tok.train_from_iterator(
+            texts, vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(SPECIAL_TOKENS)
+        )
+        return cls(tok._tokenizer)
+
+    def save(self, directory: str | os.PathLike) -> None:
+        """Write tokenizer.json and vocab.txt (what transformers' BertTokenizerFast reads)."""
+        os.makedirs(directory, exist_ok=True)
+        self._tok.save(os.path.join(directory, "tokenizer.json"))
+        vocab = sorted(self._tok.get_vocab().items(), key=lambda kv: kv[1])
+        with open(os.path.join(directory, "vocab.txt"), "w", encoding="utf-8") as f:
+            f.writelines(token + "\n" for token, _ in vocab)
+
+    # ----------------------------------------------------------------- encoding
+    def encode_ids(self, texts: Sequence[str]) -> list[list[int]]:
+        """Word-piece ids of each text with no special tokens and no truncation (for building pretraining pairs)."""
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def __call__(
+        self,
+        texts: Sequence[str],
+        pairs: Sequence[str] | None = None,
+        max_length: int = 128,
+        pad_to: int | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Encode a batch: `[CLS] a [SEP]` or `[CLS] a [SEP] b [SEP]`, pairs truncated longest-first to max_length."""
+        if isinstance(texts, str):
+            raise TypeError("pass a list of texts, not a single string")
+        if pairs is not None and len(pairs) != len(texts):
+            raise ValueError(f"{len(texts)} texts but {len(pairs)} pair texts")
+        self._tok.enable_truncation(max_length=max_length, strategy="longest_first")
+        self._tok.no_padding()
+        inputs = list(zip(texts, pairs, strict=True)) if pairs is not None else list(texts)
+        encodings = self._tok.encode_batch(inputs)
+        width = pad_to or max((len(e.ids) for e in encodings), default=0)
+        ids = torch.full((len(encodings), width), self.pad_id, dtype=torch.long)
+        types = torch.zeros_like(ids)
+        mask = torch.zeros_like(ids)
+        for i, e in enumerate(encodings):
+            n = len(e.ids)
+            ids[i, :n] = torch.tensor(e.ids)
+            types[i, :n] = torch.tensor(e.type_ids)
+            mask[i, :n] = 1
+        return {"input_ids": ids, "token_type_ids": types, "attention_mask": mask}

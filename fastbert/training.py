@@ -1,0 +1,192 @@
+"""Pieces every fastbert training loop shares: torchrun/DDP/FSDP set-up, AdamW with warmup, mixed precision,
+checkpoints that survive a crash (atomic writes, RNG included), and a progress bar.
+
+Distributed runs are launched with `torchrun`; nothing here spawns processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+STATE_FILE = "trainer_state.pt"
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in a torchrun job (a single process is rank 0 of 1)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed(device: str | None = None) -> DistEnv:
+    """Join the torchrun process group if launched by torchrun (gloo on CPU, nccl on CUDA); else one process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(f"cuda:{local}" if device == "cuda" else device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    return DistEnv(rank, world, local, dev)
+
+
+def wrap_model(model: nn.Module, env: DistEnv, strategy: str = "ddp") -> nn.Module:
+    """DistributedDataParallel (default) or FSDP around a model already on env.device; identity for one process."""
+    if not env.distributed:
+        return model
+    if strategy == "ddp":
+        ids = [env.device.index] if env.device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    if strategy == "fsdp":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(model, device_id=env.device if env.device.type == "cuda" else None)
+    raise ValueError(f"strategy must be 'ddp' or 'fsdp', got {strategy!r}")
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if hasattr(model, "module") else model
+
+
+def make_optimizer(
+    model: nn.Module, lr: float, total_steps: int, warmup_steps: int = 0, weight_decay: float = 0.01
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW (no decay on biases and LayerNorm) with linear warmup then linear decay to 0."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.dim() < 2 or "LayerNorm" in name else decay).append(p)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=lr
+    )
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / max(1, warmup_steps)
+        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """Mixed precision context for 'bf16'/'fp16'; a no-op for 'fp32'."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    dtype = PRECISIONS[precision]
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+
+
+def rng_state() -> dict[str, Any]:
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = (kind, torch.from_numpy(keys.copy()), pos, has_gauss, gauss)  # tensors: loadable with weights_only
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": numpy_state}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy(), pos, has_gauss, gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(
+    directory: str, step: int, model: nn.Module, extra: dict[str, Any] | None = None, **stateful
+) -> str:
+    """Write `directory/step-{step}` atomically: the model (save_pretrained), then optimizer/scheduler/RNG state.
+
+    `stateful` objects (optimizer=..., scheduler=..., scaler=...) are saved by their `state_dict()`. The folder
+    appears under its final name only once complete, so a crash mid-write leaves the previous checkpoint intact.
+    """
+    final = os.path.join(directory, f"step-{step}")
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    unwrap(model).save_pretrained(tmp)
+    state = {"step": step, "rng": rng_state(), "extra": extra or {}}
+    state.update({name: obj.state_dict() for name, obj in stateful.items() if obj is not None})
+    torch.save(state, os.path.join(tmp, STATE_FILE))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    return final
+
+
+def latest_checkpoint(directory: str) -> str | None:
+    """The newest complete `step-N` folder in `directory`, or None."""
+    if not os.path.isdir(directory):
+        return None
+    steps = [
+        int(name.split("-", 1)[1])
+        for name in os.listdir(directory)
+        if name.startswith("step-")
+        and name.split("-", 1)[1].isdigit()
+        and os.path.isfile(os.path.join(directory, name, STATE_FILE))
+    ]
+    return os.path.join(directory, f"step-{max(steps)}") if steps else None
+
+
+def load_checkpoint(path: str, model: nn.Module, **stateful) -> dict[str, Any]:
+    """Restore model weights, `stateful` objects and RNG from a `step-N` folder; returns the saved state dict."""
+    from fastbert.checkpoint import load_checkpoint_dir
+
+    if not os.path.isfile(os.path.join(path, STATE_FILE)):
+        raise FileNotFoundError(f"no training checkpoint at {path}")
+    unwrap(model).load_checkpoint_state(load_checkpoint_dir(path), strict_heads=True)
+    state = torch.load(os.path.join(path, STATE_FILE), map_location="cpu", weights_only=True)
+    for name, obj in stateful.items():
+        if obj is not None and name in state:
+            obj.load_state_dict(state[name])
+    set_rng_state(state["rng"])
+    return state
+
+
+def progress(total: int, desc: str, enabled: bool = True, initial: int = 0) -> Any:
+    """A tqdm bar (disabled off rank 0 or when asked); call `.set_postfix(loss=..., tok_s=...)` as you go."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, initial=initial, dynamic_ncols=True)
+
+
+def cycle(loader: Any, start_epoch: int = 0) -> Iterator[tuple[int, Any]]:
+    """(epoch, batch) forever; calls `set_epoch` on the sampler so each epoch reshuffles/remasks deterministically."""
+    epoch = start_epoch
+    while True:
+        sampler = getattr(loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        for batch in loader:
+            yield epoch, batch
+        epoch += 1
+
+
+def steps_per_epoch(num_batches: int, grad_accum: int) -> int:
+    return max(1, math.ceil(num_batches / max(1, grad_accum)))
