@@ -9,6 +9,8 @@ import sys
 # subcommand -> (module defining `add_arguments(parser)` and `run(args) -> int`, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "explain": ("fastbert.cli", "show which backend each fused op would use here, and why"),
+    "pretrain": ("fastbert.pretrain.cli", "pretrain a BERT/ALBERT with MLM + NSP/SOP on a text corpus"),
+    "finetune": ("fastbert.finetune.cli", "fine-tune on classification, regression, tagging or extractive QA"),
 }
 
 

@@ -89,6 +89,45 @@ class WordPieceTokenizer:
         """Word-piece ids of each text with no special tokens and no truncation (for building pretraining pairs)."""
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
 
+    def encode(
+        self,
+        texts: Sequence,
+        pairs: Sequence[str] | None = None,
+        max_length: int = 128,
+        strategy: str = "longest_first",
+        stride: int = 0,
+        is_pretokenized: bool = False,
+    ) -> list:
+        """Raw `tokenizers.Encoding`s with special tokens, truncated to max_length (offsets, word ids, overflow).
+
+        `strategy="only_second"` with `stride` > 0 keeps the cut-off tail of the second text as overlapping windows
+        in each encoding's `.overflowing` (sliding windows for long QA contexts); `is_pretokenized` takes word lists.
+        """
+        if isinstance(texts, str):
+            raise TypeError("pass a list of texts, not a single string")
+        if pairs is not None and len(pairs) != len(texts):
+            raise ValueError(f"{len(texts)} texts but {len(pairs)} pair texts")
+        self._tok.enable_truncation(max_length=max_length, strategy=strategy, stride=stride)
+        self._tok.no_padding()
+        inputs = list(zip(texts, pairs, strict=True)) if pairs is not None else list(texts)
+        return self._tok.encode_batch(inputs, is_pretokenized=is_pretokenized)
+
+    def pad(
+        self, ids: Sequence[Sequence[int]], type_ids: Sequence[Sequence[int]] | None = None, pad_to: int | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Right-pad id lists into `input_ids`, `token_type_ids`, `attention_mask` tensors [B, S]."""
+        width = pad_to or max((len(x) for x in ids), default=0)
+        out_ids = torch.full((len(ids), width), self.pad_id, dtype=torch.long)
+        types = torch.zeros_like(out_ids)
+        mask = torch.zeros_like(out_ids)
+        for i, row in enumerate(ids):
+            n = len(row)
+            out_ids[i, :n] = torch.as_tensor(row, dtype=torch.long)
+            if type_ids is not None:
+                types[i, :n] = torch.as_tensor(type_ids[i], dtype=torch.long)
+            mask[i, :n] = 1
+        return {"input_ids": out_ids, "token_type_ids": types, "attention_mask": mask}
+
     def __call__(
         self,
         texts: Sequence[str],
@@ -97,21 +136,5 @@ class WordPieceTokenizer:
         pad_to: int | None = None,
     ) -> dict[str, torch.Tensor]:
         """Encode a batch: `[CLS] a [SEP]` or `[CLS] a [SEP] b [SEP]`, pairs truncated longest-first to max_length."""
-        if isinstance(texts, str):
-            raise TypeError("pass a list of texts, not a single string")
-        if pairs is not None and len(pairs) != len(texts):
-            raise ValueError(f"{len(texts)} texts but {len(pairs)} pair texts")
-        self._tok.enable_truncation(max_length=max_length, strategy="longest_first")
-        self._tok.no_padding()
-        inputs = list(zip(texts, pairs, strict=True)) if pairs is not None else list(texts)
-        encodings = self._tok.encode_batch(inputs)
-        width = pad_to or max((len(e.ids) for e in encodings), default=0)
-        ids = torch.full((len(encodings), width), self.pad_id, dtype=torch.long)
-        types = torch.zeros_like(ids)
-        mask = torch.zeros_like(ids)
-        for i, e in enumerate(encodings):
-            n = len(e.ids)
-            ids[i, :n] = torch.tensor(e.ids)
-            types[i, :n] = torch.tensor(e.type_ids)
-            mask[i, :n] = 1
-        return {"input_ids": ids, "token_type_ids": types, "attention_mask": mask}
+        encodings = self.encode(texts, pairs, max_length)
+        return self.pad([e.ids for e in encodings], [e.type_ids for e in encodings], pad_to)

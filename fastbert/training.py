@@ -86,12 +86,20 @@ def make_optimizer(
         [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=lr
     )
 
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / max(1, warmup_steps)
-        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupLinear(total_steps, warmup_steps))
 
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+class WarmupLinear:
+    """LR factor: linear warmup to 1, then linear decay to 0 at `total`. An object, not a closure, so a wall-time
+    budget can shorten `total` mid-run and the scheduler's state_dict (which saves it) restores it on resume."""
+
+    def __init__(self, total: int, warmup: int = 0) -> None:
+        self.total, self.warmup = total, warmup
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / max(1, self.warmup)
+        return max(0.0, (self.total - step) / max(1, self.total - self.warmup))
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
@@ -190,3 +198,57 @@ def cycle(loader: Any, start_epoch: int = 0) -> Iterator[tuple[int, Any]]:
 
 def steps_per_epoch(num_batches: int, grad_accum: int) -> int:
     return max(1, math.ceil(num_batches / max(1, grad_accum)))
+
+
+class LengthGroupedBatchSampler:
+    """Batches of similar length (little padding), reshuffled each epoch from (seed, epoch) alone, split over ranks.
+
+    Indices are shuffled, cut into windows of `batch_size * group` that are sorted by length and cut into batches,
+    and the batches are shuffled again. Each rank takes every world_size-th batch (all ranks get the same count).
+    `set_epoch(epoch, start)` also skips the first `start` batches: how a resumed run continues mid-epoch.
+    """
+
+    def __init__(
+        self,
+        lengths: list[int],
+        batch_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        group: int = 50,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.lengths, self.batch_size, self.seed, self.shuffle = list(lengths), batch_size, seed, shuffle
+        self.group, self.rank, self.world_size = group, rank, world_size
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def _batches(self) -> list[list[int]]:
+        n = len(self.lengths)
+        if not self.shuffle:
+            order = sorted(range(n), key=lambda i: self.lengths[i])
+            return [order[i : i + self.batch_size] for i in range(0, n, self.batch_size)]
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        order = torch.randperm(n, generator=gen).tolist()
+        window = self.batch_size * self.group
+        batches = []
+        for w in range(0, n, window):
+            chunk = sorted(order[w : w + window], key=lambda i: self.lengths[i])
+            batches += [chunk[i : i + self.batch_size] for i in range(0, len(chunk), self.batch_size)]
+        perm = torch.randperm(len(batches), generator=gen).tolist()
+        return [batches[i] for i in perm]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batches = self._batches()
+        mine = batches[self.rank :: self.world_size][: len(batches) // self.world_size]
+        return iter(mine[self.start :])
+
+    def __len__(self) -> int:
+        n, window = len(self.lengths), self.batch_size * self.group
+        if self.shuffle:
+            return ((n // window) * self.group + math.ceil((n % window) / self.batch_size)) // self.world_size
+        return math.ceil(n / self.batch_size) // self.world_size

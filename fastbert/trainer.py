@@ -1,0 +1,227 @@
+"""The one training loop behind `fastbert pretrain` and `fastbert finetune`.
+
+Every batch is a dict of tensors that the model turns into `.loss` (labels included), so one loop serves MLM+NSP,
+classification, tagging and QA. It does gradient accumulation (no DDP all-reduce until the last micro-batch),
+mixed precision (bf16 autocast; fp16 with a grad scaler), clipping, periodic evaluation and atomic checkpoints, and
+resumes exactly: data order depends only on (seed, epoch) and RNG state is restored, so a resumed run repeats the
+uninterrupted one. A wall-time budget shortens the LR schedule once the step time is known, so decay still ends at 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastbert.training import (
+    DistEnv,
+    LengthGroupedBatchSampler,
+    autocast,
+    latest_checkpoint,
+    load_checkpoint,
+    make_optimizer,
+    progress,
+    save_checkpoint,
+    unwrap,
+    wrap_model,
+)
+
+
+@dataclass
+class LoopConfig:
+    """How long and how to train; shared by pretraining and fine-tuning."""
+
+    output_dir: str
+    lr: float = 5e-5
+    epochs: float = 3.0
+    max_steps: int | None = None  # optimizer steps; overrides epochs
+    max_minutes: float | None = None  # wall-time budget: the schedule is shortened to end inside it
+    warmup_ratio: float = 0.1
+    weight_decay: float = 0.01
+    grad_accum: int = 1
+    precision: str = "fp32"
+    max_grad_norm: float = 1.0
+    eval_every: int = 0  # optimizer steps; 0 = only at the end
+    save_every: int = 0  # optimizer steps; 0 = only the final model
+    log_every: int = 10
+    resume: bool = False
+    strategy: str = "ddp"
+
+
+Evaluate = Callable[[nn.Module], dict[str, float]]
+
+
+def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def run_eval(model: nn.Module, evaluate: Evaluate, env: DistEnv, precision: str) -> dict[str, float]:
+    """Evaluate in eval mode, no grad, same precision as training; back to train mode after."""
+    model.eval()
+    with torch.no_grad(), autocast(env.device, precision):
+        metrics = evaluate(model)
+    model.train()
+    return metrics
+
+
+def save_final(model: nn.Module, directory: str, env: DistEnv, strategy: str) -> None:
+    """The trained model as a transformers-loadable directory (FSDP gathers full weights to rank 0 first)."""
+    if strategy == "fsdp" and env.distributed:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(model, writeback=False, rank0_only=True, offload_to_cpu=True):
+            if env.is_main:
+                unwrap(model).save_pretrained(directory)
+    elif env.is_main:
+        unwrap(model).save_pretrained(directory)
+
+
+def fit(
+    model: nn.Module,
+    dataset: Any,
+    collate: Callable[[list[Any]], dict[str, torch.Tensor]],
+    sampler: LengthGroupedBatchSampler,
+    cfg: LoopConfig,
+    env: DistEnv,
+    evaluate: Evaluate | None = None,
+    desc: str = "train",
+) -> dict[str, Any]:
+    """Train `model` (already seeded and built identically on every rank); returns the last metrics and history.
+
+    Writes `output_dir/checkpoints/step-N` every `save_every` steps, `output_dir/final` at the end (rank 0) and
+    `output_dir/history.json` (loss, lr, eval metrics, elapsed seconds per logged step).
+    """
+    model.to(env.device)
+    wrapped = wrap_model(model, env, cfg.strategy)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=0)
+    batches = len(sampler)
+    if batches == 0:
+        raise ValueError("the training set gives no batch on this rank (too few examples for batch size x ranks)")
+    total = cfg.max_steps or max(1, math.ceil(cfg.epochs * batches / cfg.grad_accum))
+    optimizer, scheduler = make_optimizer(
+        wrapped, cfg.lr, total, warmup_steps=int(cfg.warmup_ratio * total), weight_decay=cfg.weight_decay
+    )
+    schedule = scheduler.lr_lambdas[0]
+    scaler = torch.amp.GradScaler(env.device.type) if cfg.precision == "fp16" else None
+    ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
+    step, history, elapsed_before = 0, [], 0.0
+    last = latest_checkpoint(ckpt_dir) if cfg.resume else None
+    if last:
+        state = load_checkpoint(last, wrapped, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+        step, history = state["step"], state["extra"].get("history", [])
+        elapsed_before = state["extra"].get("elapsed", 0.0)
+        if env.is_main:
+            print(f"resumed from {last} at step {step}", flush=True)
+    micro = step * cfg.grad_accum
+    epoch, offset = divmod(micro, batches)
+    budget = cfg.max_minutes * 60 if cfg.max_minutes else None
+    start = time.perf_counter() - elapsed_before
+    bar = progress(schedule.total, desc, env.is_main, initial=step)
+    metrics: dict[str, float] = {}
+    running, seen, eval_seconds = 0.0, 0, 0.0
+    wrapped.train()
+    while step < schedule.total:
+        sampler.set_epoch(epoch, offset)
+        offset = 0
+        for batch in loader:
+            batch = _to(batch, env.device)
+            sync = (micro + 1) % cfg.grad_accum == 0
+            no_sync = wrapped.no_sync() if env.distributed and not sync else contextlib.nullcontext()
+            with no_sync:
+                with autocast(env.device, cfg.precision):
+                    loss = wrapped(**batch).loss / cfg.grad_accum
+                (scaler.scale(loss) if scaler else loss).backward()
+            running += loss.item()
+            micro += 1
+            if not sync:
+                continue
+            if scaler:
+                scaler.unscale_(optimizer)
+            if cfg.max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(wrapped.parameters(), cfg.max_grad_norm)
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step, seen = step + 1, seen + 1
+            bar.update(1)
+            if step % cfg.log_every == 0 or step == schedule.total:
+                record = {"step": step, "epoch": epoch, "loss": running / seen, "lr": scheduler.get_last_lr()[0]}
+                running, seen = 0.0, 0
+                if evaluate and cfg.eval_every and step % cfg.eval_every == 0 and step < schedule.total:
+                    t_eval = time.perf_counter()
+                    metrics = run_eval(wrapped, evaluate, env, cfg.precision)
+                    eval_seconds = time.perf_counter() - t_eval
+                    record.update(metrics)
+                record["elapsed_s"] = round(time.perf_counter() - start, 2)
+                history.append(record)
+                bar.set_postfix(loss=f"{record['loss']:.4f}", **{k: f"{v:.4g}" for k, v in metrics.items()})
+            if budget and step >= 10:  # fit the schedule into the wall-time budget once step time is known
+                per_step = (time.perf_counter() - start) / step
+                fit_steps = max(step, min(schedule.total, int((budget - eval_seconds) / per_step)))
+                total_now = torch.tensor(fit_steps, device=env.device)
+                if env.distributed:  # every rank must stop at the same step: rank 0 decides
+                    torch.distributed.broadcast(total_now, src=0)
+                schedule.total = int(total_now)
+                bar.total = schedule.total
+            if cfg.save_every and step % cfg.save_every == 0 and step < schedule.total:
+                extra = {"history": history, "elapsed": time.perf_counter() - start}
+                if env.is_main:
+                    save_checkpoint(
+                        ckpt_dir, step, wrapped, extra, optimizer=optimizer, scheduler=scheduler, scaler=scaler
+                    )
+                if env.distributed:
+                    torch.distributed.barrier()
+            if step >= schedule.total:
+                break
+        epoch += 1
+    bar.close()
+    if evaluate:
+        metrics = run_eval(wrapped, evaluate, env, cfg.precision)
+        history.append({"step": step, "epoch": epoch, **metrics, "elapsed_s": round(time.perf_counter() - start, 2)})
+    final = os.path.join(cfg.output_dir, "final")
+    save_final(wrapped, final, env, cfg.strategy)
+    result = {"step": step, "metrics": metrics, "history": history, "train_seconds": time.perf_counter() - start}
+    if env.is_main:
+        with open(os.path.join(cfg.output_dir, "history.json"), "w", encoding="utf-8") as f:
+            json.dump({"config": {k: v for k, v in asdict(cfg).items() if k != "history"}, **result}, f, indent=1)
+    return result
+
+
+def add_loop_arguments(parser: Any, lr: float, epochs: float) -> None:
+    """The LoopConfig options as command-line flags (shared by `fastbert pretrain` and `fastbert finetune`)."""
+    parser.add_argument("--lr", type=float, default=lr)
+    parser.add_argument("--epochs", type=float, default=epochs)
+    parser.add_argument("--max-steps", type=int, help="optimizer steps (overrides --epochs)")
+    parser.add_argument("--max-minutes", type=float, help="wall-time budget; the LR schedule is fitted into it")
+    parser.add_argument("--warmup-ratio", type=float, default=0.1)
+    parser.add_argument("--weight-decay", type=float, default=0.01)
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
+    parser.add_argument("--eval-every", type=int, default=0, help="optimizer steps between evaluations")
+    parser.add_argument("--save-every", type=int, default=0, help="optimizer steps between resumable checkpoints")
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
+    parser.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp", help="under torchrun")
+    parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--threads", type=int, help="CPU threads per process (1 is far faster on a busy machine)")
+
+
+def loop_options(args: Any) -> dict[str, Any]:
+    """LoopConfig fields from parsed `add_loop_arguments` flags (and applies --threads)."""
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    names = ("lr", "epochs", "max_steps", "max_minutes", "warmup_ratio", "weight_decay", "grad_accum", "precision")
+    names += ("eval_every", "save_every", "log_every", "resume", "strategy")
+    return {name: getattr(args, name) for name in names}
