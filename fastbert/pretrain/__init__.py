@@ -1,0 +1,110 @@
+"""Pretraining: MLM (dynamic 80/10/10 masking, optional whole-word) + NSP (BERT) or SOP (ALBERT) on text files.
+
+`pretrain(...)` (or `fastbert pretrain ...`) reads documents, builds or loads a WordPiece vocabulary, cuts
+sentence pairs, and trains `BertForPreTraining` (from a config, BERT or ALBERT options, or a checkpoint) with the
+shared loop: length-grouped batches, mixed precision, accumulation, AdamW + warmup/decay, resumable checkpoints,
+held-out MLM and NSP/SOP accuracy; DDP/FSDP under torchrun. `output_dir/final` loads in transformers.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import torch
+
+from fastbert.config import BertConfig
+from fastbert.heads import BertForPreTraining
+from fastbert.masking import MLMMasker
+from fastbert.pretrain.data import encode_pairs, make_pairs, read_documents, tokenize_documents
+from fastbert.pretrain.objective import HeldOutEval, PretrainCollator, PretrainingObjective, most_frequent_token
+from fastbert.tokenization import WordPieceTokenizer
+from fastbert.trainer import LoopConfig, fit
+from fastbert.training import LengthGroupedBatchSampler, init_distributed
+
+__all__ = ["build_model", "load_corpus", "pretrain"]
+
+
+def load_corpus(
+    train: list[str], heldout: str | None, heldout_fraction: float, seed: int
+) -> tuple[list[list[str]], list[list[str]]]:
+    """Training and held-out documents: `heldout` file, or a random `heldout_fraction` of the training documents."""
+    docs = [d for path in train for d in read_documents(path)]
+    if heldout:
+        return docs, read_documents(heldout)
+    if not 0 < heldout_fraction < 1:
+        return docs, []
+    order = list(range(len(docs)))
+    random.Random(seed).shuffle(order)
+    n = max(1, round(heldout_fraction * len(docs)))
+    held = set(order[:n])
+    return [d for i, d in enumerate(docs) if i not in held], [docs[i] for i in sorted(held)]
+
+
+def build_model(
+    vocab_size: int, init_from: str | None = None, config: str | None = None, **overrides: Any
+) -> BertForPreTraining:
+    """BertForPreTraining from a checkpoint directory, a config.json, or BertConfig fields (BERT or ALBERT)."""
+    if init_from:
+        return BertForPreTraining.from_pretrained(init_from).train()
+    cfg = BertConfig.from_json_file(config) if config else BertConfig()
+    for key, value in {**overrides, "vocab_size": vocab_size}.items():
+        setattr(cfg, key, value)
+    cfg.validate()
+    return BertForPreTraining(cfg)
+
+
+def pretrain(
+    train: list[str],
+    output_dir: str,
+    heldout: str | None = None,
+    heldout_fraction: float = 0.05,
+    tokenizer: str | None = None,
+    vocab_size: int = 8000,
+    objective: str = "nsp",
+    whole_word: bool = False,
+    mlm_probability: float = 0.15,
+    max_length: int = 128,
+    batch_size: int = 32,
+    max_heldout_pairs: int = 1000,
+    init_from: str | None = None,
+    config: str | None = None,
+    model_options: dict[str, Any] | None = None,
+    seed: int = 0,
+    device: str | None = None,
+    loop: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Pretrain on text files `train`; returns the final held-out metrics, the baseline and the history.
+
+    The tokenizer is `tokenizer` (a tokenizer.json/vocab.txt or directory), the checkpoint's own (`init_from`), or a
+    new WordPiece vocabulary of `vocab_size` learnt from the training documents. `model_options` are BertConfig
+    fields (num_hidden_layers, hidden_size, embedding_size, layer_sharing, ...).
+    """
+    env = init_distributed(device)
+    train_docs, held_docs = load_corpus(train, heldout, heldout_fraction, seed)
+    if tokenizer or init_from:
+        tok = WordPieceTokenizer.from_pretrained(tokenizer or init_from)
+    else:  # every rank learns the same vocabulary from the same documents (deterministic)
+        tok = WordPieceTokenizer.train((s for d in train_docs for s in d), vocab_size=vocab_size)
+    feats = encode_pairs(tok, make_pairs(tokenize_documents(tok, train_docs), max_length, objective, seed))
+    held = encode_pairs(tok, make_pairs(tokenize_documents(tok, held_docs), max_length, objective, seed + 1))
+    held = held[:max_heldout_pairs]
+    collate = PretrainCollator(tok, MLMMasker.from_tokenizer(tok, whole_word=whole_word, probability=mlm_probability))
+    torch.manual_seed(seed)
+    model = PretrainingObjective(build_model(tok.vocab_size, init_from, config, **(model_options or {})))
+    evaluate = None
+    if held:
+        evaluate = HeldOutEval(held, collate, 64, most_frequent_token(feats, tok.special_ids))
+    sampler = LengthGroupedBatchSampler(
+        [len(f["input_ids"]) for f in feats], batch_size, seed, rank=env.rank, world_size=env.world_size
+    )
+    cfg = LoopConfig(output_dir=output_dir, **{"lr": 5e-4, "warmup_ratio": 0.05, **(loop or {})})
+    if env.is_main:
+        os.makedirs(output_dir, exist_ok=True)
+        n_tokens = sum(len(f["input_ids"]) for f in feats)
+        print(f"{len(train_docs)} documents -> {len(feats)} pairs ({n_tokens} tokens); {len(held)} held-out pairs")
+    result = fit(model, feats, collate, sampler, cfg, env, evaluate, desc=f"pretrain mlm+{objective}")
+    if env.is_main:
+        tok.save(os.path.join(output_dir, "final"))
+    return result

@@ -1,0 +1,70 @@
+"""`fastbert pretrain`: MLM + NSP/SOP pretraining of a BERT or ALBERT-style model on text files."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from fastbert.trainer import add_loop_arguments, loop_options
+
+# flag -> BertConfig field for the model shape (used when neither --init-from nor --config gives it)
+MODEL_FLAGS = {
+    "layers": ("num_hidden_layers", int),
+    "hidden": ("hidden_size", int),
+    "heads": ("num_attention_heads", int),
+    "intermediate": ("intermediate_size", int),
+    "embedding_size": ("embedding_size", int),
+    "layer_sharing": ("layer_sharing", str),
+    "hidden_groups": ("num_hidden_groups", int),
+    "max_position": ("max_position_embeddings", int),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--train", nargs="+", required=True, help="text files (WikiText, or blank-line documents)")
+    parser.add_argument("--heldout", help="held-out text file (default: --heldout-fraction of the documents)")
+    parser.add_argument("--heldout-fraction", type=float, default=0.05)
+    parser.add_argument("--max-heldout-pairs", type=int, default=1000)
+    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--tokenizer", help="tokenizer.json / vocab.txt or its directory (default: learn one)")
+    parser.add_argument("--vocab-size", type=int, default=8000, help="size of a newly learnt WordPiece vocabulary")
+    parser.add_argument("--objective", choices=["nsp", "sop"], default="nsp", help="BERT's NSP or ALBERT's SOP")
+    parser.add_argument("--whole-word", action="store_true", help="mask whole words, not single pieces")
+    parser.add_argument("--mlm-probability", type=float, default=0.15)
+    parser.add_argument("--max-length", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--init-from", help="checkpoint directory to continue pretraining from")
+    parser.add_argument("--config", help="config.json giving the model shape")
+    shape = parser.add_argument_group("model shape (BertConfig fields; ALBERT: --embedding-size, --layer-sharing)")
+    for flag, (field, kind) in MODEL_FLAGS.items():
+        shape.add_argument("--" + flag.replace("_", "-"), type=kind, help=field)
+    add_loop_arguments(parser, lr=5e-4, epochs=10.0)
+
+
+def run(args: argparse.Namespace) -> int:
+    from fastbert.pretrain import pretrain
+
+    model_options = {field: getattr(args, flag) for flag, (field, _) in MODEL_FLAGS.items()}
+    result = pretrain(
+        args.train,
+        args.output_dir,
+        heldout=args.heldout,
+        heldout_fraction=args.heldout_fraction,
+        tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size,
+        objective=args.objective,
+        whole_word=args.whole_word,
+        mlm_probability=args.mlm_probability,
+        max_length=args.max_length,
+        batch_size=args.batch_size,
+        max_heldout_pairs=args.max_heldout_pairs,
+        init_from=args.init_from,
+        config=args.config,
+        model_options={k: v for k, v in model_options.items() if v is not None},
+        seed=args.seed,
+        device=args.device,
+        loop=loop_options(args),
+    )
+    print(json.dumps({"step": result["step"], **result["metrics"], "train_seconds": round(result["train_seconds"])}))
+    return 0
