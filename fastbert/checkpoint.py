@@ -62,7 +62,8 @@ def load_state_dict_file(path: str | os.PathLike, allow_pickle: bool = False) ->
                 f"{path} is a pickle checkpoint; pickles can run code on load, so fastbert refuses them by default. "
                 "Convert it to safetensors, or pass allow_pickle=True if you trust its source."
             )
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with open(path, "rb") as f:  # a file object: torch.load would otherwise judge by the name too
+            state = torch.load(f, map_location="cpu", weights_only=True)
         return dict(state.get("state_dict", state)) if isinstance(state, Mapping) else state
     raise CheckpointError(f"{path} is neither a safetensors nor a torch checkpoint (unrecognised header)")
 
@@ -175,7 +176,10 @@ class PreTrainedModel(nn.Module):
         unique = self.unique_state_dict()
         aliases = set(own) - set(unique)  # other names of shared/tied tensors
         prefix = self.base_model_prefix + "."
-        head_keys = {k for k in unique if not k.startswith(prefix) and not _is_base_key(k)}
+        head_keys = {k for k in unique if not _is_base_key(k.removeprefix(prefix))}
+        pooler = {k for k in unique if k.removeprefix(prefix).startswith("pooler.")}
+        if not pooler & set(state):  # an MLM/QA checkpoint has no pooler: it starts fresh, as in transformers
+            head_keys |= pooler
         unexpected = sorted(k for k in state if k not in own)
         base_foreign = [k for k in unexpected if _is_base_key(k.removeprefix(prefix))]
         if base_foreign:

@@ -92,7 +92,7 @@ class BertSelfAttention(nn.Module):
             )
         else:
             ctx, probs = ops.attention(qkv, packing.cu_seqlens, packing.max_seqlen, self.dropout_p, self.training), None
-        return ctx.reshape(x.shape[0], -1), probs
+        return ctx.reshape(x.shape[0], self.num_heads * self.head_dim), probs
 
 
 class BertSelfOutput(nn.Module):

@@ -95,7 +95,8 @@ def _check_ranges(
     mask_bad = None
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         mask_bad = ((attention_mask != 0) & (attention_mask != 1)).any().long().view(1)
-    values = torch.cat(stats + ([mask_bad] if mask_bad is not None else [])).tolist() if stats else []
+    parts = stats + ([mask_bad] if mask_bad is not None else [])
+    values = torch.cat(parts).tolist() if parts else []
     limits = {
         "input_ids": ("vocab_size", config.vocab_size),
         "token_type_ids": ("type_vocab_size", config.type_vocab_size),
