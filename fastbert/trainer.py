@@ -72,16 +72,24 @@ def run_eval(model: nn.Module, evaluate: Evaluate, env: DistEnv, precision: str)
     return metrics
 
 
-def save_final(model: nn.Module, directory: str, env: DistEnv, strategy: str) -> None:
-    """The trained model as a transformers-loadable directory (FSDP gathers full weights to rank 0 first)."""
+def save_final(
+    model: nn.Module, directory: str, env: DistEnv, strategy: str, finish: Callable[[nn.Module], None] | None = None
+) -> None:
+    """The trained model as a transformers-loadable directory (FSDP gathers the full weights first).
+
+    `finish(model)` edits the full, unwrapped model in place just before it is written (e.g. folding a target
+    normalisation into the head).
+    """
+    gather = contextlib.nullcontext()
     if strategy == "fsdp" and env.distributed:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-        with FSDP.summon_full_params(model, writeback=False, rank0_only=True, offload_to_cpu=True):
-            if env.is_main:
-                unwrap(model).save_pretrained(directory)
-    elif env.is_main:
-        unwrap(model).save_pretrained(directory)
+        gather = FSDP.summon_full_params(model, writeback=finish is not None)
+    with gather:
+        if finish is not None:
+            finish(unwrap(model))
+        if env.is_main:
+            unwrap(model).save_pretrained(directory)
 
 
 def fit(
@@ -93,6 +101,7 @@ def fit(
     env: DistEnv,
     evaluate: Evaluate | None = None,
     desc: str = "train",
+    finish: Callable[[nn.Module], None] | None = None,
 ) -> dict[str, Any]:
     """Train `model` (already seeded and built identically on every rank); returns the last metrics and history.
 
@@ -191,7 +200,7 @@ def fit(
         metrics = run_eval(wrapped, evaluate, env, cfg.precision)
         history.append({"step": step, "epoch": epoch, **metrics, "elapsed_s": round(time.perf_counter() - start, 2)})
     final = os.path.join(cfg.output_dir, "final")
-    save_final(wrapped, final, env, cfg.strategy)
+    save_final(wrapped, final, env, cfg.strategy, finish)
     result = {"step": step, "metrics": metrics, "history": history, "train_seconds": time.perf_counter() - start}
     if env.is_main:
         with open(os.path.join(cfg.output_dir, "history.json"), "w", encoding="utf-8") as f:

@@ -93,7 +93,8 @@ def finetune(
         def evaluate(m: torch.nn.Module) -> dict[str, float]:
             return job.evaluate(m, dev_examples, dev_feats, eval_batch_size)
 
-    result = fit(net, train_feats, job.collate, sampler, cfg, env, evaluate, desc=f"finetune {task}")
+    finish = getattr(job, "finish", None)
+    result = fit(net, train_feats, job.collate, sampler, cfg, env, evaluate, desc=f"finetune {task}", finish=finish)
     if env.is_main:
         tok.save(os.path.join(output_dir, "final"))
     return result

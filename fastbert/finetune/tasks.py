@@ -55,9 +55,13 @@ class SequenceTask:
     ) -> None:
         self.tok, self.text_columns, self.label_column = tokenizer, text_columns, label_column
         self.regression, self.labels, self.header, self.max_length = regression, labels, header, max_length
+        self.mean, self.std = 0.0, 1.0  # regression targets are fed as (y - mean) / std
 
     def read(self, path: str, train: bool = False) -> list[data.TextExample]:
         examples = data.read_table(path, self.text_columns, self.label_column, self.header, regression=self.regression)
+        if self.regression and train:  # targets are standardised for training: unit scale whatever the units
+            values = np.array([e.label for e in examples], dtype=np.float64)
+            self.mean, self.std = float(values.mean()), float(values.std()) or 1.0
         if not self.regression:
             if train and self.labels is None:
                 self.labels = data.label_set(examples, None, path)
@@ -78,11 +82,18 @@ class SequenceTask:
         pairs = [e.pair for e in examples] if examples and examples[0].pair is not None else None
         encodings = self.tok.encode([e.text for e in examples], pairs, self.max_length)
         index = {name: i for i, name in enumerate(self.labels or [])}
-        labels = [e.label if self.regression else index[e.label] for e in examples]
+        labels = [(e.label - self.mean) / self.std if self.regression else index[e.label] for e in examples]
         return [
             {"input_ids": enc.ids, "token_type_ids": enc.type_ids, "label": label}
             for enc, label in zip(encodings, labels, strict=True)
         ]
+
+    def finish(self, model: nn.Module) -> None:
+        """Fold the target standardisation into the regression head so the saved model predicts in data units."""
+        if self.regression:
+            with torch.no_grad():
+                model.classifier.weight.mul_(self.std)
+                model.classifier.bias.mul_(self.std).add_(self.mean)
 
     def collate(self, feats: list[Feature]) -> dict[str, torch.Tensor]:
         batch = self.tok.pad([f["input_ids"] for f in feats], [f["token_type_ids"] for f in feats])

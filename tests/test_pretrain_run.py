@@ -1,0 +1,151 @@
+"""Pretraining runs, tiny: 2-process torchrun (gloo DDP), exact resume from a checkpoint, ALBERT/SOP options, and
+saved models that load in transformers with the same outputs."""
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fastbert import BertForPreTraining
+from fastbert.pretrain import pretrain
+from fastbert.tokenization import WordPieceTokenizer
+
+WORDS = "the a cat dog sat ran on under mat log house river big small red blue quickly slowly and then".split()
+TINY = {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[Path, Path]:
+    """A blank-line-separated corpus of 12 documents and a WordPiece vocabulary learnt from it."""
+    root = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    docs = [
+        " ".join(" ".join(rng.choices(WORDS, k=rng.randint(4, 10))).capitalize() + "." for _ in range(12))
+        for _ in range(12)
+    ]
+    (root / "corpus.txt").write_text("\n\n".join(docs) + "\n")
+    WordPieceTokenizer.train(docs, vocab_size=120, min_frequency=1).save(root / "tok")
+    return root / "corpus.txt", root / "tok"
+
+
+def run_api(corpus, out, **loop):
+    text, tok = corpus
+    torch.set_num_threads(1)
+    return pretrain(
+        [str(text)],
+        str(out),
+        tokenizer=str(tok),
+        max_length=32,
+        batch_size=4,
+        heldout_fraction=0.2,
+        model_options=TINY,
+        loop={"log_every": 1, **loop},
+    )
+
+
+def check_transformers_match(final: Path, tok: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.BertForPreTraining.from_pretrained(final).eval()
+    ours = BertForPreTraining.from_pretrained(final)
+    batch = WordPieceTokenizer.from_pretrained(tok)(["the cat sat"], ["on the mat"])
+    with torch.no_grad():
+        a, b = ours(**batch), theirs(**batch)
+    assert torch.allclose(a.prediction_logits, b.prediction_logits, atol=1e-5)
+    assert torch.allclose(a.seq_relationship_logits, b.seq_relationship_logits, atol=1e-5)
+
+
+def test_resume_equals_uninterrupted_run(tmp_path, corpus):
+    full = run_api(corpus, tmp_path / "full", max_steps=6, save_every=3, eval_every=2)
+    assert full["step"] == 6 and (tmp_path / "full" / "checkpoints" / "step-3").is_dir()
+    assert {"mlm_accuracy", "sentence_accuracy", "baseline_accuracy"} <= set(full["metrics"])
+    # a run that "crashed" after its step-3 checkpoint, resumed in a fresh process state
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step-3", tmp_path / "resumed" / "checkpoints" / "step-3")
+    torch.manual_seed(12345)  # resume must not depend on the caller's RNG
+    resumed = run_api(corpus, tmp_path / "resumed", max_steps=6, save_every=3, eval_every=2, resume=True)
+    assert resumed["step"] == 6
+    a = load_file(tmp_path / "full" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "resumed" / "final" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert [h["loss"] for h in full["history"]] == [h["loss"] for h in resumed["history"]]
+    check_transformers_match(tmp_path / "full" / "final", corpus[1])
+
+
+def test_albert_options_with_sop_and_accumulation(tmp_path, corpus):
+    result = run_api(corpus, tmp_path / "accum", max_steps=2, grad_accum=2, precision="bf16")
+    assert result["step"] == 2
+    text, tok = corpus
+    out = pretrain(
+        [str(text)],
+        str(tmp_path / "sop"),
+        tokenizer=str(tok),
+        max_length=32,
+        batch_size=4,
+        objective="sop",
+        whole_word=True,
+        heldout_fraction=0.2,
+        model_options={**TINY, "embedding_size": 16, "layer_sharing": "all"},
+        loop={"max_steps": 2},
+    )
+    config = json.loads((tmp_path / "sop" / "final" / "config.json").read_text())
+    assert config["embedding_size"] == 16 and config["layer_sharing"] == "all" and out["step"] == 2
+
+
+def test_torchrun_two_processes(tmp_path, corpus):
+    torchrun = Path(sys.executable).parent / "torchrun"
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed beside this python")
+    text, tok = corpus
+    cmd = [
+        str(torchrun),
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        "0",
+        "-m",
+        "fastbert.cli",
+        "pretrain",
+        "--train",
+        str(text),
+        "--tokenizer",
+        str(tok),
+        "--output-dir",
+        str(tmp_path / "ddp"),
+        "--max-length",
+        "32",
+        "--batch-size",
+        "4",
+        "--layers",
+        "2",
+        "--hidden",
+        "32",
+        "--heads",
+        "2",
+        "--intermediate",
+        "64",
+        "--max-steps",
+        "4",
+        "--save-every",
+        "2",
+        "--heldout-fraction",
+        "0.2",
+        "--log-every",
+        "1",
+        "--threads",
+        "1",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    history = json.loads((tmp_path / "ddp" / "history.json").read_text())
+    assert history["step"] == 4 and "mlm_accuracy" in history["metrics"]
+    assert (tmp_path / "ddp" / "checkpoints" / "step-2" / "trainer_state.pt").is_file()
+    check_transformers_match(tmp_path / "ddp" / "final", tok)

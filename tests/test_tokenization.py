@@ -1,0 +1,85 @@
+"""fastbert's WordPiece tokenisation gives exactly transformers' BertTokenizerFast ids on the MiniLM vocabulary."""
+
+import pytest
+import torch
+
+from fastbert.tokenization import WordPieceTokenizer
+
+transformers = pytest.importorskip("transformers")
+
+SINGLES = [
+    "Hello, world!",
+    "The quick brown fox jumps over the lazy dog.",
+    "Unbelievably, tokenisation handles naïve café déjà-vu and 3.14159 numbers",
+    "",
+    "a " * 200,
+]
+PAIRS = [
+    ("A man is playing a flute.", "A man is playing a large flute."),
+    ("short", "a much longer second sentence that will need cutting when the budget is small " * 3),
+    ("a long first segment that goes on and on " * 4, "tiny"),
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizers_pair(minilm_dir):
+    ours = WordPieceTokenizer.from_pretrained(minilm_dir / "vocab.txt")
+    from_json = WordPieceTokenizer.from_pretrained(minilm_dir)
+    theirs = transformers.BertTokenizerFast(vocab_file=str(minilm_dir / "vocab.txt"), do_lower_case=True)
+    return ours, from_json, theirs
+
+
+def reference(theirs, texts, pairs, max_length):
+    args = (texts, pairs) if pairs is not None else (texts,)
+    out = theirs(*args, truncation="longest_first", max_length=max_length, padding=True, return_tensors="pt")
+    return {k: out[k] for k in ("input_ids", "token_type_ids", "attention_mask")}
+
+
+@pytest.mark.parametrize("max_length", [512, 16, 7])
+def test_singles_match_transformers(tokenizers_pair, max_length):
+    ours, from_json, theirs = tokenizers_pair
+    expected = reference(theirs, SINGLES, None, max_length)
+    for tok in (ours, from_json):
+        got = tok(SINGLES, max_length=max_length)
+        for key, value in expected.items():
+            assert torch.equal(got[key], value), key
+
+
+@pytest.mark.parametrize("max_length", [512, 20, 9])
+def test_pairs_match_transformers(tokenizers_pair, max_length):
+    ours, from_json, theirs = tokenizers_pair
+    first, second = [a for a, _ in PAIRS], [b for _, b in PAIRS]
+    expected = reference(theirs, first, second, max_length)
+    for tok in (ours, from_json):
+        got = tok(first, second, max_length=max_length)
+        for key, value in expected.items():
+            assert torch.equal(got[key], value), key
+
+
+def test_sliding_windows_match_transformers_overflow(tokenizers_pair):
+    ours, _, theirs = tokenizers_pair
+    question, context = "Where is it?", " ".join(f"word{i}" for i in range(60))
+    encodings = ours.encode([question], [context], max_length=32, strategy="only_second", stride=8)
+    windows = [encodings[0], *encodings[0].overflowing]
+    expected = theirs(
+        question, context, truncation="only_second", max_length=32, stride=8, return_overflowing_tokens=True
+    )["input_ids"]
+    assert [w.ids for w in windows] == expected
+    assert len(windows) > 2
+
+
+def test_trained_vocabulary_round_trips_through_transformers(tmp_path):
+    corpus = ["the cat sat on the mat", "the dog sat on the log", "cats and dogs are animals"] * 20
+    tok = WordPieceTokenizer.train(corpus, vocab_size=120, min_frequency=1)
+    tok.save(tmp_path)
+    theirs = transformers.BertTokenizerFast(vocab_file=str(tmp_path / "vocab.txt"), do_lower_case=True)
+    texts = ["the cat and the dog", "unseen zebra words"]
+    assert torch.equal(tok(texts)["input_ids"], reference(theirs, texts, None, 64)["input_ids"])
+
+
+def test_bad_calls():
+    tok = WordPieceTokenizer.train(["a b c"] * 5, vocab_size=40, min_frequency=1)
+    with pytest.raises(TypeError, match="list of texts"):
+        tok("a single string")
+    with pytest.raises(ValueError, match="pair texts"):
+        tok(["a", "b"], ["c"])
