@@ -67,12 +67,17 @@ class WordPieceTokenizer:
         cls, texts: Iterable[str], vocab_size: int = 8000, min_frequency: int = 2, lowercase: bool = True
     ) -> WordPieceTokenizer:
         """Learn a new WordPiece vocabulary from an iterable of texts."""
-        _require_tokenizers()
+        tokenizers = _require_tokenizers()
         from tokenizers.implementations import BertWordPieceTokenizer
 
         tok = BertWordPieceTokenizer(lowercase=lowercase)
         tok.train_from_iterator(
             texts, vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(SPECIAL_TOKENS)
+        )
+        # a freshly trained BertWordPieceTokenizer has no post-processor: without one it adds no [CLS]/[SEP]
+        vocab = tok.get_vocab()
+        tok._tokenizer.post_processor = tokenizers.processors.BertProcessing(
+            ("[SEP]", vocab["[SEP]"]), ("[CLS]", vocab["[CLS]"])
         )
         return cls(tok._tokenizer)
 

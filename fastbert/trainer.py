@@ -183,6 +183,7 @@ def fit(
                 if env.distributed:  # every rank must stop at the same step: rank 0 decides
                     torch.distributed.broadcast(total_now, src=0)
                 schedule.total = int(total_now)
+                schedule.warmup = min(schedule.warmup, int(cfg.warmup_ratio * schedule.total))
                 bar.total = schedule.total
             if cfg.save_every and step % cfg.save_every == 0 and step < schedule.total:
                 extra = {"history": history, "elapsed": time.perf_counter() - start}

@@ -17,7 +17,7 @@ def minilm_tokenizer(minilm_dir):
     return WordPieceTokenizer.from_pretrained(minilm_dir)
 
 
-def synthetic_documents(n_docs: int = 40, n_sentences: int = 30, seed: int = 0) -> list[list[list[int]]]:
+def synthetic_documents(n_docs: int = 120, n_sentences: int = 30, seed: int = 0) -> list[list[list[int]]]:
     """Every sentence is a run of one id that encodes (document, sentence): 1000 * (d + 1) + s."""
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(3, 25, (n_docs, n_sentences), generator=gen).tolist()
@@ -32,7 +32,7 @@ def origin(ids: list[int]) -> list[tuple[int, int]]:
 def test_pair_labels_are_correct_and_balanced(objective):
     docs = synthetic_documents()
     pairs = make_pairs(docs, max_length=64, objective=objective, seed=1)
-    assert len(pairs) > 300
+    assert len(pairs) > 600
     positives = 0
     for a, b, label in pairs:
         assert 1 <= len(a) and 1 <= len(b) and len(a) + len(b) <= 64 - 3

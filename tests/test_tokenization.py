@@ -1,5 +1,8 @@
 """fastbert's WordPiece tokenisation gives exactly transformers' BertTokenizerFast ids on the MiniLM vocabulary."""
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -21,11 +24,19 @@ PAIRS = [
 ]
 
 
+def vocab_only(directory, vocab: Path) -> Path:
+    """A folder holding just vocab.txt, so transformers builds its tokenizer from the vocabulary alone."""
+    directory.mkdir(exist_ok=True)
+    shutil.copy(vocab, directory / "vocab.txt")
+    return directory
+
+
 @pytest.fixture(scope="module")
-def tokenizers_pair(minilm_dir):
+def tokenizers_pair(minilm_dir, tmp_path_factory):
     ours = WordPieceTokenizer.from_pretrained(minilm_dir / "vocab.txt")
     from_json = WordPieceTokenizer.from_pretrained(minilm_dir)
-    theirs = transformers.BertTokenizerFast(vocab_file=str(minilm_dir / "vocab.txt"), do_lower_case=True)
+    folder = vocab_only(tmp_path_factory.mktemp("vocab"), minilm_dir / "vocab.txt")
+    theirs = transformers.BertTokenizerFast.from_pretrained(folder)
     return ours, from_json, theirs
 
 
@@ -71,8 +82,10 @@ def test_sliding_windows_match_transformers_overflow(tokenizers_pair):
 def test_trained_vocabulary_round_trips_through_transformers(tmp_path):
     corpus = ["the cat sat on the mat", "the dog sat on the log", "cats and dogs are animals"] * 20
     tok = WordPieceTokenizer.train(corpus, vocab_size=120, min_frequency=1)
-    tok.save(tmp_path)
-    theirs = transformers.BertTokenizerFast(vocab_file=str(tmp_path / "vocab.txt"), do_lower_case=True)
+    tok.save(tmp_path / "saved")
+    theirs = transformers.BertTokenizerFast.from_pretrained(
+        vocab_only(tmp_path / "ref", tmp_path / "saved" / "vocab.txt")
+    )
     texts = ["the cat and the dog", "unseen zebra words"]
     assert torch.equal(tok(texts)["input_ids"], reference(theirs, texts, None, 64)["input_ids"])
 

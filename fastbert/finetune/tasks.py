@@ -70,7 +70,12 @@ class SequenceTask:
 
     def config_updates(self) -> dict[str, Any]:
         if self.regression:
-            return {"num_labels": 1, "problem_type": "regression"}
+            return {
+                "num_labels": 1,
+                "problem_type": "regression",
+                "id2label": {0: "LABEL_0"},
+                "label2id": {"LABEL_0": 0},
+            }
         return {
             "num_labels": len(self.labels),
             "problem_type": "single_label_classification",
