@@ -108,6 +108,8 @@ def fit(
     Writes `output_dir/checkpoints/step-N` every `save_every` steps, `output_dir/final` at the end (rank 0) and
     `output_dir/history.json` (loss, lr, eval metrics, elapsed seconds per logged step).
     """
+    if cfg.strategy == "fsdp" and env.distributed and cfg.save_every:
+        raise ValueError("resumable checkpoints (save_every) need --strategy ddp; FSDP runs save the final model only")
     model.to(env.device)
     wrapped = wrap_model(model, env, cfg.strategy)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=0)
