@@ -168,7 +168,8 @@ def fit(
             step, seen = step + 1, seen + 1
             bar.update(1)
             if step % cfg.log_every == 0 or step == schedule.total:
-                record = {"step": step, "epoch": epoch, "loss": running / seen, "lr": scheduler.get_last_lr()[0]}
+                lr = scheduler.get_last_lr()[0]
+                record = {"step": step, "epoch": round(micro / batches, 3), "loss": running / seen, "lr": lr}
                 running, seen = 0.0, 0
                 if evaluate and cfg.eval_every and step % cfg.eval_every == 0 and step < schedule.total:
                     t_eval = time.perf_counter()
@@ -201,7 +202,8 @@ def fit(
     bar.close()
     if evaluate:
         metrics = run_eval(wrapped, evaluate, env, cfg.precision)
-        history.append({"step": step, "epoch": epoch, **metrics, "elapsed_s": round(time.perf_counter() - start, 2)})
+        elapsed = round(time.perf_counter() - start, 2)
+        history.append({"step": step, "epoch": round(micro / batches, 3), **metrics, "elapsed_s": elapsed})
     final = os.path.join(cfg.output_dir, "final")
     save_final(wrapped, final, env, cfg.strategy, finish)
     result = {"step": step, "metrics": metrics, "history": history, "train_seconds": time.perf_counter() - start}

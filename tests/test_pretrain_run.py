@@ -75,6 +75,7 @@ def test_resume_equals_uninterrupted_run(tmp_path, corpus):
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
     def logged(result):  # everything but wall time: losses, learning rates, held-out metrics
         return [{k: v for k, v in h.items() if k != "elapsed_s"} for h in result["history"]]
 
