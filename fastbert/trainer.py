@@ -179,14 +179,14 @@ def fit(
                 record["elapsed_s"] = round(time.perf_counter() - start, 2)
                 history.append(record)
                 bar.set_postfix(loss=f"{record['loss']:.4f}", **{k: f"{v:.4g}" for k, v in metrics.items()})
-            if budget and step >= 10:  # fit the schedule into the wall-time budget once step time is known
+            if budget and step >= 10:  # fit the schedule into the budget from the step time so far
                 per_step = (time.perf_counter() - start) / step
-                fit_steps = max(step, min(schedule.total, int((budget - eval_seconds) / per_step)))
+                fit_steps = max(step, min(total, int((budget - eval_seconds) / per_step)))  # may grow back
                 total_now = torch.tensor(fit_steps, device=env.device)
                 if env.distributed:  # every rank must stop at the same step: rank 0 decides
                     torch.distributed.broadcast(total_now, src=0)
                 schedule.total = int(total_now)
-                schedule.warmup = min(schedule.warmup, int(cfg.warmup_ratio * schedule.total))
+                schedule.warmup = min(schedule.warmup, max(1, int(cfg.warmup_ratio * schedule.total)))
                 bar.total = schedule.total
             if cfg.save_every and step % cfg.save_every == 0 and step < schedule.total:
                 extra = {"history": history, "elapsed": time.perf_counter() - start}

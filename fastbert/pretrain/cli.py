@@ -39,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     shape = parser.add_argument_group("model shape (BertConfig fields; ALBERT: --embedding-size, --layer-sharing)")
     for flag, (field, kind) in MODEL_FLAGS.items():
         shape.add_argument("--" + flag.replace("_", "-"), type=kind, help=field)
+    shape.add_argument("--dropout", type=float, help="hidden_dropout_prob and attention_probs_dropout_prob")
     add_loop_arguments(parser, lr=5e-4, epochs=10.0)
 
 
@@ -46,6 +47,8 @@ def run(args: argparse.Namespace) -> int:
     from fastbert.pretrain import pretrain
 
     model_options = {field: getattr(args, flag) for flag, (field, _) in MODEL_FLAGS.items()}
+    if args.dropout is not None:
+        model_options.update(hidden_dropout_prob=args.dropout, attention_probs_dropout_prob=args.dropout)
     result = pretrain(
         args.train,
         args.output_dir,
