@@ -181,7 +181,12 @@ class PreTrainedModel(nn.Module):
         if not pooler & set(state):  # an MLM/QA checkpoint has no pooler: it starts fresh, as in transformers
             head_keys |= pooler
         unexpected = sorted(k for k in state if k not in own)
-        base_foreign = [k for k in unexpected if _is_base_key(k.removeprefix(prefix))]
+        # a pooler the model lacks (token classification, QA, MLM heads) is dropped, as transformers does
+        base_foreign = [
+            k
+            for k in unexpected
+            if _is_base_key(k.removeprefix(prefix)) and not k.removeprefix(prefix).startswith("pooler.")
+        ]
         if base_foreign:
             raise CheckpointError(f"unexpected keys in the checkpoint: {base_foreign[:20]}")
         if unexpected:
