@@ -112,7 +112,11 @@ def fit(
         raise ValueError("resumable checkpoints (save_every) need --strategy ddp; FSDP runs save the final model only")
     model.to(env.device)
     wrapped = wrap_model(model, env, cfg.strategy)
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=0)
+    # its own generator: each new DataLoader iterator draws a seed, which must not advance the global RNG that
+    # masking and dropout use (or a resumed run, which starts a fresh iterator mid-epoch, would diverge)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, collate_fn=collate, num_workers=0, generator=torch.Generator()
+    )
     batches = len(sampler)
     if batches == 0:
         raise ValueError("the training set gives no batch on this rank (too few examples for batch size x ranks)")
@@ -156,8 +160,11 @@ def fit(
                 continue
             if scaler:
                 scaler.unscale_(optimizer)
-            if cfg.max_grad_norm:
-                torch.nn.utils.clip_grad_norm_(wrapped.parameters(), cfg.max_grad_norm)
+            if cfg.max_grad_norm:  # FSDP's own clip sees every shard's norm; the plain one would see only local ones
+                if hasattr(wrapped, "clip_grad_norm_"):
+                    wrapped.clip_grad_norm_(cfg.max_grad_norm)
+                else:
+                    torch.nn.utils.clip_grad_norm_(wrapped.parameters(), cfg.max_grad_norm)
             if scaler:
                 scaler.step(optimizer)
                 scaler.update()

@@ -66,7 +66,8 @@ def wrap_model(model: nn.Module, env: DistEnv, strategy: str = "ddp") -> nn.Modu
     if strategy == "fsdp":
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        return FullyShardedDataParallel(model, device_id=env.device if env.device.type == "cuda" else None)
+        # device_id given on CPU too (FSDP then runs over gloo); original parameter names kept for weight decay
+        return FullyShardedDataParallel(model, device_id=env.device, use_orig_params=True)
     raise ValueError(f"strategy must be 'ddp' or 'fsdp', got {strategy!r}")
 
 

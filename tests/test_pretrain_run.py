@@ -103,53 +103,30 @@ def test_albert_options_with_sop_and_accumulation(tmp_path, corpus):
     assert config["embedding_size"] == 16 and config["layer_sharing"] == "all" and out["step"] == 2
 
 
-def test_torchrun_two_processes(tmp_path, corpus):
+def torchrun_pretrain(corpus, out: Path, *extra: str) -> None:
     torchrun = Path(sys.executable).parent / "torchrun"
     if not torchrun.exists():
         pytest.skip("torchrun is not installed beside this python")
     text, tok = corpus
-    cmd = [
-        str(torchrun),
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        "0",
-        "-m",
-        "fastbert.cli",
-        "pretrain",
-        "--train",
-        str(text),
-        "--tokenizer",
-        str(tok),
-        "--output-dir",
-        str(tmp_path / "ddp"),
-        "--max-length",
-        "32",
-        "--batch-size",
-        "4",
-        "--layers",
-        "2",
-        "--hidden",
-        "32",
-        "--heads",
-        "2",
-        "--intermediate",
-        "64",
-        "--max-steps",
-        "4",
-        "--save-every",
-        "2",
-        "--heldout-fraction",
-        "0.2",
-        "--log-every",
-        "1",
-        "--threads",
-        "1",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "fastbert.cli", "pretrain"]
+    cmd += ["--train", str(text), "--tokenizer", str(tok), "--output-dir", str(out), "--max-length", "32"]
+    cmd += ["--batch-size", "4", "--layers", "2", "--hidden", "32", "--heads", "2", "--intermediate", "64"]
+    cmd += ["--max-steps", "4", "--heldout-fraction", "0.2", "--log-every", "1", "--threads", "1", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count('"mlm_accuracy"') == 1  # only rank 0 reports
+
+
+def test_torchrun_two_processes_ddp_and_fsdp(tmp_path, corpus):
+    torchrun_pretrain(corpus, tmp_path / "ddp", "--save-every", "2")
     history = json.loads((tmp_path / "ddp" / "history.json").read_text())
     assert history["step"] == 4 and "mlm_accuracy" in history["metrics"]
     assert (tmp_path / "ddp" / "checkpoints" / "step-2" / "trainer_state.pt").is_file()
-    check_transformers_match(tmp_path / "ddp" / "final", tok)
+    check_transformers_match(tmp_path / "ddp" / "final", corpus[1])
+    # FSDP shards parameters over the two ranks; the saved model must be the full one, equal to DDP's result
+    torchrun_pretrain(corpus, tmp_path / "fsdp", "--strategy", "fsdp")
+    ddp = load_file(tmp_path / "ddp" / "final" / "model.safetensors")
+    fsdp = load_file(tmp_path / "fsdp" / "final" / "model.safetensors")
+    assert ddp.keys() == fsdp.keys()
+    for key in ddp:
+        assert torch.allclose(ddp[key], fsdp[key], atol=1e-5), (key, (ddp[key] - fsdp[key]).abs().max())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from fastbert.trainer import add_loop_arguments, loop_options
 
@@ -48,5 +49,8 @@ def run(args: argparse.Namespace) -> int:
         loop=loop_options(args),
         **options,
     )
-    print(json.dumps({"step": result["step"], **result["metrics"], "train_seconds": round(result["train_seconds"])}))
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(
+            json.dumps({"step": result["step"], **result["metrics"], "train_seconds": round(result["train_seconds"])})
+        )
     return 0
