@@ -83,9 +83,27 @@ def test_resume_equals_uninterrupted_run(tmp_path, corpus):
     check_transformers_match(tmp_path / "full" / "final", corpus[1])
 
 
-def test_albert_options_with_sop_and_accumulation(tmp_path, corpus):
-    result = run_api(corpus, tmp_path / "accum", max_steps=2, grad_accum=2, precision="bf16")
-    assert result["step"] == 2
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_accumulation_and_init_from(tmp_path, corpus, precision):
+    result = run_api(corpus, tmp_path / "accum", max_steps=2, grad_accum=2, precision=precision)
+    assert result["step"] == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in result["history"][:-1])
+    first = BertForPreTraining.from_pretrained(tmp_path / "accum" / "final")
+    text, tok = corpus
+    pretrain(
+        [str(text)],
+        str(tmp_path / "more"),
+        init_from=str(tmp_path / "accum" / "final"),
+        max_length=32,
+        batch_size=4,
+        heldout_fraction=0.2,
+        loop={"max_steps": 1, "lr": 0.0, "warmup_ratio": 0.0},
+    )
+    again = BertForPreTraining.from_pretrained(tmp_path / "more" / "final")  # lr 0: the starting weights, unchanged
+    for (name, a), b in zip(first.state_dict().items(), again.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_albert_options_with_sop(tmp_path, corpus):
     text, tok = corpus
     out = pretrain(
         [str(text)],
