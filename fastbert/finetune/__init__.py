@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from fastbert.checkpoint import load_checkpoint_dir
 from fastbert.config import BertConfig
 from fastbert.finetune.tasks import QATask, SequenceTask, TokenTask
 from fastbert.tokenization import WordPieceTokenizer
@@ -80,8 +81,6 @@ def finetune(
         setattr(config, key, value)
     torch.manual_seed(seed)
     net = job.model_class(config)
-    from fastbert.checkpoint import load_checkpoint_dir
-
     net.load_checkpoint_state(load_checkpoint_dir(model))
     cfg = LoopConfig(output_dir=output_dir, **{"lr": 3e-5, **(loop or {})})
     sampler = LengthGroupedBatchSampler(
