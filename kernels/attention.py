@@ -33,6 +33,15 @@ def _load_rows(ptr, tok, rmask, d, D, stride_t):
 
 
 @triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b with fp32 accumulation; UPCAST feeds the (already rounded) operands as fp32 instead: the same
+    products, for triton's CPU interpreter, whose bf16 tl.dot returns garbage (3.9)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
 def _seq_bounds(cu_ptr):
     b = tl.program_id(1)
     start = tl.load(cu_ptr + b)
@@ -66,6 +75,7 @@ def _attn_fwd(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     start, length = _seq_bounds(cu_ptr)
     m0 = tl.program_id(0) * BLOCK_M
@@ -87,7 +97,7 @@ def _attn_fwd(
         ctok = (start + cols).to(tl.int64)
         k = _load_rows(base + stride_3, ctok, cmask, d, D, stride_t)
         v = _load_rows(base + 2 * stride_3, ctok, cmask, d, D, stride_t)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N] fp32, log2 units
+        s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N] fp32, log2 units
         s = tl.where(cmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: key 0 is valid in every launched program
         alpha = tl.exp2(m_i - m_new)
@@ -96,7 +106,7 @@ def _attn_fwd(
         if DROPOUT:
             keep = dropout_keep(key_seed, rows[:, None] * max_seqlen + cols[None, :], p)
             pr = tl.where(keep, pr * keep_scale, 0.0)
-        acc = acc * alpha[:, None] + tl.dot(pr.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + _dot(pr.to(v.dtype), v, PRECISION, UPCAST)
         m_i = m_new
     out = acc / l_i[:, None]
     tok = (start + rows).to(tl.int64)
@@ -108,13 +118,13 @@ def _attn_fwd(
 @triton.jit
 def _probs_and_dscores(
     q, k, v, do, lse, delta, rmask, cmask, rows, cols, key_seed, max_seqlen, qk_scale, p, keep_scale,
-    DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    DROPOUT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """For one [BLOCK_M, BLOCK_N] block: (dropped probs P*Z/(1-p), dS = P * (dP - delta)), both fp32, 0 off mask."""
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
     valid = rmask[:, None] & cmask[None, :]
     pr = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)
-    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    dp = _dot(do, tl.trans(v), PRECISION, UPCAST)
     dropped = pr
     if DROPOUT:
         keep = dropout_keep(key_seed, rows[:, None] * max_seqlen + cols[None, :], p)
@@ -147,6 +157,7 @@ def _attn_bwd_dkdv(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     start, length = _seq_bounds(cu_ptr)
     n0 = tl.program_id(0) * BLOCK_N
@@ -173,10 +184,10 @@ def _attn_bwd_dkdv(
         delta = tl.load(delta_ptr + tok * H + h, mask=rmask, other=0.0)
         dropped, ds = _probs_and_dscores(
             q, k, v, do, lse, delta, rmask, cmask, rows, cols, key_seed, max_seqlen, qk_scale, p, keep_scale,
-            DROPOUT, PRECISION,
+            DROPOUT, PRECISION, UPCAST,
         )
-        dv += tl.dot(tl.trans(dropped.to(do.dtype)), do, input_precision=PRECISION)
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+        dv += _dot(tl.trans(dropped.to(do.dtype)), do, PRECISION, UPCAST)
+        dk += _dot(tl.trans(ds.to(q.dtype)), q, PRECISION, UPCAST)
     out = dqkv_ptr + ctok[:, None] * (3 * H * D) + h * D + d[None, :]
     mask = cmask[:, None] & (d < D)[None, :]
     tl.store(out + H * D, (dk * sm_scale).to(dqkv_ptr.dtype.element_ty), mask=mask)
@@ -207,6 +218,7 @@ def _attn_bwd_dq(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     start, length = _seq_bounds(cu_ptr)
     m0 = tl.program_id(0) * BLOCK_M
@@ -232,9 +244,9 @@ def _attn_bwd_dq(
         v = _load_rows(base + 2 * stride_3, ctok, cmask, d, D, stride_t)
         _, ds = _probs_and_dscores(
             q, k, v, do, lse, delta, rmask, cmask, rows, cols, key_seed, max_seqlen, qk_scale, p, keep_scale,
-            DROPOUT, PRECISION,
+            DROPOUT, PRECISION, UPCAST,
         )
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        dq += _dot(ds.to(k.dtype), k, PRECISION, UPCAST)
     out = dqkv_ptr + tok[:, None] * (3 * H * D) + h * D + d[None, :]
     tl.store(out, (dq * sm_scale).to(dqkv_ptr.dtype.element_ty), mask=rmask[:, None] & (d < D)[None, :])
 
@@ -262,20 +274,21 @@ class FlashAttention(torch.autograd.Function):
         seed, keep = (C.dropout_seed() if p > 0 else 0), C.keep_scale(p)
         block_m, block_n, block_d, warps = _blocks(dim, max_seqlen)
         precision = "ieee" if qkv.dtype == torch.float32 else "tf32"  # the latter is ignored for 16-bit inputs
+        upcast = qkv.device.type == "cpu" and qkv.dtype == torch.bfloat16  # see _dot
         if total and batch and max_seqlen:
             _attn_fwd[(triton.cdiv(max_seqlen, block_m), batch, heads)](
                 qkv, cu_seqlens, out, lse, qkv.stride(0), qkv.stride(1), qkv.stride(2), heads, dim, max_seqlen,
                 scale * LOG2E, p, keep, seed, DROPOUT=p > 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-                PRECISION=precision, num_warps=warps,
+                PRECISION=precision, UPCAST=upcast, num_warps=warps,
             )
         ctx.save_for_backward(qkv, cu_seqlens, out, lse)
-        ctx.args = (max_seqlen, p, keep, seed, scale, precision)
+        ctx.args = (max_seqlen, p, keep, seed, scale, precision, upcast)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         qkv, cu_seqlens, out, lse = ctx.saved_tensors
-        max_seqlen, p, keep, seed, scale, precision = ctx.args
+        max_seqlen, p, keep, seed, scale, precision, upcast = ctx.args
         total, _, heads, dim = qkv.shape
         dout = dout.contiguous()
         delta = (dout.float() * out.float()).sum(-1)  # [T, nH] = rowsum(dO * O) = rowsum(P * dP)
@@ -286,7 +299,9 @@ class FlashAttention(torch.autograd.Function):
             qkv, cu_seqlens, dout, lse, delta, dqkv, qkv.stride(0), qkv.stride(1), qkv.stride(2), heads, dim,
             max_seqlen, scale * LOG2E, scale, p, keep, seed,
         )
-        meta = dict(DROPOUT=p > 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision)
+        meta = dict(
+            DROPOUT=p > 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision, UPCAST=upcast
+        )
         if total and batch and max_seqlen:
             _attn_bwd_dkdv[(triton.cdiv(max_seqlen, block_n), batch, heads)](*args, **meta, num_warps=warps)
             _attn_bwd_dq[(triton.cdiv(max_seqlen, block_m), batch, heads)](*args, **meta, num_warps=warps)
