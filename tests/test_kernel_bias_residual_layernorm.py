@@ -80,3 +80,24 @@ def test_bias_residual_layernorm_same_seed_same_mask() -> None:
 @pytest.mark.parametrize("n", [384, 768, 1024])
 def test_bias_residual_layernorm_gpu_bert_shapes(dtype: torch.dtype, n: int) -> None:
     _check(dtype, 8191, n, view=row_strided, device=torch.device("cuda"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_bias_residual_layernorm_autocast_mix(dtype: torch.dtype) -> None:
+    """Under autocast the GEMM output and residual are 16-bit while the parameters stay fp32."""
+    from fastbert import kernels
+
+    x, b, r, w, lb = _inputs(29, 96)
+    args = [x.to(dtype), b.float(), r.to(dtype), w.float(), lb.float()]
+    leaves = [t.clone().requires_grad_() for t in args]
+    out = kernels.bias_residual_layernorm(*leaves, EPS)
+    gout = torch.randn(out.shape, dtype=torch.float64)
+    grads = torch.autograd.grad(out, leaves, gout.to(dtype))
+    assert out.dtype == dtype and [g.dtype for g in grads] == [t.dtype for t in args]
+    ref_leaves = [t.double().requires_grad_() for t in args]
+    ref = reference.bias_residual_layernorm(*ref_leaves, EPS)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, gout.to(dtype).double())
+    tol = 2 * torch.finfo(dtype).eps
+    assert (out.double() - ref).abs().max() <= tol * ref.abs().max()
+    for g, rg in zip(grads, ref_grads, strict=True):
+        assert (g.double() - rg).abs().max() <= tol * max(1.0, rg.abs().max().item())
