@@ -64,7 +64,7 @@ def _attn_fwd(
     stride_3,
     stride_h,
     H,
-    D,
+    D: tl.constexpr,  # the head dim: constant, so the d < D masks fold away when D is a power of two
     max_seqlen,
     qk_scale,  # softmax scale * log2(e)
     p,
@@ -145,7 +145,7 @@ def _attn_bwd_dkdv(
     stride_3,
     stride_h,
     H,
-    D,
+    D: tl.constexpr,  # the head dim: constant, so the d < D masks fold away when D is a power of two
     max_seqlen,
     qk_scale,
     sm_scale,
@@ -206,7 +206,7 @@ def _attn_bwd_dq(
     stride_3,
     stride_h,
     H,
-    D,
+    D: tl.constexpr,  # the head dim: constant, so the d < D masks fold away when D is a power of two
     max_seqlen,
     qk_scale,
     sm_scale,
