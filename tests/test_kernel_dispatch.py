@@ -73,3 +73,11 @@ def test_kernel_functions_have_the_ops_signatures() -> None:
     assert kernels.unavailable_reason() is None
     for op in ops.OPS:
         assert inspect.signature(getattr(kernels, op)) == inspect.signature(getattr(ops, op)), op
+
+
+def test_triton_takes_cuda_tensors_automatically() -> None:
+    """As data: the Triton backend accepts a CUDA call in automatic mode (checked without a GPU)."""
+    backend = ops.backends()["triton"]
+    args = _bias_act_args()
+    assert backend.refuses("bias_act", torch.device("cuda"), torch.float16, args, {}) is None
+    assert backend.refuses("bias_act", torch.device("cpu"), torch.float32, args, {}) is not None

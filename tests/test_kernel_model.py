@@ -78,3 +78,21 @@ def test_bert_model_trains_with_dropout_on_triton() -> None:
         losses.append((loss.item(), model.embeddings.word_embeddings.weight.grad.clone()))
     assert losses[0][0] == losses[1][0] and torch.equal(losses[0][1], losses[1][1])
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.gpu
+def test_bert_model_on_cuda_dispatches_to_triton_and_matches_transformers() -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    config = dict(vocab_size=30522, hidden_size=768, num_hidden_layers=2, num_attention_heads=12,
+                  intermediate_size=3072)
+    hf = transformers.BertModel(transformers.BertConfig(**config)).cuda().eval()
+    fb = fastbert.BertModel.from_hf(hf).eval()
+    lengths = torch.randint(32, 129, (8,))
+    mask = (torch.arange(128)[None, :] < lengths[:, None]).long().cuda()
+    ids = torch.randint(1, 30522, (8, 128), device="cuda") * mask
+    with torch.no_grad():
+        theirs = hf(ids, attention_mask=mask).last_hidden_state
+        ours = fb(ids, attention_mask=mask).last_hidden_state
+    assert all(line.split(": ")[1].startswith("triton") for line in fastbert.explain().splitlines())
+    err = (ours - theirs)[mask.bool()].abs().max().item()
+    assert err <= ATOL, f"max error at valid positions {err:.3g} > {ATOL}"
