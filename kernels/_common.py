@@ -56,6 +56,11 @@ def as_rows(x: torch.Tensor, n: int) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 or n == 1 else rows.contiguous()
 
 
+def interpreter_bf16(t: torch.Tensor) -> bool:
+    """bf16 on the CPU interpreter: tl.dot operands must go in as fp32 there (see _device.dot)."""
+    return t.device.type == "cpu" and t.dtype == torch.bfloat16
+
+
 def check_dropout(p: float) -> None:
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout probability must be in [0, 1], got {p}")

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from . import _common as C
-from ._rowwise import dropout_keep
+from ._device import dot, dropout_keep
 
 MAX_HEAD_DIM = 128
 MAX_SEQLEN_DROPOUT = 46340  # row * max_seqlen + col must fit the int32 Philox offset
@@ -30,15 +30,6 @@ LOG2E = 1.4426950408889634
 def _load_rows(ptr, tok, rmask, d, D, stride_t):
     """A [BLOCK, BLOCK_D] tile of rows `tok` (int64) from a [*, D] view, 0 outside the rows / D."""
     return tl.load(ptr + tok[:, None] * stride_t + d[None, :], mask=rmask[:, None] & (d < D)[None, :], other=0.0)
-
-
-@triton.jit
-def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """a @ b with fp32 accumulation; UPCAST feeds the (already rounded) operands as fp32 instead: the same
-    products, for triton's CPU interpreter, whose bf16 tl.dot returns garbage (3.9)."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit
@@ -97,7 +88,7 @@ def _attn_fwd(
         ctok = (start + cols).to(tl.int64)
         k = _load_rows(base + stride_3, ctok, cmask, d, D, stride_t)
         v = _load_rows(base + 2 * stride_3, ctok, cmask, d, D, stride_t)
-        s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N] fp32, log2 units
+        s = dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N] fp32, log2 units
         s = tl.where(cmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: key 0 is valid in every launched program
         alpha = tl.exp2(m_i - m_new)
@@ -106,7 +97,7 @@ def _attn_fwd(
         if DROPOUT:
             keep = dropout_keep(key_seed, rows[:, None] * max_seqlen + cols[None, :], p)
             pr = tl.where(keep, pr * keep_scale, 0.0)
-        acc = acc * alpha[:, None] + _dot(pr.to(v.dtype), v, PRECISION, UPCAST)
+        acc = acc * alpha[:, None] + dot(pr.to(v.dtype), v, PRECISION, UPCAST)
         m_i = m_new
     out = acc / l_i[:, None]
     tok = (start + rows).to(tl.int64)
@@ -121,10 +112,10 @@ def _probs_and_dscores(
     DROPOUT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """For one [BLOCK_M, BLOCK_N] block: (dropped probs P*Z/(1-p), dS = P * (dP - delta)), both fp32, 0 off mask."""
-    s = _dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
+    s = dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
     valid = rmask[:, None] & cmask[None, :]
     pr = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)
-    dp = _dot(do, tl.trans(v), PRECISION, UPCAST)
+    dp = dot(do, tl.trans(v), PRECISION, UPCAST)
     dropped = pr
     if DROPOUT:
         keep = dropout_keep(key_seed, rows[:, None] * max_seqlen + cols[None, :], p)
@@ -186,8 +177,8 @@ def _attn_bwd_dkdv(
             q, k, v, do, lse, delta, rmask, cmask, rows, cols, key_seed, max_seqlen, qk_scale, p, keep_scale,
             DROPOUT, PRECISION, UPCAST,
         )
-        dv += _dot(tl.trans(dropped.to(do.dtype)), do, PRECISION, UPCAST)
-        dk += _dot(tl.trans(ds.to(q.dtype)), q, PRECISION, UPCAST)
+        dv += dot(tl.trans(dropped.to(do.dtype)), do, PRECISION, UPCAST)
+        dk += dot(tl.trans(ds.to(q.dtype)), q, PRECISION, UPCAST)
     out = dqkv_ptr + ctok[:, None] * (3 * H * D) + h * D + d[None, :]
     mask = cmask[:, None] & (d < D)[None, :]
     tl.store(out + H * D, (dk * sm_scale).to(dqkv_ptr.dtype.element_ty), mask=mask)
@@ -246,7 +237,7 @@ def _attn_bwd_dq(
             q, k, v, do, lse, delta, rmask, cmask, rows, cols, key_seed, max_seqlen, qk_scale, p, keep_scale,
             DROPOUT, PRECISION, UPCAST,
         )
-        dq += _dot(ds.to(k.dtype), k, PRECISION, UPCAST)
+        dq += dot(ds.to(k.dtype), k, PRECISION, UPCAST)
     out = dqkv_ptr + tok[:, None] * (3 * H * D) + h * D + d[None, :]
     tl.store(out, (dq * sm_scale).to(dqkv_ptr.dtype.element_ty), mask=rmask[:, None] & (d < D)[None, :])
 
@@ -274,7 +265,7 @@ class FlashAttention(torch.autograd.Function):
         seed, keep = (C.dropout_seed() if p > 0 else 0), C.keep_scale(p)
         block_m, block_n, block_d, warps = _blocks(dim, max_seqlen)
         precision = "ieee" if qkv.dtype == torch.float32 else "tf32"  # the latter is ignored for 16-bit inputs
-        upcast = qkv.device.type == "cpu" and qkv.dtype == torch.bfloat16  # see _dot
+        upcast = C.interpreter_bf16(qkv)  # see _device.dot
         if total and batch and max_seqlen:
             _attn_fwd[(triton.cdiv(max_seqlen, block_m), batch, heads)](
                 qkv, cu_seqlens, out, lse, qkv.stride(0), qkv.stride(1), qkv.stride(2), heads, dim, max_seqlen,

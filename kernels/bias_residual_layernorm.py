@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from . import _common as C
-from ._rowwise import dropout_keep, layernorm_tile, layernorm_tile_bwd
+from ._device import dropout_keep, layernorm_tile, layernorm_tile_bwd
 
 
 @triton.jit

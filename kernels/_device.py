@@ -1,5 +1,5 @@
-"""Triton device functions shared by the row kernels: LayerNorm forward/backward on a [BLOCK_M, BLOCK_N] tile
-and the dropout keep-mask. Statistics are fp32 whatever the storage dtype."""
+"""Triton device functions shared by the kernels: LayerNorm forward/backward on a [BLOCK_M, BLOCK_N] tile (fp32
+statistics whatever the storage dtype), the dropout keep-mask, and a tl.dot wrapper for the CPU interpreter."""
 
 import triton
 import triton.language as tl
@@ -29,3 +29,12 @@ def layernorm_tile_bwd(g, xhat, rstd, w, n):
 def dropout_keep(seed, offsets, p):
     """Keep-mask for inverted dropout: element kept with probability 1 - p; same (seed, offsets) -> same mask."""
     return tl.rand(seed, offsets) >= p
+
+
+@triton.jit
+def dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b with fp32 accumulation; UPCAST feeds the (already rounded) operands as fp32 instead: the same
+    products, for triton's CPU interpreter, whose bf16 tl.dot returns garbage (3.9)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
