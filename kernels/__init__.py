@@ -13,10 +13,13 @@ try:
     from .bias_act import bias_act
     from .bias_residual_layernorm import bias_residual_layernorm
     from .embedding import embedding_layernorm
+    from .linear_act import linear_act  # an extra: GEMM + bias + activation, not a dispatch op
 except ImportError as exc:  # triton missing or too old: a reason to fall back, reported by unavailable_reason()
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
-__all__ = ["attention", "bias_act", "bias_residual_layernorm", "embedding_layernorm", "unavailable_reason"]
+__all__ = [
+    "attention", "bias_act", "bias_residual_layernorm", "embedding_layernorm", "linear_act", "unavailable_reason",
+]
 
 
 def unavailable_reason() -> str | None:
