@@ -1,11 +1,12 @@
 """Embedding gather (word + position + token type) + sum + LayerNorm (+ dropout) in one pass, and its backward.
 
-Limits: ids `[*]` any integer dtype (flattened), tables `[V, E]`, `[P, E]`, `[Tt, E]` fp32/fp16/bf16 with a unit
+Limits: ids `[*]` int32/int64 (flattened), tables `[V, E]`, `[P, E]`, `[Tt, E]` fp32/fp16/bf16 with a unit
 feature stride (any row stride), E <= 16384; `inputs_embeds` `[*, E]` replaces the word lookup. With ALBERT's
 embedding_size < hidden the LayerNorm is over E and the projection follows in the model. Statistics in fp32, one
 cast to the table's (or inputs_embeds') dtype on store. Ids are not bounds-checked here (the model validates them).
 Backward: one kernel recomputes the row sum from the ids and writes dL/d(sum) in fp32 plus per-program partial
-LayerNorm grads; the three table grads are then scattered with index_add_ (fp32, cast once to the table dtype).
+LayerNorm grads; the three table grads are then summed by nn.Embedding's backward op (fp32, deterministic on
+CUDA) and cast once to the table dtype.
 """
 
 from __future__ import annotations
@@ -151,9 +152,9 @@ def _blocks(n: int) -> tuple[int, int, int]:
 
 
 def _scatter(grad_rows: torch.Tensor, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Sum fp32 row grads into a [rows(table), E] grad, cast once to the table dtype."""
-    out = torch.zeros(table.shape, dtype=torch.float32, device=table.device)
-    return out.index_add_(0, ids, grad_rows).to(table.dtype)
+    """Sum fp32 row grads into a [rows(table), E] grad with nn.Embedding's own backward (sort-based on CUDA, so
+    deterministic, unlike index_add_), cast once to the table dtype."""
+    return torch.ops.aten.embedding_dense_backward(grad_rows, ids, table.shape[0], -1, False).to(table.dtype)
 
 
 class EmbeddingLayerNorm(torch.autograd.Function):
@@ -205,10 +206,10 @@ class EmbeddingLayerNorm(torch.autograd.Function):
                 HAS_EMBEDS=ctx.has_embeds, DROPOUT=ctx.p > 0, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
             )
         dw, db = parts.sum(1).unbind(0)
-        d_word = None if ctx.has_embeds else _scatter(dx, ids.long(), word)
+        d_word = None if ctx.has_embeds else _scatter(dx, ids, word)
         d_embeds = dx.to(ctx.emb_dtype).view(ctx.emb_shape) if ctx.has_embeds else None
         return (
-            None, None, None, d_word, _scatter(dx, pos.long(), posw), _scatter(dx, tt.long(), typew),
+            None, None, None, d_word, _scatter(dx, pos, posw), _scatter(dx, tt, typew),
             dw.to(ln_w.dtype), db.to(ln_w.dtype), None, None, d_embeds,
         )
 

@@ -1,8 +1,8 @@
 """Helpers for the Triton kernel tests: devices, NaN-poisoned allocation, fp64-referenced error bounds.
 
 Bounds (DESIGN.md): fp32 within 1e-5 of the fp64 reference, relative to max(1, max|ref|); fp16 / bf16 error at most
-2x the error of plain torch at that precision (the reference run in that dtype) plus a floor of one unit roundoff
-of the dtype times max|ref|.
+2x the error of plain torch at that precision (the reference run in that dtype) plus a floor of the dtype's machine
+epsilon times max|ref| (one rounding of the largest value).
 """
 
 from __future__ import annotations

@@ -107,3 +107,16 @@ def test_embedding_layernorm_matches_torch_layer_norm_on_bert_tables() -> None:
 @pytest.mark.parametrize("e", [128, 768, 1024])
 def test_embedding_layernorm_gpu_bert_shapes(dtype: torch.dtype, e: int) -> None:
     _check_ids(dtype, 8191, e, view=row_strided, device=torch.device("cuda"), vocab=30522, positions=512)
+
+
+@gpu
+def test_embedding_layernorm_gpu_backward_is_deterministic() -> None:
+    from fastbert import kernels
+
+    (ids, tt, pos), tables, ln = _case(16384, 768, vocab=30522, positions=512, device=torch.device("cuda"))
+    params = [t.half().requires_grad_() for t in (*tables, *ln)]
+    grads = []
+    for _ in range(2):
+        y = kernels.embedding_layernorm(ids, tt, pos, *params, EPS)
+        grads.append(torch.autograd.grad(y.float().square().sum(), params))
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
