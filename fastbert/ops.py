@@ -4,6 +4,7 @@ What a backend supports is data (`Backend`: devices, dtypes, a loader, per-op li
 it happened: `fastbert.explain()` lists the last decision per op, and the `fastbert.ops` logger records each new
 one at DEBUG. `FASTBERT_BACKEND=triton|native|torch` (or `use_backend(...)`, or `BertConfig.backend`) forces one
 backend; a forced backend that cannot take a call raises `BackendUnavailable`, it never silently degrades.
+Triton takes CUDA tensors automatically, CPU tensors (its interpreter, TRITON_INTERPRET=1) only when forced.
 
 Importing this module never needs a GPU, Triton or the native extension: backends load lazily, and a failed load
 is recorded as the reason to fall back.
