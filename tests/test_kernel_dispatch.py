@@ -81,3 +81,22 @@ def test_triton_takes_cuda_tensors_automatically() -> None:
     args = _bias_act_args()
     assert backend.refuses("bias_act", torch.device("cuda"), torch.float16, args, {}) is None
     assert backend.refuses("bias_act", torch.device("cpu"), torch.float32, args, {}) is not None
+
+
+def test_fastbert_imports_and_runs_without_triton() -> None:
+    """With triton unimportable, fastbert still imports, the Triton backend reports why, and ops fall back."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, fastbert\n"
+        "from fastbert import kernels, ops\n"
+        "assert 'triton' in kernels.unavailable_reason(), kernels.unavailable_reason()\n"
+        "_, name = ops.select('bias_act', (torch.randn(2, 4), torch.randn(4), 'gelu'), {})\n"
+        "assert name != 'triton', name\n"
+        "print(ops.backends()['triton'].load()[1])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "triton" in done.stdout
