@@ -20,7 +20,7 @@ lint: venv
 	$(VENV)/bin/ruff check .
 
 test: venv lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests benchmarks --benchmark-disable
 
 bench: venv
 	$(PY) -m benchmarks.run_model $(BENCH_ARGS)

@@ -4,6 +4,7 @@ What a backend supports is data (`Backend`: devices, dtypes, a loader, per-op li
 it happened: `fastbert.explain()` lists the last decision per op, and the `fastbert.ops` logger records each new
 one at DEBUG. `FASTBERT_BACKEND=triton|native|torch` (or `use_backend(...)`, or `BertConfig.backend`) forces one
 backend; a forced backend that cannot take a call raises `BackendUnavailable`, it never silently degrades.
+Triton takes CUDA tensors automatically, CPU tensors (its interpreter, TRITON_INTERPRET=1) only when forced.
 
 Importing this module never needs a GPU, Triton or the native extension: backends load lazily, and a failed load
 is recorded as the reason to fall back.
@@ -49,6 +50,7 @@ class Backend:
     ops: tuple[str, ...] = OPS
     limits: dict[str, LimitCheck] = field(default_factory=dict)
     device_check: Callable[[str], str | None] | None = None  # e.g. Triton on CPU only under TRITON_INTERPRET=1
+    auto_devices: tuple[str, ...] | None = None  # devices automatic dispatch sends here (None: all of `devices`)
     _loaded: ModuleType | None = field(default=None, repr=False)
     _load_error: str | None = field(default=None, repr=False)
 
@@ -63,12 +65,16 @@ class Backend:
                 self._load_error = f"{type(exc).__name__}: {exc}"
         return self._loaded, self._load_error
 
-    def refuses(self, op: str, device: torch.device, dtype: torch.dtype, args: tuple, kwargs: dict) -> str | None:
-        """Why this backend cannot take the call, or None if it can."""
+    def refuses(
+        self, op: str, device: torch.device, dtype: torch.dtype, args: tuple, kwargs: dict, forced: bool = False
+    ) -> str | None:
+        """Why this backend cannot take the call, or None if it can (`forced`: chosen by name, not automatically)."""
         if op not in self.ops:
             return f"does not implement {op}"
         if device.type not in self.devices:
             return f"runs on {'/'.join(self.devices)}, not {device.type}"
+        if not forced and self.auto_devices is not None and device.type not in self.auto_devices:
+            return f"takes {device.type} tensors only when forced"
         if self.device_check is not None and (reason := self.device_check(device.type)):
             return reason
         if dtype not in self.dtypes:
@@ -86,6 +92,41 @@ def _triton_device_check(device_type: str) -> str | None:
     return None
 
 
+TRITON_MAX_FEATURE = 16384  # row kernels hold a whole feature row in registers (kernels/_common.py MAX_FEATURE)
+TRITON_MAX_HEAD_DIM = 128  # kernels/attention.py MAX_HEAD_DIM
+TRITON_MAX_SEQLEN_DROPOUT = 46340  # attention dropout's int32 Philox offsets (kernels/attention.py)
+
+
+def _feature_limit(n: int) -> str | None:
+    return f"feature dim {n} > {TRITON_MAX_FEATURE}" if n > TRITON_MAX_FEATURE else None
+
+
+def _triton_embedding_limit(*args: Any, **kwargs: Any) -> str | None:
+    return _feature_limit(args[3].shape[-1])  # word_weight [V, E]
+
+
+def _triton_brln_limit(x: torch.Tensor, *args: Any, **kwargs: Any) -> str | None:
+    return _feature_limit(x.shape[-1])
+
+
+def _triton_attention_limit(
+    qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, dropout_p: float = 0.0, training: bool = False,
+    *args: Any,
+) -> str | None:
+    if qkv.shape[-1] > TRITON_MAX_HEAD_DIM:
+        return f"head dim {qkv.shape[-1]} > {TRITON_MAX_HEAD_DIM}"
+    if training and dropout_p > 0 and max_seqlen > TRITON_MAX_SEQLEN_DROPOUT:
+        return f"attention dropout with max_seqlen {max_seqlen} > {TRITON_MAX_SEQLEN_DROPOUT}"
+    return None
+
+
+_TRITON_LIMITS: dict[str, LimitCheck] = {
+    "embedding_layernorm": _triton_embedding_limit,
+    "bias_residual_layernorm": _triton_brln_limit,
+    "attention": _triton_attention_limit,
+}
+
+
 def _native_no_grad(*args: Any, **kwargs: Any) -> str | None:
     if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         return "forward only: inputs require grad"
@@ -98,7 +139,9 @@ _BACKENDS: dict[str, Backend] = {
         devices=("cuda", "cpu"),
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
         module="fastbert.kernels",
+        limits=_TRITON_LIMITS,
         device_check=_triton_device_check,
+        auto_devices=("cuda",),  # CPU (interpreter) only when forced: tests, never a silent slow path
     ),
     "native": Backend(
         "native",
@@ -162,7 +205,7 @@ def select(op: str, args: tuple, kwargs: dict) -> tuple[Callable, str]:
     forced = forced_backend()
     if forced is not None:
         backend = _BACKENDS[forced]
-        reason = backend.refuses(op, device, dtype, args, kwargs)
+        reason = backend.refuses(op, device, dtype, args, kwargs, forced=True)
         if reason:
             raise BackendUnavailable(f"{op}: forced backend {forced!r} cannot run on {device.type}/{dtype}: {reason}")
         _record(op, f"{forced} (forced)")
