@@ -1,4 +1,4 @@
-"""ONNX export: onnxruntime vs fastbert for every head, symbolic axes, padding, fusions on the real checkpoint, errors."""
+"""ONNX export: onnxruntime vs fastbert for every head, symbolic axes, padding, real-checkpoint fusions, errors."""
 
 from __future__ import annotations
 
