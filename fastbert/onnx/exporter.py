@@ -132,7 +132,7 @@ def _check_symbolic(path: str, model: nn.Module) -> None:
     for name, axes in dynamic_axes(model).items():
         fixed = [axis for axis in axes if isinstance(saved[name][axis], int)]
         if fixed:
-            raise RuntimeError(f"{path}: {name} has fixed axes {fixed} ({saved[name]}); the export lost its dynamic axes")
+            raise RuntimeError(f"{path}: {name} has fixed axes {fixed} ({saved[name]}): dynamic axes were lost")
 
 
 def expected_fusions(model: PreTrainedModel) -> dict[str, int]:
