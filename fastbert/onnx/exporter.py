@@ -35,7 +35,8 @@ class ExportReport:
     parity: dict[tuple[int, int], float] = field(default_factory=dict)
     optimized_path: str | None = None
     fused: dict[str, int] | None = None
-    optimized_parity: dict[tuple[int, int], float] = field(default_factory=dict)  # optimized vs unoptimized graph
+    # fp32: optimized vs unoptimized graph; fp16: optimized graph vs fp32 PyTorch
+    optimized_parity: dict[tuple[int, int], float] = field(default_factory=dict)
 
     def summary(self) -> str:
         lines = [f"exported {self.path} ({self.dtype})"]
@@ -191,7 +192,7 @@ def export(
     path = _check_path(path)
     report = ExportReport(path=path, dtype=dtype)
     source = copy.deepcopy(model).to(device="cpu", dtype=torch.float32).eval()
-    exported = copy.deepcopy(source).to(DTYPES[dtype])
+    exported = source if dtype == "fp32" else copy.deepcopy(source).to(DTYPES[dtype])
     with torch.no_grad():
         _write(ReferenceGraph(exported).eval(), exported, path, opset)
     _check_symbolic(path, exported)
