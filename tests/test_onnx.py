@@ -189,6 +189,8 @@ def test_cli_export_onnx(tmp_path, capsys):
     torch.testing.assert_close(session(**inputs).logits, run_torch(model, inputs).logits, atol=1e-4, rtol=0)
     with pytest.raises(SystemExit, match="does not exist"):
         main(["export-onnx", str(tmp_path / "no-such-dir"), str(out)])
+    with pytest.raises(SystemExit, match="directory .* does not exist"):
+        main(["export-onnx", str(tmp_path / "ckpt"), str(tmp_path / "no-such-dir" / "m.onnx")])
 
 
 @pytest.mark.parametrize(

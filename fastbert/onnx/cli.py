@@ -38,14 +38,17 @@ def run(args: argparse.Namespace) -> int:
 
     if not os.path.isdir(args.checkpoint):
         raise SystemExit(f"error: checkpoint directory {args.checkpoint} does not exist")
-    model = HEADS[args.head or _head_of(args.checkpoint)].from_pretrained(args.checkpoint)
-    export(
-        model,
-        args.output,
-        dtype=args.dtype,
-        opset=args.opset,
-        check=not args.no_check,
-        optimize_graph=args.optimize,
-        optimized_path=args.optimized_output,
-    )
+    try:
+        model = HEADS[args.head or _head_of(args.checkpoint)].from_pretrained(args.checkpoint)
+        export(
+            model,
+            args.output,
+            dtype=args.dtype,
+            opset=args.opset,
+            check=not args.no_check,
+            optimize_graph=args.optimize,
+            optimized_path=args.optimized_output,
+        )
+    except (OSError, ValueError, RuntimeError) as exc:  # bad paths, bad checkpoints, failed parity: one clear line
+        raise SystemExit(f"error: {exc}") from exc
     return 0
