@@ -82,13 +82,17 @@ def test_batch_and_sequence_axes_are_symbolic(cls, tmp_path):
     assert opset[""] >= 17
 
 
-def test_fully_padded_row_is_finite_and_zero(tmp_path):
+@pytest.mark.parametrize("optimized", [False, True])
+def test_any_mask_layout_and_fully_padded_row(optimized, tmp_path):
+    """Holes, left padding and an all-padding row, as fastbert takes them; the fused graph must keep the 2-D mask."""
     model = tiny()
-    export(model, tmp_path / "m.onnx", check=False, progress=False)
-    ids = torch.randint(0, 1000, (2, 16))
-    mask = torch.zeros(2, 16, dtype=torch.long)
-    mask[0, :5] = 1  # row 1 is entirely padding
-    out = Session(tmp_path / "m.onnx")(ids, mask)
+    report = export(model, tmp_path / "m.onnx", check=False, optimize_graph=optimized, progress=False)
+    ids = torch.randint(0, 1000, (3, 16))
+    mask = torch.ones(3, 16, dtype=torch.long)
+    mask[0, ::3] = 0  # holes
+    mask[1, :9] = 0  # left padding
+    mask[2] = 0  # entirely padding
+    out = Session(report.optimized_path or report.path)(ids, mask)
     ref = run_torch(model, {"input_ids": ids, "attention_mask": mask})
     assert torch.isfinite(out.last_hidden_state).all() and torch.isfinite(out.pooler_output).all()
     assert (out.last_hidden_state[mask == 0] == 0).all()  # padding zeroed, as fastbert's repad does

@@ -150,11 +150,21 @@ def expected_fusions(model: PreTrainedModel) -> dict[str, int]:
 
 def optimize(model: PreTrainedModel, path: str, optimized_path: str) -> dict[str, int]:
     """Run onnxruntime's transformers optimizer (model_type bert) on `path`; raise unless every layer fused."""
+    from onnxruntime.transformers.fusion_options import FusionOptions
     from onnxruntime.transformers.optimizer import optimize_model
 
     config = model.config
+    options = FusionOptions("bert")
+    # The bert default reduces the mask to per-row lengths (right padding only); keep the 2-D mask, as fastbert
+    # takes any layout of ones (left padding, holes).
+    options.use_raw_attention_mask(True)
     optimized = optimize_model(
-        path, model_type="bert", num_heads=config.num_attention_heads, hidden_size=config.hidden_size, opt_level=0
+        path,
+        model_type="bert",
+        num_heads=config.num_attention_heads,
+        hidden_size=config.hidden_size,
+        optimization_options=options,
+        opt_level=0,
     )
     stats = optimized.get_fused_operator_statistics()
     fused = {op: int(stats.get(op, 0)) for op in FUSED_OPS}

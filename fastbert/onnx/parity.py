@@ -30,16 +30,19 @@ def parity_shapes(config: BertConfig) -> list[tuple[int, int]]:
 def make_inputs(
     config: BertConfig, batch: int, seqlen: int, choices: int | None = None, seed: int = 0
 ) -> dict[str, torch.Tensor]:
-    """Random ids and token types; row 0 full, row 1 ragged, row 2 fully padded, further rows random lengths."""
+    """Random ids and token types. One row: full length. Several: row 0 right-padded, row 1 left-padded, row 2
+    fully padded, further rows right-padded; ragged lengths are random in [1, seqlen - 1] (1 when seqlen is 1)."""
     gen = torch.Generator().manual_seed(seed)
     shape = (batch, seqlen) if choices is None else (batch, choices, seqlen)
     ids = torch.randint(0, config.vocab_size, shape, generator=gen)
     types = torch.randint(0, config.type_vocab_size, shape, generator=gen)
-    lengths = torch.randint(1, seqlen + 1, (batch,), generator=gen)
-    lengths[0] = seqlen
+    lengths = torch.randint(1, max(seqlen, 2), (batch, 1), generator=gen) if batch > 1 else torch.full((1, 1), seqlen)
+    positions = torch.arange(seqlen).expand(batch, seqlen).clone()
+    if batch > 1:
+        positions[1] = positions[1].flip(0)  # left padding: the ones sit at the end
     if batch > 2:
         lengths[2] = 0
-    mask = (torch.arange(seqlen) < lengths.view(-1, 1)).long()
+    mask = (positions < lengths).long()
     if choices is not None:
         mask = mask.unsqueeze(1).expand(shape).contiguous()
     return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
