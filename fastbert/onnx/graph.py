@@ -80,7 +80,7 @@ class ReferenceGraph(nn.Module):
 
     def __init__(self, model: PreTrainedModel) -> None:
         super().__init__()
-        self.spec = spec_of(model)
+        spec_of(model)  # TypeError for anything but fastbert.BertModel or one of its heads
         self.model = model
         self.bert: BertModel = model if isinstance(model, BertModel) else model.bert
         config = model.config
