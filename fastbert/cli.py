@@ -9,6 +9,7 @@ import sys
 # subcommand -> (module defining `add_arguments(parser)` and `run(args) -> int`, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "explain": ("fastbert.cli", "show which backend each fused op would use here, and why"),
+    "distill": ("fastbert.distill.cli", "train a smaller student from a BERT teacher (torchrun for many processes)"),
 }
 
 

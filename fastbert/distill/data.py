@@ -117,7 +117,7 @@ class TeacherCache:
 
     def put(self, indices: Sequence[int], targets: list[dict[str, torch.Tensor]]) -> None:
         for i, t in zip(indices, targets, strict=True):
-            entry = {k: v.detach().float().cpu().contiguous() for k, v in t.items()}
+            entry = {k: v.detach().float().cpu().clone() for k, v in t.items()}  # own storage each
             self.entries[i] = self.pending[i] = entry
 
     def flush(self) -> None:

@@ -100,11 +100,12 @@ def teacher_targets(
     if obj.uses_logits:
         logits = out.get("logits", out.get("prediction_logits"))
         result["logits"] = logits.float()
-    last = (out.hidden_states[-1] if want_hidden else out.last_hidden_state).float()
-    if obj.cosine:
-        result["last"] = last
-    if obj.embedding:
-        result["embedding"] = mean_pool(last, batch["attention_mask"])
+    if obj.cosine or obj.embedding:
+        last = (out.hidden_states[-1] if want_hidden else out.last_hidden_state).float()
+        if obj.cosine:
+            result["last"] = last
+        if obj.embedding:
+            result["embedding"] = mean_pool(last, batch["attention_mask"])
     if obj.hidden_mse:
         result["hidden"] = {k: out.hidden_states[j].float() for k, j in layer_map.items()}
     if obj.attention:

