@@ -233,7 +233,6 @@ def distill(
     s_layers, t_layers = student.config.num_hidden_layers, teacher_model.config.num_hidden_layers
     hidden_map = dict(obj.layer_map) if obj.layer_map is not None else block_end_map(t_layers, s_layers)
     if obj.attention:
-        hidden_map = {k: j for k, j in hidden_map.items() if k > 0}
         if student.config.num_attention_heads != teacher_model.config.num_attention_heads:
             raise ValueError("attention distillation needs as many heads in the student as in the teacher")
     projections = _projections(student.config.hidden_size, teacher_model.config.hidden_size, cfg, hidden_map, s_layers)
@@ -260,6 +259,7 @@ def distill(
     scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.precision == "fp16")
     ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
     start_step = 0
+    torch.manual_seed(cfg.seed + env.rank)  # dropout differs across ranks; a resumed run restores its saved state
     if resume_path is not None:
         state = training.load_checkpoint(
             resume_path,
@@ -318,7 +318,7 @@ def distill(
                 cache.flush()
             epoch_batches = (epoch, sampler.batches(epoch))
         rows = epoch_batches[1][pos]
-        batch = make_batch(rows, ((cfg.seed * 1_000_003 + epoch) * 1_000_003 + pos) * 257 + env.rank)
+        batch = make_batch(rows, (((cfg.seed * 1_000_003 + epoch) * 1_000_003 + pos) * 257 + env.rank) % 2**63)
         if cache is not None:
             t_out = _cached_targets(cache, rows, batch, teacher_model, obj, hidden_map)
         else:
