@@ -6,6 +6,7 @@ Run it under `torchrun --nproc_per_node N` for data-parallel training (rank 0 sa
 from __future__ import annotations
 
 import argparse
+import os
 
 from fastbert.distill.objectives import WEIGHTS, Objectives
 
@@ -104,8 +105,9 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
     )
     result = distill(args.teacher, args.corpus, config, tokenizer=args.tokenizer, eval_corpus=args.eval_corpus)
-    print(
-        f"student: {result.student_dir}  held-out loss {result.eval_before:.4f} -> {result.eval_after:.4f}  "
-        f"({result.train_seconds:.0f} s of training)"
-    )
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(
+            f"student: {result.student_dir}  held-out loss {result.eval_before:.4f} -> {result.eval_after:.4f}  "
+            f"({result.train_seconds:.0f} s of training)"
+        )
     return 0
