@@ -10,6 +10,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "explain": ("fastbert.cli", "show which backend each fused op would use here, and why"),
     "export-onnx": ("fastbert.onnx.cli", "export a checkpoint to ONNX, check it in onnxruntime, optionally optimize"),
+    "distill": ("fastbert.distill.cli", "train a smaller student from a BERT teacher (torchrun for many processes)"),
 }
 
 
