@@ -30,10 +30,16 @@ def native_build() -> dict:
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
     cpu_sources = sorted(glob.glob("csrc/cpu/*.cpp"))
-    ext = [CppExtension("fastbert._native_cpu", cpu_sources, extra_compile_args=CPU_FLAGS, extra_link_args=["-fopenmp"])]
+    ext = [
+        CppExtension("fastbert._native_cpu", cpu_sources, extra_compile_args=CPU_FLAGS, extra_link_args=["-fopenmp"])
+    ]
     if build_cuda:
         cuda_sources = sorted(glob.glob("csrc/cuda/*.cpp") + glob.glob("csrc/cuda/*.cu"))
-        ext.append(CUDAExtension("fastbert._native_cuda", cuda_sources, extra_compile_args={"cxx": ["-O3"], "nvcc": NVCC_FLAGS}))
+        ext.append(
+            CUDAExtension(
+                "fastbert._native_cuda", cuda_sources, extra_compile_args={"cxx": ["-O3"], "nvcc": NVCC_FLAGS}
+            )
+        )
 
     class BuildWithInfo(BuildExtension):
         """BuildExtension that records how each extension was built next to it (read by fastbert.native)."""

@@ -88,6 +88,16 @@ int threads_for(int64_t bytes) {
   return int(std::min<int64_t>(at::get_num_threads(), by_size));
 }
 
+// The output: a new contiguous tensor, or the caller's `out` (tests poison it to prove every element is written).
+at::Tensor output(const std::optional<at::Tensor>& out, at::IntArrayRef sizes, const at::Tensor& like) {
+  if (!out) return at::empty(sizes, like.options());
+  TORCH_CHECK_VALUE(out->sizes() == sizes && out->scalar_type() == like.scalar_type() && out->is_contiguous() &&
+                        out->device().is_cpu(),
+                    "out must be a contiguous CPU ", like.scalar_type(), " tensor of shape ", sizes, ", got ",
+                    out->scalar_type(), " ", out->sizes());
+  return *out;
+}
+
 at::Tensor ids_of(const at::Tensor& ids, at::ScalarType type, int64_t rows, const char* what) {
   check_cpu(ids, what);
   TORCH_CHECK_TYPE(!ids.is_floating_point() && !ids.is_complex(), what, " must be integer, got ", ids.scalar_type());
@@ -103,7 +113,8 @@ at::Tensor embedding_layernorm(const std::optional<at::Tensor>& input_ids, const
                                   const at::Tensor& position_ids, const at::Tensor& word_weight,
                                   const at::Tensor& position_weight, const at::Tensor& type_weight,
                                   const at::Tensor& ln_weight, const at::Tensor& ln_bias, double eps,
-                                  const std::optional<at::Tensor>& inputs_embeds) {
+                                  const std::optional<at::Tensor>& inputs_embeds,
+                                  const std::optional<at::Tensor>& out_opt) {
   TORCH_CHECK_VALUE(input_ids.has_value() != inputs_embeds.has_value(), "pass exactly one of input_ids and inputs_embeds");
   const at::Tensor& lead = inputs_embeds ? *inputs_embeds : word_weight;
   const DType dtype = dtype_of(lead, inputs_embeds ? "inputs_embeds" : "word_weight");
@@ -137,7 +148,7 @@ at::Tensor embedding_layernorm(const std::optional<at::Tensor>& input_ids, const
   at::Tensor tw = type_weight.stride(1) == 1 ? type_weight : type_weight.contiguous();
   at::Tensor pw = position_weight.stride(1) == 1 ? position_weight : position_weight.contiguous();
   at::Tensor w = params(ln_weight, dim, "ln_weight"), b = params(ln_bias, dim, "ln_bias");
-  at::Tensor out = at::empty(shape, lead.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = output(out_opt, shape, lead);
   if (tokens == 0 || dim == 0) return out;
   EmbeddingArgs a{};
   a.words = words.defined() ? words.data_ptr() : nullptr;
@@ -169,14 +180,15 @@ Act act_of(const std::string& kind) {
   TORCH_CHECK_VALUE(false, "unknown activation '", kind, "'; expected one of gelu, gelu_tanh, relu");
 }
 
-at::Tensor bias_act(const at::Tensor& x, const at::Tensor& bias, const std::string& kind) {
+at::Tensor bias_act(const at::Tensor& x, const at::Tensor& bias, const std::string& kind,
+                    const std::optional<at::Tensor>& out_opt) {
   check_cpu(x, "x");
   const DType dtype = dtype_of(x, "x");
   const Act act = act_of(kind);
   TORCH_CHECK_VALUE(x.dim() >= 1, "x must be [*, N], got a scalar");
   const int64_t n = x.size(-1);
   at::Tensor b = params(bias, n, "bias");
-  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = output(out_opt, x.sizes(), x);
   if (x.numel() == 0) return out;
   at::Tensor rows = as_rows(x, n);
   RowsArgs a{};
@@ -192,7 +204,8 @@ at::Tensor bias_act(const at::Tensor& x, const at::Tensor& bias, const std::stri
 }
 
 at::Tensor bias_residual_layernorm(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,
-                                      const at::Tensor& ln_weight, const at::Tensor& ln_bias, double eps) {
+                                      const at::Tensor& ln_weight, const at::Tensor& ln_bias, double eps,
+                                      const std::optional<at::Tensor>& out_opt) {
   check_cpu(x, "x");
   check_cpu(residual, "residual");
   const DType dtype = dtype_of(x, "x");
@@ -202,7 +215,7 @@ at::Tensor bias_residual_layernorm(const at::Tensor& x, const at::Tensor& bias, 
                     x.sizes(), " and ", residual.sizes());
   const int64_t n = x.size(-1);
   at::Tensor b = params(bias, n, "bias"), w = params(ln_weight, n, "ln_weight"), lb = params(ln_bias, n, "ln_bias");
-  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = output(out_opt, x.sizes(), x);
   if (x.numel() == 0) return out;
   at::Tensor xr = as_rows(x, n), rr = as_rows(residual, n);
   RowsArgs a{};
@@ -221,8 +234,8 @@ at::Tensor bias_residual_layernorm(const at::Tensor& x, const at::Tensor& bias, 
   return out;
 }
 
-at::Tensor attention(const at::Tensor& qkv_in, const at::Tensor& cu_seqlens, int64_t max_seqlen,
-                        double scale) {
+at::Tensor attention(const at::Tensor& qkv_in, const at::Tensor& cu_seqlens, int64_t max_seqlen, double scale,
+                     const std::optional<at::Tensor>& out_opt) {
   check_cpu(qkv_in, "qkv");
   check_cpu(cu_seqlens, "cu_seqlens");
   const DType dtype = dtype_of(qkv_in, "qkv");
@@ -240,7 +253,7 @@ at::Tensor attention(const at::Tensor& qkv_in, const at::Tensor& cu_seqlens, int
     TORCH_CHECK_VALUE(c[b + 1] >= c[b] && c[b + 1] - c[b] <= max_seqlen, "sequence ", b, " has length ",
                       c[b + 1] - c[b], ": lengths must be in [0, max_seqlen = ", max_seqlen, "]");
   }
-  at::Tensor out = at::empty({total, heads, dim}, qkv_in.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = output(out_opt, {total, heads, dim}, qkv_in);
   if (total == 0 || heads == 0 || dim == 0) return out;
   at::Tensor qkv = qkv_in.stride(3) == 1 ? qkv_in : qkv_in.contiguous();
   AttentionArgs a{};
@@ -268,12 +281,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("embedding_layernorm", &embedding_layernorm, "LayerNorm(word[ids] + pos[pos] + type[tt]) -> [*, E]",
         py::arg("input_ids"), py::arg("token_type_ids"), py::arg("position_ids"), py::arg("word_weight"),
         py::arg("position_weight"), py::arg("type_weight"), py::arg("ln_weight"), py::arg("ln_bias"), py::arg("eps"),
-        py::arg("inputs_embeds"));
-  m.def("bias_act", &bias_act, "act(x + bias)", py::arg("x"), py::arg("bias"), py::arg("kind"));
+        py::arg("inputs_embeds"), py::arg("out") = py::none());
+  m.def("bias_act", &bias_act, "act(x + bias)", py::arg("x"), py::arg("bias"), py::arg("kind"), py::arg("out") = py::none());
   m.def("bias_residual_layernorm", &bias_residual_layernorm, "LayerNorm(x + bias + residual)", py::arg("x"),
-        py::arg("bias"), py::arg("residual"), py::arg("ln_weight"), py::arg("ln_bias"), py::arg("eps"));
+        py::arg("bias"), py::arg("residual"), py::arg("ln_weight"), py::arg("ln_bias"), py::arg("eps"), py::arg("out") = py::none());
   m.def("attention", &attention, "varlen attention over packed qkv [T, 3, nH, D] -> [T, nH, D]", py::arg("qkv"),
-        py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("scale"));
+        py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("scale"), py::arg("out") = py::none());
   m.def("isa", [] { return std::string(kernels().isa); }, "the instruction set of the kernels in use");
   m.def("set_isa", &set_isa, "use the kernels compiled for one ISA; False if this CPU cannot run them");
   m.def("runnable_isas", &runnable_isas, "the ISAs compiled in that this CPU can run, best first");
