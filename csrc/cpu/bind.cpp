@@ -7,6 +7,7 @@
 
 #include <string>
 
+#include "../bind_utils.h"
 #include "kernels.h"
 
 namespace fastbert::cpu {
@@ -66,21 +67,7 @@ DType dtype_of(const at::Tensor& t, const char* what) {
   TORCH_CHECK_TYPE(false, "native CPU kernels take float32 or bfloat16, got ", what, " of ", t.scalar_type());
 }
 
-void check_cpu(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.device().is_cpu(), "native CPU kernel: ", what, " must be on the CPU, got ", t.device());
-}
-
-// A [rows, n] view whose last dim is contiguous (a copy only when no such view exists).
-at::Tensor as_rows(const at::Tensor& x, int64_t n) {
-  at::Tensor v = x.reshape({-1, n});
-  return (v.stride(1) == 1 || n == 1) ? v : v.contiguous();
-}
-
-at::Tensor params(const at::Tensor& p, int64_t n, const char* what) {
-  check_cpu(p, what);
-  TORCH_CHECK_VALUE(p.dim() == 1 && p.size(0) == n, what, " must have shape [", n, "], got ", p.sizes());
-  return p.to(at::kFloat).contiguous();
-}
+const at::Device kCpu(at::kCPU);
 
 // Threads for `bytes` of memory-bound work: torch's thread count, fewer when the job is too small to split.
 int threads_for(int64_t bytes) {
@@ -88,19 +75,9 @@ int threads_for(int64_t bytes) {
   return int(std::min<int64_t>(at::get_num_threads(), by_size));
 }
 
-// The output: a new contiguous tensor, or the caller's `out` (tests poison it to prove every element is written).
-at::Tensor output(const std::optional<at::Tensor>& out, at::IntArrayRef sizes, const at::Tensor& like) {
-  if (!out) return at::empty(sizes, like.options());
-  TORCH_CHECK_VALUE(out->sizes() == sizes && out->scalar_type() == like.scalar_type() && out->is_contiguous() &&
-                        out->device().is_cpu(),
-                    "out must be a contiguous CPU ", like.scalar_type(), " tensor of shape ", sizes, ", got ",
-                    out->scalar_type(), " ", out->sizes());
-  return *out;
-}
-
+// Flat contiguous ids of one index type, range-checked on the host (cheap on CPU; F.embedding raises the same way).
 at::Tensor ids_of(const at::Tensor& ids, at::ScalarType type, int64_t rows, const char* what) {
-  check_cpu(ids, what);
-  TORCH_CHECK_TYPE(!ids.is_floating_point() && !ids.is_complex(), what, " must be integer, got ", ids.scalar_type());
+  check_device(ids, kCpu, what);
   at::Tensor flat = ids.reshape({-1}).to(type).contiguous();
   if (flat.numel() > 0) {
     const int64_t lo = flat.min().item<int64_t>(), hi = flat.max().item<int64_t>();
@@ -110,44 +87,28 @@ at::Tensor ids_of(const at::Tensor& ids, at::ScalarType type, int64_t rows, cons
 }
 
 at::Tensor embedding_layernorm(const std::optional<at::Tensor>& input_ids, const at::Tensor& token_type_ids,
-                                  const at::Tensor& position_ids, const at::Tensor& word_weight,
-                                  const at::Tensor& position_weight, const at::Tensor& type_weight,
-                                  const at::Tensor& ln_weight, const at::Tensor& ln_bias, double eps,
-                                  const std::optional<at::Tensor>& inputs_embeds,
-                                  const std::optional<at::Tensor>& out_opt) {
-  TORCH_CHECK_VALUE(input_ids.has_value() != inputs_embeds.has_value(), "pass exactly one of input_ids and inputs_embeds");
+                               const at::Tensor& position_ids, const at::Tensor& word_weight,
+                               const at::Tensor& position_weight, const at::Tensor& type_weight,
+                               const at::Tensor& ln_weight, const at::Tensor& ln_bias, double eps,
+                               const std::optional<at::Tensor>& inputs_embeds, const std::optional<at::Tensor>& out_opt) {
+  TORCH_CHECK_VALUE(input_ids.has_value() != inputs_embeds.has_value(), "pass exactly one of input_ids, inputs_embeds");
   const at::Tensor& lead = inputs_embeds ? *inputs_embeds : word_weight;
+  check_device(lead, kCpu, inputs_embeds ? "inputs_embeds" : "word_weight");
   const DType dtype = dtype_of(lead, inputs_embeds ? "inputs_embeds" : "word_weight");
   const int64_t dim = lead.size(-1);
   std::vector<int64_t> shape = inputs_embeds ? inputs_embeds->sizes().vec() : input_ids->sizes().vec();
   if (!inputs_embeds) shape.push_back(dim);
   const int64_t tokens = inputs_embeds ? inputs_embeds->numel() / std::max<int64_t>(dim, 1) : input_ids->numel();
-  for (const auto* t : {&position_weight, &type_weight}) {
-    check_cpu(*t, "embedding table");
-    TORCH_CHECK_TYPE(t->scalar_type() == lead.scalar_type(), "embedding tables must share ", lead.scalar_type(),
-                     ", got ", t->scalar_type());
-    TORCH_CHECK_VALUE(t->dim() == 2 && t->size(1) == dim, "embedding tables must be [rows, ", dim, "], got ", t->sizes());
-  }
   TORCH_CHECK_VALUE(token_type_ids.numel() == tokens && position_ids.numel() == tokens,
                     "token_type_ids and position_ids must have one entry per token (", tokens, ")");
-  const bool i64 = (input_ids ? input_ids->scalar_type() : token_type_ids.scalar_type()) == at::kLong ||
-                   token_type_ids.scalar_type() == at::kLong || position_ids.scalar_type() == at::kLong;
-  const auto itype = i64 ? at::kLong : at::kInt;
-  at::Tensor words, ids, word_table;
-  if (inputs_embeds) {
-    check_cpu(*inputs_embeds, "inputs_embeds");
-    words = as_rows(*inputs_embeds, dim);
-  } else {
-    check_cpu(word_weight, "word_weight");
-    TORCH_CHECK_VALUE(word_weight.dim() == 2, "word_weight must be [vocab, dim], got ", word_weight.sizes());
-    word_table = word_weight.stride(1) == 1 ? word_weight : word_weight.contiguous();
-    ids = ids_of(*input_ids, itype, word_weight.size(0), "input_ids");
-  }
+  const at::ScalarType itype = index_type({input_ids ? &*input_ids : nullptr, &token_type_ids, &position_ids});
+  at::Tensor words = inputs_embeds ? as_rows(*inputs_embeds, dim) : at::Tensor();
+  at::Tensor ww = inputs_embeds ? at::Tensor() : table(word_weight, lead, dim, "word_weight");
+  at::Tensor ids = inputs_embeds ? at::Tensor() : ids_of(*input_ids, itype, word_weight.size(0), "input_ids");
+  at::Tensor tw = table(type_weight, lead, dim, "type_weight"), pw = table(position_weight, lead, dim, "pos_weight");
   at::Tensor tts = ids_of(token_type_ids, itype, type_weight.size(0), "token_type_ids");
   at::Tensor pos = ids_of(position_ids, itype, position_weight.size(0), "position_ids");
-  at::Tensor tw = type_weight.stride(1) == 1 ? type_weight : type_weight.contiguous();
-  at::Tensor pw = position_weight.stride(1) == 1 ? position_weight : position_weight.contiguous();
-  at::Tensor w = params(ln_weight, dim, "ln_weight"), b = params(ln_bias, dim, "ln_bias");
+  at::Tensor w = params(ln_weight, dim, kCpu, "ln_weight"), b = params(ln_bias, dim, kCpu, "ln_bias");
   at::Tensor out = output(out_opt, shape, lead);
   if (tokens == 0 || dim == 0) return out;
   EmbeddingArgs a{};
@@ -156,9 +117,9 @@ at::Tensor embedding_layernorm(const std::optional<at::Tensor>& input_ids, const
   a.ids = ids.defined() ? ids.data_ptr() : nullptr;
   a.type_ids = tts.data_ptr();
   a.pos_ids = pos.data_ptr();
-  a.ids_int64 = i64;
-  a.word_weight = word_table.defined() ? word_table.data_ptr() : nullptr;
-  a.word_stride = word_table.defined() ? word_table.stride(0) : 0;
+  a.ids_int64 = itype == at::kLong;
+  a.word_weight = ww.defined() ? ww.data_ptr() : nullptr;
+  a.word_stride = ww.defined() ? ww.stride(0) : 0;
   a.type_weight = tw.data_ptr();
   a.type_stride = tw.stride(0);
   a.pos_weight = pw.data_ptr();
@@ -173,21 +134,14 @@ at::Tensor embedding_layernorm(const std::optional<at::Tensor>& input_ids, const
   return out;
 }
 
-Act act_of(const std::string& kind) {
-  if (kind == "gelu") return Act::gelu;
-  if (kind == "gelu_tanh") return Act::gelu_tanh;
-  if (kind == "relu") return Act::relu;
-  TORCH_CHECK_VALUE(false, "unknown activation '", kind, "'; expected one of gelu, gelu_tanh, relu");
-}
-
 at::Tensor bias_act(const at::Tensor& x, const at::Tensor& bias, const std::string& kind,
                     const std::optional<at::Tensor>& out_opt) {
-  check_cpu(x, "x");
+  check_device(x, kCpu, "x");
   const DType dtype = dtype_of(x, "x");
-  const Act act = act_of(kind);
+  const Act act = Act(act_code(kind));
   TORCH_CHECK_VALUE(x.dim() >= 1, "x must be [*, N], got a scalar");
   const int64_t n = x.size(-1);
-  at::Tensor b = params(bias, n, "bias");
+  at::Tensor b = params(bias, n, kCpu, "bias");
   at::Tensor out = output(out_opt, x.sizes(), x);
   if (x.numel() == 0) return out;
   at::Tensor rows = as_rows(x, n);
@@ -204,17 +158,18 @@ at::Tensor bias_act(const at::Tensor& x, const at::Tensor& bias, const std::stri
 }
 
 at::Tensor bias_residual_layernorm(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,
-                                      const at::Tensor& ln_weight, const at::Tensor& ln_bias, double eps,
-                                      const std::optional<at::Tensor>& out_opt) {
-  check_cpu(x, "x");
-  check_cpu(residual, "residual");
+                                   const at::Tensor& ln_weight, const at::Tensor& ln_bias, double eps,
+                                   const std::optional<at::Tensor>& out_opt) {
+  check_device(x, kCpu, "x");
+  check_device(residual, kCpu, "residual");
   const DType dtype = dtype_of(x, "x");
   TORCH_CHECK_TYPE(residual.scalar_type() == x.scalar_type(), "residual must be ", x.scalar_type(), ", got ",
                    residual.scalar_type());
   TORCH_CHECK_VALUE(x.dim() >= 1 && residual.sizes() == x.sizes(), "x and residual must have the same shape, got ",
                     x.sizes(), " and ", residual.sizes());
   const int64_t n = x.size(-1);
-  at::Tensor b = params(bias, n, "bias"), w = params(ln_weight, n, "ln_weight"), lb = params(ln_bias, n, "ln_bias");
+  at::Tensor b = params(bias, n, kCpu, "bias"), w = params(ln_weight, n, kCpu, "ln_weight");
+  at::Tensor lb = params(ln_bias, n, kCpu, "ln_bias");
   at::Tensor out = output(out_opt, x.sizes(), x);
   if (x.numel() == 0) return out;
   at::Tensor xr = as_rows(x, n), rr = as_rows(residual, n);
@@ -236,8 +191,8 @@ at::Tensor bias_residual_layernorm(const at::Tensor& x, const at::Tensor& bias, 
 
 at::Tensor attention(const at::Tensor& qkv_in, const at::Tensor& cu_seqlens, int64_t max_seqlen, double scale,
                      const std::optional<at::Tensor>& out_opt) {
-  check_cpu(qkv_in, "qkv");
-  check_cpu(cu_seqlens, "cu_seqlens");
+  check_device(qkv_in, kCpu, "qkv");
+  check_device(cu_seqlens, kCpu, "cu_seqlens");
   const DType dtype = dtype_of(qkv_in, "qkv");
   TORCH_CHECK_VALUE(qkv_in.dim() == 4 && qkv_in.size(1) == 3, "qkv must be [T, 3, nH, D], got ", qkv_in.sizes());
   TORCH_CHECK_TYPE(cu_seqlens.scalar_type() == at::kInt && cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 1,
