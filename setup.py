@@ -16,7 +16,7 @@ from setuptools import find_packages, setup
 # never read FP exception flags or errno) but let GCC if-convert clamps and inline sqrt, so the loops vectorise.
 CPU_FLAGS = ["-O3", "-std=c++20", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"]
 CUDA_ARCH_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_80,code=compute_80"]
-NVCC_FLAGS = ["-O3", "-std=c++20", "--use_fast_math", *CUDA_ARCH_FLAGS]
+NVCC_FLAGS = ["-O3", "-std=c++20", *CUDA_ARCH_FLAGS]
 
 
 def _enabled(name: str) -> bool:
