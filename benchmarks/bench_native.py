@@ -1,16 +1,17 @@
-"""Native CPU kernels vs torch (fastbert.reference, the dispatch's fallback) per op, side by side in one run.
+"""Native kernels vs torch (fastbert.reference, the dispatch's fallback) per op, side by side in one run.
 
-Memory-bound ops in GB/s (bytes each op must move, formulas in `CASES`), attention also in GFLOP/s; next to them the
-machine's copy bandwidth measured in the same run and the max error vs an fp64 reference. Median of
-torch.utils.benchmark's blocked_autorange. Usage: python benchmarks/bench_native.py [--batch 8 --seqlen 128 ...]
-Writes JSON + Markdown to benchmarks/results/ (the op table in fastbert/native.py is set from these ratios).
+Memory-bound ops in GB/s (the bytes each op must move: formulas in `make_cases`), attention also in GFLOP/s; next to
+them the copy bandwidth measured in the same run and each side's max error vs an fp64 reference.
+CPU timing: native and torch alternate for --rounds rounds of torch.utils.benchmark's blocked_autorange and each keeps
+its best round median (robust on a shared machine). CUDA timing: CUDA events, L2 flushed before every call, median.
+Usage: python benchmarks/bench_native.py [--device cpu|cuda --batch 8 --seqlen 128 --hidden 768 --heads 12]
+Writes JSON + Markdown to benchmarks/results/; fastbert/native.py's CPU_SLOWER_THAN_TORCH follows these ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import subprocess
 from collections.abc import Callable
@@ -22,111 +23,151 @@ from torch.utils import benchmark
 from fastbert import native, reference
 
 RESULTS = Path(__file__).resolve().parent / "results"
+Fn = Callable[[], torch.Tensor]
 
 
-def median_seconds(fn: Callable[[], torch.Tensor], min_run_time: float) -> float:
-    fn()  # warm-up (first-touch allocations, OpenMP pool start)
+def cpu_seconds(fn: Fn, min_run_time: float) -> float:
     return benchmark.Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median
 
 
-def copy_bandwidth(min_run_time: float) -> float:
-    """GB/s of a 64 MiB fp32 copy (read + write): the machine's practical memory-bound ceiling."""
-    src = torch.randn(16 * 1024 * 1024)
+def cuda_seconds(fn: Fn, reps: int = 50) -> float:
+    flush = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")  # larger than any L2
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def best_times(fns: dict[str, Fn], device: str, rounds: int, min_run_time: float) -> dict[str, float]:
+    """Seconds per call for each implementation, measured alternately so both see the same machine load."""
+    for fn in fns.values():
+        fn()  # warm-up: first-touch allocations, OpenMP pool, CUDA module load
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t = cpu_seconds(fn, min_run_time) if device == "cpu" else cuda_seconds(fn)
+            best[name] = min(best[name], t)
+    return best
+
+
+def copy_bandwidth(device: str, rounds: int, min_run_time: float) -> float:
+    """GB/s of a 64 MiB fp32 copy (read + write): the practical memory-bound ceiling, same run."""
+    src = torch.randn(16 * 1024 * 1024, device=device)
     dst = torch.empty_like(src)
-    return 2 * src.nbytes / median_seconds(lambda: dst.copy_(src), min_run_time) / 1e9
+    return 2 * src.nbytes / best_times({"copy": lambda: dst.copy_(src)}, device, rounds, min_run_time)["copy"] / 1e9
 
 
-def make_cases(args: argparse.Namespace, dtype: torch.dtype) -> dict[str, tuple]:
+def make_cases(args: argparse.Namespace, dtype: torch.dtype) -> dict[str, tuple[Fn, Fn, Fn, int, float]]:
     """op -> (native call, torch call, fp64 reference call, bytes moved, flops or 0)."""
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(args.seqlen // 4, args.seqlen + 1, (args.batch,), generator=g)
-    cu = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).to(torch.int32)])
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).to(torch.int32)]).to(args.device)
     tokens, hidden, heads, inter = int(cu[-1]), args.hidden, args.heads, 4 * args.hidden
     s = torch.finfo(dtype).bits // 8
 
     def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g).to(dtype)
+        return torch.randn(*shape, generator=g).to(device=args.device, dtype=dtype)
 
-    word, pos, typ = rand(30522, hidden), rand(512, hidden), rand(2, hidden)
-    w, b = rand(hidden), rand(hidden)
-    ids = torch.randint(0, 30522, (tokens,), generator=g)
-    pids = torch.cat([torch.arange(int(n)) for n in lengths])
-    tt = torch.randint(0, 2, (tokens,), generator=g)
-    emb = (ids, tt, pids, word, pos, typ, w, b, 1e-12)
-    x_i, b_i = rand(tokens, inter), rand(inter)
-    x_h, res = rand(tokens, hidden), rand(tokens, hidden)
-    brln = (x_h, b, res, w, b, 1e-12)
-    qkv = rand(tokens, 3, heads, hidden // heads)
-    attn = (qkv, cu, int(lengths.max()))
+    def ints(high: int, n: int) -> torch.Tensor:
+        return torch.randint(0, high, (n,), generator=g).to(args.device)
 
     def up(t: object) -> object:
         return t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
 
-    flops = 4 * float((lengths.double() ** 2).sum()) * hidden  # QK^T and PV: 2 * 2 * L^2 * D per head, summed
-    return {
-        # 3 gathered rows read + 1 row written per token, 3 index arrays, LN params
-        "embedding_layernorm": (lambda: native.embedding_layernorm(*emb), lambda: reference.embedding_layernorm(*emb),
-                                lambda: reference.embedding_layernorm(*map(up, emb)),
-                                4 * tokens * hidden * s + 3 * tokens * 8 + 2 * hidden * s, 0),
+    pids = torch.cat([torch.arange(int(n)) for n in lengths]).to(args.device)
+    emb = (ints(30522, tokens), ints(2, tokens), pids, rand(30522, hidden), rand(512, hidden), rand(2, hidden),
+           rand(hidden), rand(hidden), 1e-12)  # fmt: skip
+    act = (rand(tokens, inter), rand(inter))
+    brln = (rand(tokens, hidden), rand(hidden), rand(tokens, hidden), rand(hidden), rand(hidden), 1e-12)
+    attn = (rand(tokens, 3, heads, hidden // heads), cu, int(lengths.max()))
+    cases = {
+        # 3 gathered rows read + 1 row written per token, 3 int64 index arrays, 2 LN parameter vectors
+        "embedding_layernorm": ("embedding_layernorm", emb, (4 * tokens + 2) * hidden * s + 3 * tokens * 8, 0),
         # x read + out written, bias read once
-        "bias_act(gelu)": (lambda: native.bias_act(x_i, b_i), lambda: reference.bias_act(x_i, b_i),
-                           lambda: reference.bias_act(x_i.double(), b_i.double()), 2 * tokens * inter * s + inter * s, 0),
+        "bias_act(gelu)": ("bias_act", act, 2 * tokens * inter * s + inter * s, 0),
         # x and residual read, out written, 3 parameter vectors
-        "bias_residual_layernorm": (lambda: native.bias_residual_layernorm(*brln),
-                                    lambda: reference.bias_residual_layernorm(*brln),
-                                    lambda: reference.bias_residual_layernorm(*map(up, brln)),
-                                    3 * tokens * hidden * s + 3 * hidden * s, 0),
-        # packed qkv read once + output written once (the minimum; scores never leave cache)
-        "attention": (lambda: native.attention(*attn), lambda: reference.attention(*attn),
-                      lambda: reference.attention(qkv.double(), cu, attn[2]), 4 * tokens * hidden * s, flops),
+        "bias_residual_layernorm": ("bias_residual_layernorm", brln, 3 * tokens * hidden * s + 3 * hidden * s, 0),
+        # packed qkv read + output written (the minimum: scores never leave cache); 2 GEMMs of 2 L^2 D flops per head
+        "attention": ("attention", attn, 4 * tokens * hidden * s, 4 * float((lengths.double() ** 2).sum()) * hidden),
     }  # fmt: skip
+    if args.device == "cuda":
+        del cases["attention"]  # CUDA attention is the Triton backend's job
+    return {
+        name: (lambda op=op, a=a: getattr(native, op)(*a), lambda op=op, a=a: getattr(reference, op)(*a),
+               lambda op=op, a=a: getattr(reference, op)(*map(up, a)), nbytes, flops)
+        for name, (op, a, nbytes, flops) in cases.items()
+    }  # fmt: skip
+
+
+def table(meta: dict, rows: list[dict]) -> str:
+    m = meta
+    head = (
+        f"native vs torch on {m['device_name']}, {m['threads']} threads, ISA {m['isa']}, torch {m['torch']}, commit "
+        f"{m['commit']}; copy {m['copy_GB/s']:.1f} GB/s; batch {m['batch']}, lengths U[{m['seqlen'] // 4}, "
+        f"{m['seqlen']}], hidden {m['hidden']}, {m['heads']} heads"
+    )
+    lines = [head, "", "| op | dtype | native GB/s | torch GB/s | native/torch | native max err | torch max err |"]
+    lines.append("|---" * 7 + "|")
+    for r in rows:
+        n, t = r["native"], r["torch"]
+        flops = f" ({n['GFLOP/s']:.1f} vs {t['GFLOP/s']:.1f} GFLOP/s)" if r["flops"] else ""
+        lines.append(f"| {r['op']} | {r['dtype']} | {n['GB/s']:.2f} | {t['GB/s']:.2f} | x{r['speedup']:.2f}{flops} | "
+                     f"{n['max_err']:.2g} | {t['max_err']:.2g} |")  # fmt: skip
+    return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seqlen", type=int, default=128, help="lengths uniform in [seqlen/4, seqlen]")
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--min-run-time", type=float, default=0.5, help="seconds of timing per measurement")
-    parser.add_argument("--out", type=Path, default=RESULTS / "bench_native")
+    parser.add_argument("--dtypes", default=None, help="default: float32,bfloat16 (cpu), + float16 (cuda)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--min-run-time", type=float, default=0.2, help="CPU seconds per timing round")
+    parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/bench_native_<device>")
     args = parser.parse_args()
-    if reason := native.unavailable_reason():
-        print(f"native backend unavailable: {reason}")
+    ext, reason = native.load("_native_cuda" if args.device == "cuda" else "_native_cpu")
+    if ext is None:
+        print(f"native {args.device} kernels unavailable: {reason}")
         return 1
-    ext, _ = native.load("_native_cpu")
-    copy_gbs = copy_bandwidth(args.min_run_time)
+    dtypes = args.dtypes or ("float32,bfloat16" if args.device == "cpu" else "float32,float16,bfloat16")
     rows = []
-    for name in args.dtypes.split(","):
-        dtype = getattr(torch, name)
-        for op, (fn_native, fn_torch, fn_ref, nbytes, flops) in make_cases(args, dtype).items():
+    for name in dtypes.split(","):
+        for op, (fn_native, fn_torch, fn_ref, nbytes, flops) in make_cases(args, getattr(torch, name)).items():
             ref = fn_ref()
+            seconds = best_times({"native": fn_native, "torch": fn_torch}, args.device, args.rounds, args.min_run_time)
             row = {"op": op, "dtype": name, "bytes": nbytes, "flops": flops}
+            row["speedup"] = seconds["torch"] / seconds["native"]
             for impl, fn in (("native", fn_native), ("torch", fn_torch)):
-                t = median_seconds(fn, args.min_run_time)
+                t = seconds[impl]
                 row[impl] = {"ms": t * 1e3, "GB/s": nbytes / t / 1e9, "GFLOP/s": flops / t / 1e9 if flops else None,
                              "max_err": (fn().double() - ref).abs().max().item()}  # fmt: skip
-            row["speedup"] = row["torch"]["ms"] / row["native"]["ms"]
             rows.append(row)
-            print(f"{op:26s} {name:9s} native {row['native']['GB/s']:7.2f} GB/s  torch {row['torch']['GB/s']:7.2f} GB/s"
-                  f"  x{row['speedup']:.2f}" + (f"  ({row['native']['GFLOP/s']:.1f} vs {row['torch']['GFLOP/s']:.1f}"
-                  " GFLOP/s)" if flops else ""), flush=True)  # fmt: skip
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    meta = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(), "isa": ext.isa(),
-            "torch": torch.__version__, "commit": commit, "copy_GB/s": copy_gbs, "shape": vars(args) | {"out": None}}  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
-    lines = [f"native vs torch, {meta['threads']} threads, ISA {meta['isa']}, torch {meta['torch']}, commit {commit}, "
-             f"copy {copy_gbs:.1f} GB/s; batch {args.batch}, lengths U[{args.seqlen // 4}, {args.seqlen}], "
-             f"hidden {args.hidden}, {args.heads} heads", "",
-             "| op | dtype | native GB/s | torch GB/s | speedup | native max err | torch max err |", "|---" * 7 + "|"]  # fmt: skip
-    for r in rows:
-        extra = f" ({r['native']['GFLOP/s']:.1f} vs {r['torch']['GFLOP/s']:.1f} GFLOP/s)" if r["flops"] else ""
-        lines.append(f"| {r['op']} | {r['dtype']} | {r['native']['GB/s']:.2f} | {r['torch']['GB/s']:.2f} | "
-                     f"x{r['speedup']:.2f}{extra} | {r['native']['max_err']:.2g} | {r['torch']['max_err']:.2g} |")  # fmt: skip
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+            print(f"{op:24s} {name:9s} native {row['native']['GB/s']:8.2f} GB/s  torch {row['torch']['GB/s']:8.2f} GB/s"
+                  f"  x{row['speedup']:.2f}", flush=True)  # fmt: skip
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    meta = {
+        "device_name": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
+        "threads": torch.get_num_threads(),
+        "isa": ext.isa() if args.device == "cpu" else "sm_90a / compute_80 PTX",
+        "torch": torch.__version__,
+        "commit": git.stdout.strip(),
+        "copy_GB/s": copy_bandwidth(args.device, args.rounds, args.min_run_time),
+        **{k: v for k, v in vars(args).items() if k != "out"},
+    }
+    out = args.out or RESULTS / f"bench_native_{args.device}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+    out.with_suffix(".md").write_text(table(meta, rows) + "\n")
+    print(table(meta, rows))
     return 0
 
 

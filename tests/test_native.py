@@ -149,6 +149,12 @@ def test_dispatch_prefers_native_and_falls_back_with_reasons() -> None:
     assert "native: no dropout" in ops.explain()
     ops.bias_act(x.half(), bias.half())
     assert "CPU kernels take float32/bfloat16" in ops.explain()
+    for op, dtype in native.CPU_SLOWER_THAN_TORCH:  # measured no faster: torch by default, native only when forced
+        sample = {"bias_act": (x, bias), "bias_residual_layernorm": (x, bias, res, w, b, 1e-12)}[op]
+        args = tuple(a.to(dtype) if isinstance(a, torch.Tensor) else a for a in sample)
+        assert ops.select(op, args, {})[1] == "torch" and "not faster than torch" in ops.explain()
+        with ops.use_backend("native"):
+            assert ops.select(op, args, {})[1] == "native"
     with ops.use_backend("native"), pytest.raises(fastbert.BackendUnavailable, match="no dropout"):
         ops.bias_residual_layernorm(x, bias, res, w, b, 1e-12, 0.1, True)
     with ops.use_backend("native"):  # dropout_p > 0 is fine outside training
