@@ -28,6 +28,7 @@ BUILD_HINTS = {
 BUILD_INFO = Path(__file__).with_name("_build_info.json")
 CPU_DTYPES = (torch.float32, torch.bfloat16)
 CUDA_OPS = ("embedding_layernorm", "bias_act", "bias_residual_layernorm")  # attention on CUDA is Triton's job
+CUDA_MAX_ROW = 8192  # FASTBERT_CUDA_MAX_ROW in csrc/cuda/launch.h
 # (op, dtype) pairs whose native CPU kernel did not beat torch in benchmarks/bench_native.py (2-core AMD EPYC, Zen 4,
 # AVX-512): auto dispatch leaves them to torch, forcing native still runs them. bf16 erf GELU is compute-bound at
 # parity with torch's vectorised erf (x0.89-x0.95 measured).
@@ -87,11 +88,7 @@ def unavailable_reason() -> str | None:
     return f"{cpu_reason}; CUDA: {cuda_reason}"
 
 
-def _signature(op: str) -> inspect.Signature:
-    return inspect.signature(getattr(ops, op))
-
-
-_SIGNATURES = {op: _signature(op) for op in ops.OPS}
+_SIGNATURES = {op: inspect.signature(getattr(ops, op)) for op in ops.OPS}  # to read any call by parameter name
 
 
 def refuses(op: str, *args: Any, **kwargs: Any) -> str | None:
@@ -113,31 +110,39 @@ def refuses(op: str, *args: Any, **kwargs: Any) -> str | None:
         _, reason = load("_native_cpu")
         if reason:
             return f"CPU extension unavailable ({reason})"
-    if (shape_reason := _layout_refusal(op, call, device)) is not None:
+    big = _data_tensors(op, call)
+    if (shape_reason := _layout_refusal(op, call, big, device)) is not None:
         return shape_reason
-    if (op, tensors[0].dtype) in CPU_SLOWER_THAN_TORCH and device.type == "cpu" and ops.forced_backend() != "native":
-        return f"not faster than torch for {tensors[0].dtype} on CPU (benchmarks/bench_native.py); used when forced"
+    dtype = big[0].dtype
+    if (op, dtype) in CPU_SLOWER_THAN_TORCH and device.type == "cpu" and ops.forced_backend() != "native":
+        return f"not faster than torch for {dtype} on CPU (benchmarks/bench_native.py); used when forced"
     return None
 
 
-def _layout_refusal(op: str, call: dict[str, Any], device: torch.device) -> str | None:
-    """Dtype and shape combinations the kernels do not take (torch's broadcasting and mixed dtypes)."""
+def _data_tensors(op: str, call: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    """The tensors the kernel streams (one dtype for all), the one that sets the output dtype first."""
     if op == "embedding_layernorm":
         lead = call["inputs_embeds"] if call.get("inputs_embeds") is not None else call["word_weight"]
-        tokens = call["input_ids"].shape if call.get("input_ids") is not None else lead.shape[:-1]
-        big = (lead, call["position_weight"], call["type_weight"])
+        return lead, call["position_weight"], call["type_weight"]
+    if op == "bias_residual_layernorm":
+        return call["x"], call["residual"]
+    return (call["qkv"] if op == "attention" else call["x"],)
+
+
+def _layout_refusal(op: str, call: dict[str, Any], big: tuple[torch.Tensor, ...], device: torch.device) -> str | None:
+    """Dtype and shape combinations the kernels do not take (torch's broadcasting and mixed dtypes)."""
+    if op == "embedding_layernorm":
+        tokens = call["input_ids"].shape if call.get("input_ids") is not None else big[0].shape[:-1]
         if any(call[k].shape != tokens for k in ("token_type_ids", "position_ids")):
             return "token_type_ids/position_ids broadcast against the tokens (torch only)"
-    elif op == "bias_residual_layernorm":
-        big = (call["x"], call["residual"])
-        if call["x"].shape != call["residual"].shape:
-            return "residual broadcasts against x (torch only)"
-    else:
-        big = (call["qkv"] if op == "attention" else call["x"],)
+    if op == "bias_residual_layernorm" and call["x"].shape != call["residual"].shape:
+        return "residual broadcasts against x (torch only)"
     if any(t.dtype != big[0].dtype for t in big):
         return f"mixed dtypes {sorted({str(t.dtype) for t in big})} (torch only)"
     if device.type == "cpu" and big[0].dtype not in CPU_DTYPES:
         return f"CPU kernels take float32/bfloat16, not {big[0].dtype}"
+    if device.type == "cuda" and op != "bias_act" and big[0].shape[-1] > CUDA_MAX_ROW:
+        return f"CUDA LayerNorm kernels keep rows of at most {CUDA_MAX_ROW} elements in registers"
     return None
 
 
