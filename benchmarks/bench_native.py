@@ -2,8 +2,8 @@
 
 Memory-bound ops in GB/s (the bytes each op must move: formulas in `make_cases`), attention also in GFLOP/s; next to
 them the copy bandwidth measured in the same run and each side's max error vs an fp64 reference.
-CPU timing: native and torch alternate for --rounds rounds of torch.utils.benchmark's blocked_autorange and each keeps
-its best round median (robust on a shared machine). CUDA timing: CUDA events, L2 flushed before every call, median.
+CPU timing: native and torch calls interleaved for --budget seconds, each keeping its fastest call (the least disturbed
+one on a machine shared with other jobs). CUDA timing: CUDA events, L2 flushed before every call, median.
 Usage: python benchmarks/bench_native.py [--device cpu|cuda --batch 8 --seqlen 128 --hidden 768 --heads 12]
 Writes JSON + Markdown to benchmarks/results/; fastbert/native.py's CPU_SLOWER_THAN_TORCH follows these ratios.
 """
@@ -14,11 +14,11 @@ import argparse
 import json
 import platform
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch.utils import benchmark
 
 from fastbert import native, reference
 
@@ -26,8 +26,17 @@ RESULTS = Path(__file__).resolve().parent / "results"
 Fn = Callable[[], torch.Tensor]
 
 
-def cpu_seconds(fn: Fn, min_run_time: float) -> float:
-    return benchmark.Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median
+def cpu_best_seconds(fns: dict[str, Fn], budget: float) -> dict[str, float]:
+    """Fastest single call of each fn, calls interleaved for `budget` seconds (at least 20 each). On a 2-core machine
+    shared with other jobs, the minimum is the least-disturbed call, and interleaving gives both sides the same load."""
+    best, calls, start = dict.fromkeys(fns, float("inf")), 0, time.perf_counter()
+    while calls < 20 or time.perf_counter() - start < budget:
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+        calls += 1
+    return best
 
 
 def cuda_seconds(fn: Fn, reps: int = 50) -> float:
@@ -44,23 +53,20 @@ def cuda_seconds(fn: Fn, reps: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def best_times(fns: dict[str, Fn], device: str, rounds: int, min_run_time: float) -> dict[str, float]:
-    """Seconds per call for each implementation, measured alternately so both see the same machine load."""
+def best_times(fns: dict[str, Fn], device: str, budget: float) -> dict[str, float]:
+    """Seconds per call for each implementation, all measured in the same window."""
     for fn in fns.values():
         fn()  # warm-up: first-touch allocations, OpenMP pool, CUDA module load
-    best = dict.fromkeys(fns, float("inf"))
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t = cpu_seconds(fn, min_run_time) if device == "cpu" else cuda_seconds(fn)
-            best[name] = min(best[name], t)
-    return best
+    if device == "cpu":
+        return cpu_best_seconds(fns, budget)
+    return {name: cuda_seconds(fn) for name, fn in fns.items()}
 
 
-def copy_bandwidth(device: str, rounds: int, min_run_time: float) -> float:
+def copy_bandwidth(device: str, budget: float) -> float:
     """GB/s of a 64 MiB fp32 copy (read + write): the practical memory-bound ceiling, same run."""
     src = torch.randn(16 * 1024 * 1024, device=device)
     dst = torch.empty_like(src)
-    return 2 * src.nbytes / best_times({"copy": lambda: dst.copy_(src)}, device, rounds, min_run_time)["copy"] / 1e9
+    return 2 * src.nbytes / best_times({"copy": lambda: dst.copy_(src)}, device, budget)["copy"] / 1e9
 
 
 def make_cases(args: argparse.Namespace, dtype: torch.dtype) -> dict[str, tuple[Fn, Fn, Fn, int, float]]:
@@ -130,10 +136,12 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--dtypes", default=None, help="default: float32,bfloat16 (cpu), + float16 (cuda)")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--min-run-time", type=float, default=0.2, help="CPU seconds per timing round")
+    parser.add_argument("--threads", type=int, default=None, help="torch (and native) CPU threads; default: torch's")
+    parser.add_argument("--budget", type=float, default=2.0, help="CPU seconds of interleaved calls per op")
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/bench_native_<device>")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     ext, reason = native.load("_native_cuda" if args.device == "cuda" else "_native_cpu")
     if ext is None:
         print(f"native {args.device} kernels unavailable: {reason}")
@@ -143,7 +151,7 @@ def main() -> int:
     for name in dtypes.split(","):
         for op, (fn_native, fn_torch, fn_ref, nbytes, flops) in make_cases(args, getattr(torch, name)).items():
             ref = fn_ref()
-            seconds = best_times({"native": fn_native, "torch": fn_torch}, args.device, args.rounds, args.min_run_time)
+            seconds = best_times({"native": fn_native, "torch": fn_torch}, args.device, args.budget)
             row = {"op": op, "dtype": name, "bytes": nbytes, "flops": flops}
             row["speedup"] = seconds["torch"] / seconds["native"]
             for impl, fn in (("native", fn_native), ("torch", fn_torch)):
@@ -160,7 +168,7 @@ def main() -> int:
         "isa": ext.isa() if args.device == "cpu" else "sm_90a / compute_80 PTX",
         "torch": torch.__version__,
         "commit": git.stdout.strip(),
-        "copy_GB/s": copy_bandwidth(args.device, args.rounds, args.min_run_time),
+        "copy_GB/s": copy_bandwidth(args.device, args.budget),
         **{k: v for k, v in vars(args).items() if k != "out"},
     }
     out = args.out or RESULTS / f"bench_native_{args.device}"
