@@ -3,7 +3,8 @@
 Memory-bound ops in GB/s (the bytes each op must move: formulas in `make_cases`), attention also in GFLOP/s; next to
 them the copy bandwidth measured in the same run and each side's max error vs an fp64 reference.
 CPU timing: native and torch calls interleaved for --budget seconds, each keeping its fastest call (the least disturbed
-one on a machine shared with other jobs). CUDA timing: CUDA events, L2 flushed before every call, median.
+one on a machine shared with other jobs); --repeats such windows per op, spread over the run, reported as medians with
+the range of the per-window speedups. CUDA timing: CUDA events, L2 flushed before every call, median.
 Usage: python benchmarks/bench_native.py [--device cpu|cuda --batch 8 --seqlen 128 --hidden 768 --heads 12]
 Writes JSON + Markdown to benchmarks/results/; fastbert/native.py's CPU_SLOWER_THAN_TORCH follows these ratios.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import subprocess
 import time
 from collections.abc import Callable
@@ -118,13 +120,14 @@ def table(meta: dict, rows: list[dict]) -> str:
         f"{m['commit']}; copy {m['copy_GB/s']:.1f} GB/s; batch {m['batch']}, lengths U[{m['seqlen'] // 4}, "
         f"{m['seqlen']}], hidden {m['hidden']}, {m['heads']} heads"
     )
-    lines = [head, "", "| op | dtype | native GB/s | torch GB/s | native/torch | native max err | torch max err |"]
-    lines.append("|---" * 7 + "|")
+    columns = ("op", "dtype", "native GB/s", "torch GB/s", "native/torch (range)", "native max err", "torch max err")
+    lines = [head, "", "| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     for r in rows:
         n, t = r["native"], r["torch"]
         flops = f" ({n['GFLOP/s']:.1f} vs {t['GFLOP/s']:.1f} GFLOP/s)" if r["flops"] else ""
-        lines.append(f"| {r['op']} | {r['dtype']} | {n['GB/s']:.2f} | {t['GB/s']:.2f} | x{r['speedup']:.2f}{flops} | "
-                     f"{n['max_err']:.2g} | {t['max_err']:.2g} |")  # fmt: skip
+        lo, hi = r["speedup_range"]
+        lines.append(f"| {r['op']} | {r['dtype']} | {n['GB/s']:.2f} | {t['GB/s']:.2f} | x{r['speedup']:.2f} "
+                     f"({lo:.2f}-{hi:.2f}){flops} | {n['max_err']:.2g} | {t['max_err']:.2g} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -137,7 +140,8 @@ def main() -> int:
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--dtypes", default=None, help="default: float32,bfloat16 (cpu), + float16 (cuda)")
     parser.add_argument("--threads", type=int, default=None, help="torch (and native) CPU threads; default: torch's")
-    parser.add_argument("--budget", type=float, default=2.0, help="CPU seconds of interleaved calls per op")
+    parser.add_argument("--budget", type=float, default=1.0, help="CPU seconds of interleaved calls per op and repeat")
+    parser.add_argument("--repeats", type=int, default=5, help="report medians over this many timing windows per op")
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/bench_native_<device>")
     args = parser.parse_args()
     if args.threads:
@@ -147,20 +151,24 @@ def main() -> int:
         print(f"native {args.device} kernels unavailable: {reason}")
         return 1
     dtypes = args.dtypes or ("float32,bfloat16" if args.device == "cpu" else "float32,float16,bfloat16")
-    rows = []
+    cases = {}
     for name in dtypes.split(","):
-        for op, (fn_native, fn_torch, fn_ref, nbytes, flops) in make_cases(args, getattr(torch, name)).items():
-            ref = fn_ref()
-            seconds = best_times({"native": fn_native, "torch": fn_torch}, args.device, args.budget)
-            row = {"op": op, "dtype": name, "bytes": nbytes, "flops": flops}
-            row["speedup"] = seconds["torch"] / seconds["native"]
-            for impl, fn in (("native", fn_native), ("torch", fn_torch)):
-                t = seconds[impl]
-                row[impl] = {"ms": t * 1e3, "GB/s": nbytes / t / 1e9, "GFLOP/s": flops / t / 1e9 if flops else None,
-                             "max_err": (fn().double() - ref).abs().max().item()}  # fmt: skip
-            rows.append(row)
-            print(f"{op:24s} {name:9s} native {row['native']['GB/s']:8.2f} GB/s  torch {row['torch']['GB/s']:8.2f} GB/s"
-                  f"  x{row['speedup']:.2f}", flush=True)  # fmt: skip
+        cases |= {(op, name): case for op, case in make_cases(args, getattr(torch, name)).items()}
+    times: dict[tuple[str, str], list[dict[str, float]]] = {key: [] for key in cases}
+    for rep in range(args.repeats):  # repeats spread each op's windows over the whole run
+        for key, (fn_native, fn_torch, *_) in cases.items():
+            times[key].append(best_times({"native": fn_native, "torch": fn_torch}, args.device, args.budget))
+        print(f"repeat {rep + 1}/{args.repeats} done", flush=True)
+    rows = []
+    for (op, name), (fn_native, fn_torch, fn_ref, nbytes, flops) in cases.items():
+        ref, ratios = fn_ref(), sorted(t["torch"] / t["native"] for t in times[op, name])
+        row = {"op": op, "dtype": name, "bytes": nbytes, "flops": flops, "speedup_range": [ratios[0], ratios[-1]]}
+        for impl, fn in (("native", fn_native), ("torch", fn_torch)):
+            t = statistics.median(x[impl] for x in times[op, name])
+            row[impl] = {"ms": t * 1e3, "GB/s": nbytes / t / 1e9, "GFLOP/s": flops / t / 1e9 if flops else None,
+                         "max_err": (fn().double() - ref).abs().max().item()}  # fmt: skip
+        row["speedup"] = row["torch"]["ms"] / row["native"]["ms"]
+        rows.append(row)
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     meta = {
         "device_name": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
