@@ -113,6 +113,14 @@ def make_cases(args: argparse.Namespace, dtype: torch.dtype) -> dict[str, tuple[
     }  # fmt: skip
 
 
+def cpu_name() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def table(meta: dict, rows: list[dict]) -> str:
     m = meta
     head = (
@@ -171,13 +179,13 @@ def main() -> int:
         rows.append(row)
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     meta = {
-        "device_name": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
+        **{k: v for k, v in vars(args).items() if k != "out"},
+        "device_name": torch.cuda.get_device_name() if args.device == "cuda" else cpu_name(),
         "threads": torch.get_num_threads(),
         "isa": ext.isa() if args.device == "cpu" else "sm_90a / compute_80 PTX",
         "torch": torch.__version__,
         "commit": git.stdout.strip(),
         "copy_GB/s": copy_bandwidth(args.device, args.budget),
-        **{k: v for k, v in vars(args).items() if k != "out"},
     }
     out = args.out or RESULTS / f"bench_native_{args.device}"
     out.parent.mkdir(parents=True, exist_ok=True)

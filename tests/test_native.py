@@ -233,3 +233,21 @@ def test_bert_model_native_matches_transformers(config: dict) -> None:
     valid = mask.bool()
     assert torch.isfinite(ours[valid]).all()
     assert (ours[valid] - theirs[valid]).abs().max().item() <= 1e-5
+
+
+@needs_ext
+def test_bert_model_native_bf16_within_twice_torch_error() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = dict(vocab_size=99, hidden_size=96, num_hidden_layers=2, num_attention_heads=4, intermediate_size=192)
+    hf = transformers.BertModel(transformers.BertConfig(**config)).eval()
+    fb = fastbert.BertModel.from_hf(hf).eval().to(torch.bfloat16)
+    ids, mask, types = ragged(config["vocab_size"], 4, 13)
+    valid = mask.bool()
+    exact = hf(ids, attention_mask=mask, token_type_ids=types).last_hidden_state.detach().double()[valid]
+    errors = {}
+    with torch.no_grad():
+        for backend in ("native", "torch"):
+            with ops.use_backend(backend):
+                out = fb(ids, attention_mask=mask, token_type_ids=types).last_hidden_state[valid]
+            errors[backend] = (out.double() - exact).abs().max().item()
+    assert errors["native"] <= 2 * errors["torch"] + 1e-3, errors
