@@ -69,13 +69,18 @@ def test_bias_residual_layernorm(ext, dtype: torch.dtype, n: int) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", WIDTHS)
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
-def test_embedding_layernorm(ext, dtype: torch.dtype, n: int, index_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("embeds", [False, True])
+def test_embedding_layernorm(ext, dtype: torch.dtype, n: int, index_dtype: torch.dtype, embeds: bool) -> None:
     tables = [randn(rows, n, dtype=dtype) for rows in (100, 64, 2)]
     w, b = randn(n, dtype=torch.float32) + 1, randn(n, dtype=torch.float32)
     ids, pos, tt = (torch.randint(0, hi, (3, 17), device="cuda", dtype=index_dtype) for hi in (100, 64, 2))
-    out = ext.embedding_layernorm(ids, tt, pos, *tables, w, b, 1e-12, None, out=poisoned((3, 17, n), dtype))
-    ref = reference.embedding_layernorm(ids, tt, pos, *(t.double() for t in tables), w.double(), b.double(), 1e-12)
-    check(out, ref, reference.embedding_layernorm(ids, tt, pos, *tables, w, b, 1e-12))
+    words = randn(3, 17, n, dtype=dtype) if embeds else None
+    ids = None if embeds else ids
+    out = ext.embedding_layernorm(ids, tt, pos, *tables, w, b, 1e-12, words, out=poisoned((3, 17, n), dtype))
+    as64 = [t.double() for t in tables]
+    ref = reference.embedding_layernorm(ids, tt, pos, *as64, w.double(), b.double(), 1e-12,
+                                        inputs_embeds=None if words is None else words.double())  # fmt: skip
+    check(out, ref, reference.embedding_layernorm(ids, tt, pos, *tables, w, b, 1e-12, inputs_embeds=words))
 
 
 def test_out_of_range_id_gives_nan_row_only(ext) -> None:

@@ -51,7 +51,7 @@ at::Tensor embedding_layernorm(const std::optional<at::Tensor>& input_ids, const
     return ids.reshape({-1}).to(itype).contiguous();  // range checked in the kernel: no host sync
   };
   at::Tensor words = inputs_embeds ? as_rows(*inputs_embeds, dim) : at::Tensor();
-  at::Tensor ww = table(word_weight, lead, dim, "word_weight");
+  at::Tensor ww = inputs_embeds ? at::Tensor() : table(word_weight, lead, dim, "word_weight");
   at::Tensor ids = inputs_embeds ? at::Tensor() : ids_of(*input_ids, "input_ids");
   at::Tensor tw = table(type_weight, lead, dim, "type_weight"), pw = table(position_weight, lead, dim, "pos_weight");
   at::Tensor tts = ids_of(token_type_ids, "token_type_ids"), pos = ids_of(position_ids, "position_ids");
@@ -60,8 +60,9 @@ at::Tensor embedding_layernorm(const std::optional<at::Tensor>& input_ids, const
   at::Tensor out = output(out_opt, shape, lead);
   const int code = fastbert_cuda_embedding_layernorm(
       dtype, itype == at::kLong, words.defined() ? words.data_ptr() : nullptr, words.defined() ? words.stride(0) : 0,
-      ids.defined() ? ids.data_ptr() : nullptr, tts.data_ptr(), pos.data_ptr(), ww.data_ptr(), ww.stride(0),
-      ww.size(0), tw.data_ptr(), tw.stride(0), tw.size(0), pw.data_ptr(), pw.stride(0), pw.size(0),
+      ids.defined() ? ids.data_ptr() : nullptr, tts.data_ptr(), pos.data_ptr(), ww.defined() ? ww.data_ptr() : nullptr,
+      ww.defined() ? ww.stride(0) : 0, ww.defined() ? ww.size(0) : 1, tw.data_ptr(), tw.stride(0), tw.size(0),
+      pw.data_ptr(), pw.stride(0), pw.size(0),
       w.data_ptr<float>(), b.data_ptr<float>(), float(eps), out.data_ptr(), tokens, dim, stream());
   check_launch(code, "embedding_layernorm", dim);
   return out;

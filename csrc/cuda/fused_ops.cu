@@ -124,7 +124,7 @@ __device__ __forceinline__ void layernorm_row(Fill fill, const float* __restrict
 }
 
 template <typename T, int V, int ITEMS>
-__global__ void bias_residual_layernorm_kernel(const T* __restrict__ x, int64_t x_stride,  // [rows, n]
+__global__ void __launch_bounds__(kMaxThreads) bias_residual_layernorm_kernel(const T* __restrict__ x, int64_t x_stride,  // [rows, n]
                                                const float* __restrict__ bias,              // [n]
                                                const T* __restrict__ res, int64_t res_stride,  // [rows, n]
                                                const float* __restrict__ w, const float* __restrict__ b, float eps,
@@ -144,7 +144,7 @@ __global__ void bias_residual_layernorm_kernel(const T* __restrict__ x, int64_t 
 }
 
 template <typename T, typename I, int V, int ITEMS>
-__global__ void embedding_layernorm_kernel(const T* __restrict__ words, int64_t words_stride,  // [tokens, n] or null
+__global__ void __launch_bounds__(kMaxThreads) embedding_layernorm_kernel(const T* __restrict__ words, int64_t words_stride,  // [tokens, n] or null
                                            const I* __restrict__ ids, const I* __restrict__ type_ids,
                                            const I* __restrict__ pos_ids,  // [tokens] each
                                            const T* __restrict__ ww, int64_t w_stride, int64_t vocab,  // [vocab, n]

@@ -27,6 +27,7 @@ int fastbert_cuda_bias_residual_layernorm(int dtype, const void* x, int64_t x_st
 
 // out[t, :] = LayerNorm(word[ids[t]] (or words[t, :]) + type[type_ids[t]] + pos[pos_ids[t]]), fp32 statistics.
 // ids are int64 when index64 else int32; an out-of-range id makes that token's row NaN (no host sync to check).
+// With `words` (inputs_embeds rows), ids and word_weight are unused and may be null.
 int fastbert_cuda_embedding_layernorm(int dtype, int index64, const void* words, int64_t words_stride, const void* ids,
                                       const void* type_ids, const void* pos_ids, const void* word_weight,
                                       int64_t word_stride, int64_t vocab, const void* type_weight, int64_t type_stride,
