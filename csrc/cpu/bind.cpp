@@ -16,10 +16,11 @@ namespace {
 bool cpu_has(const char* isa) {
 #if defined(__x86_64__)
   __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (std::string(isa) == "avx512")
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  if (std::string(isa) == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (std::string(isa) == "avx2") return avx2;
 #endif
   return std::string(isa) == "generic";
 }
@@ -48,8 +49,9 @@ const KernelTable& kernels() {
 }
 
 // Select the kernels compiled for `isa` (tests run every path the CPU can execute); false if it cannot run here.
+// cpu_has comes first: even building a table runs code compiled for that ISA.
 bool set_isa(const std::string& isa) {
-  if (table_of(isa) == nullptr || !cpu_has(isa.c_str())) return false;
+  if (!cpu_has(isa.c_str()) || table_of(isa) == nullptr) return false;
   active = table_of(isa);
   return true;
 }
@@ -57,7 +59,7 @@ bool set_isa(const std::string& isa) {
 std::vector<std::string> runnable_isas() {
   std::vector<std::string> out;
   for (const char* isa : {"avx512", "avx2", "generic"})
-    if (table_of(isa) != nullptr && cpu_has(isa)) out.emplace_back(isa);
+    if (cpu_has(isa) && table_of(isa) != nullptr) out.emplace_back(isa);
   return out;
 }
 
@@ -233,6 +235,7 @@ at::Tensor attention(const at::Tensor& qkv_in, const at::Tensor& cu_seqlens, int
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace fastbert::cpu;
   m.doc() = "fastbert native CPU kernels (C++, OpenMP, runtime ISA dispatch)";
+  kernels();  // pick the ISA once, at import, before any thread can race on it
   m.def("embedding_layernorm", &embedding_layernorm, "LayerNorm(word[ids] + pos[pos] + type[tt]) -> [*, E]",
         py::arg("input_ids"), py::arg("token_type_ids"), py::arg("position_ids"), py::arg("word_weight"),
         py::arg("position_weight"), py::arg("type_weight"), py::arg("ln_weight"), py::arg("ln_bias"), py::arg("eps"),

@@ -8,7 +8,7 @@
 #include "kernels.h"
 
 #if defined(__x86_64__)
-#pragma GCC target("avx2,fma,f16c")
+#pragma GCC target("avx2,fma")
 #define FASTBERT_ISA avx2
 #include "isa_body.inc"
 #endif

@@ -8,7 +8,7 @@
 #include "kernels.h"
 
 #if defined(__x86_64__)
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,prefer-vector-width=512")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,prefer-vector-width=512")
 #define FASTBERT_ISA avx512
 #include "isa_body.inc"
 #endif
