@@ -147,6 +147,7 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--dtypes", default=None, help="default: float32,bfloat16 (cpu), + float16 (cuda)")
+    parser.add_argument("--ops", default=None, help="comma-separated subset, e.g. bias_act,attention (default: all)")
     parser.add_argument("--threads", type=int, default=None, help="torch (and native) CPU threads; default: torch's")
     parser.add_argument("--budget", type=float, default=1.0, help="CPU seconds of interleaved calls per op and repeat")
     parser.add_argument("--repeats", type=int, default=5, help="report medians over this many timing windows per op")
@@ -161,7 +162,9 @@ def main() -> int:
     dtypes = args.dtypes or ("float32,bfloat16" if args.device == "cpu" else "float32,float16,bfloat16")
     cases = {}
     for name in dtypes.split(","):
-        cases |= {(op, name): case for op, case in make_cases(args, getattr(torch, name)).items()}
+        for op, case in make_cases(args, getattr(torch, name)).items():
+            if args.ops is None or op.split("(")[0] in args.ops.split(","):
+                cases[op, name] = case
     times: dict[tuple[str, str], list[dict[str, float]]] = {key: [] for key in cases}
     for rep in range(args.repeats):  # repeats spread each op's windows over the whole run
         for key, (fn_native, fn_torch, *_) in cases.items():

@@ -30,8 +30,9 @@ CPU_DTYPES = (torch.float32, torch.bfloat16)
 CUDA_OPS = ("embedding_layernorm", "bias_act", "bias_residual_layernorm")  # attention on CUDA is Triton's job
 CUDA_MAX_ROW = 8192  # FASTBERT_CUDA_MAX_ROW in csrc/cuda/launch.h
 # (op, dtype) pairs whose native CPU kernel did not beat torch in benchmarks/bench_native.py (2-core AMD EPYC, Zen 4,
-# AVX-512): auto dispatch leaves them to torch, forcing native still runs them. bf16 erf GELU is compute-bound at
-# parity with torch's vectorised erf (x0.89-x0.95 measured).
+# AVX-512, shared machine): auto dispatch leaves them to torch, forcing native still runs them. bf16 erf GELU is
+# compute-bound and no faster than torch's vectorised erf below ~30M elements (x0.38-0.95 at BERT batch 8-32 x 128,
+# 16 x 512; x1.57 only at 32 x 512).
 CPU_SLOWER_THAN_TORCH: frozenset[tuple[str, torch.dtype]] = frozenset({("bias_act", torch.bfloat16)})
 
 _loaded: dict[str, tuple[ModuleType | None, str | None]] = {}
