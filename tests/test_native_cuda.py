@@ -17,7 +17,7 @@ pytestmark = [
 ]
 EXT, EXT_REASON = native.load("_native_cuda") if torch.cuda.is_available() else (None, "no CUDA device")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-WIDTHS = (768, 312, 101)  # 768: 16-byte path for every dtype; 312: fp32 only; 101: scalar everywhere
+WIDTHS = (768, 312, 101)  # 768, 312: 16-byte path for every dtype; 101: scalar path (as is offset 1 below)
 
 
 @pytest.fixture
