@@ -10,7 +10,8 @@ STAMP  := $(VENV)/.installed
 NVCC         ?= $(shell command -v nvcc 2>/dev/null)
 MAX_JOBS     ?= 2
 CUDA_GENCODE := -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,code=compute_80
-TORCH_INC     = $(shell $(PY) -c "from torch.utils.cpp_extension import include_paths; print(' '.join('-I' + p for p in include_paths()))")
+TORCH_INC     = $(shell $(PY) -c "from torch.utils import cpp_extension as c; \
+                  print(*map('-I{}'.format, c.include_paths()))")
 PY_INC        = $(shell $(PY) -c "import sysconfig; print('-I' + sysconfig.get_paths()['include'])")
 
 .PHONY: venv test bench lint clean native cuda-check

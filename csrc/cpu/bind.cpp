@@ -92,7 +92,8 @@ at::Tensor embedding_layernorm(const std::optional<at::Tensor>& input_ids, const
                                const at::Tensor& position_ids, const at::Tensor& word_weight,
                                const at::Tensor& position_weight, const at::Tensor& type_weight,
                                const at::Tensor& ln_weight, const at::Tensor& ln_bias, double eps,
-                               const std::optional<at::Tensor>& inputs_embeds, const std::optional<at::Tensor>& out_opt) {
+                               const std::optional<at::Tensor>& inputs_embeds,
+                               const std::optional<at::Tensor>& out_opt) {
   TORCH_CHECK_VALUE(input_ids.has_value() != inputs_embeds.has_value(), "pass exactly one of input_ids, inputs_embeds");
   const at::Tensor& lead = inputs_embeds ? *inputs_embeds : word_weight;
   check_device(lead, kCpu, inputs_embeds ? "inputs_embeds" : "word_weight");
@@ -240,9 +241,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("input_ids"), py::arg("token_type_ids"), py::arg("position_ids"), py::arg("word_weight"),
         py::arg("position_weight"), py::arg("type_weight"), py::arg("ln_weight"), py::arg("ln_bias"), py::arg("eps"),
         py::arg("inputs_embeds"), py::arg("out") = py::none());
-  m.def("bias_act", &bias_act, "act(x + bias)", py::arg("x"), py::arg("bias"), py::arg("kind"), py::arg("out") = py::none());
+  m.def("bias_act", &bias_act, "act(x + bias)", py::arg("x"), py::arg("bias"), py::arg("kind"),
+        py::arg("out") = py::none());
   m.def("bias_residual_layernorm", &bias_residual_layernorm, "LayerNorm(x + bias + residual)", py::arg("x"),
-        py::arg("bias"), py::arg("residual"), py::arg("ln_weight"), py::arg("ln_bias"), py::arg("eps"), py::arg("out") = py::none());
+        py::arg("bias"), py::arg("residual"), py::arg("ln_weight"), py::arg("ln_bias"), py::arg("eps"),
+        py::arg("out") = py::none());
   m.def("attention", &attention, "varlen attention over packed qkv [T, 3, nH, D] -> [T, nH, D]", py::arg("qkv"),
         py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("scale"), py::arg("out") = py::none());
   m.def("isa", [] { return std::string(kernels().isa); }, "the instruction set of the kernels in use");

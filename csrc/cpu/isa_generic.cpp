@@ -1,4 +1,4 @@
-// CPU kernels compiled for the compiler's baseline ISA (SSE2 on x86-64; NEON etc. elsewhere); bind.cpp uses this table when the CPU has it.
+// CPU kernels compiled for the compiler's baseline ISA (SSE2 on x86-64; NEON etc. elsewhere): bind.cpp's fallback.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -34,7 +34,8 @@ at::Tensor embedding_layernorm(const std::optional<at::Tensor>& input_ids, const
                                const at::Tensor& position_ids, const at::Tensor& word_weight,
                                const at::Tensor& position_weight, const at::Tensor& type_weight,
                                const at::Tensor& ln_weight, const at::Tensor& ln_bias, double eps,
-                               const std::optional<at::Tensor>& inputs_embeds, const std::optional<at::Tensor>& out_opt) {
+                               const std::optional<at::Tensor>& inputs_embeds,
+                               const std::optional<at::Tensor>& out_opt) {
   TORCH_CHECK_VALUE(input_ids.has_value() != inputs_embeds.has_value(), "pass exactly one of input_ids, inputs_embeds");
   const at::Tensor& lead = inputs_embeds ? *inputs_embeds : word_weight;
   const int dtype = dtype_code(lead, inputs_embeds ? "inputs_embeds" : "word_weight");

@@ -124,11 +124,12 @@ __device__ __forceinline__ void layernorm_row(Fill fill, const float* __restrict
 }
 
 template <typename T, int V, int ITEMS>
-__global__ void __launch_bounds__(kMaxThreads) bias_residual_layernorm_kernel(const T* __restrict__ x, int64_t x_stride,  // [rows, n]
-                                               const float* __restrict__ bias,              // [n]
-                                               const T* __restrict__ res, int64_t res_stride,  // [rows, n]
-                                               const float* __restrict__ w, const float* __restrict__ b, float eps,
-                                               T* __restrict__ out, int64_t n) {  // out [rows, n] contiguous
+__global__ void __launch_bounds__(kMaxThreads)
+    bias_residual_layernorm_kernel(const T* __restrict__ x, int64_t x_stride,  // [rows, n]
+                                   const float* __restrict__ bias,              // [n]
+                                   const T* __restrict__ res, int64_t res_stride,  // [rows, n]
+                                   const float* __restrict__ w, const float* __restrict__ b, float eps,
+                                   T* __restrict__ out, int64_t n) {  // out [rows, n] contiguous
   const int64_t row = blockIdx.x;
   const T* xr = x + row * x_stride;
   const T* rr = res + row * res_stride;
@@ -144,14 +145,15 @@ __global__ void __launch_bounds__(kMaxThreads) bias_residual_layernorm_kernel(co
 }
 
 template <typename T, typename I, int V, int ITEMS>
-__global__ void __launch_bounds__(kMaxThreads) embedding_layernorm_kernel(const T* __restrict__ words, int64_t words_stride,  // [tokens, n] or null
-                                           const I* __restrict__ ids, const I* __restrict__ type_ids,
-                                           const I* __restrict__ pos_ids,  // [tokens] each
-                                           const T* __restrict__ ww, int64_t w_stride, int64_t vocab,  // [vocab, n]
-                                           const T* __restrict__ tw, int64_t t_stride, int64_t types,  // [types, n]
-                                           const T* __restrict__ pw, int64_t p_stride, int64_t positions,
-                                           const float* __restrict__ lw, const float* __restrict__ lb, float eps,
-                                           T* __restrict__ out, int64_t n) {  // out [tokens, n] contiguous
+__global__ void __launch_bounds__(kMaxThreads)
+    embedding_layernorm_kernel(const T* __restrict__ words, int64_t words_stride,  // [tokens, n] or null
+                               const I* __restrict__ ids, const I* __restrict__ type_ids,
+                               const I* __restrict__ pos_ids,  // [tokens] each
+                               const T* __restrict__ ww, int64_t w_stride, int64_t vocab,  // [vocab, n]
+                               const T* __restrict__ tw, int64_t t_stride, int64_t types,  // [types, n]
+                               const T* __restrict__ pw, int64_t p_stride, int64_t positions,
+                               const float* __restrict__ lw, const float* __restrict__ lb, float eps,
+                               T* __restrict__ out, int64_t n) {  // out [tokens, n] contiguous
   const int64_t t = blockIdx.x;
   const int64_t id = words != nullptr ? 0 : int64_t(ids[t]), tt = type_ids[t], pos = pos_ids[t];
   T* orow = out + t * n;
@@ -202,7 +204,8 @@ bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_
 template <typename T>
 int vec_width(int64_t n, const void* a, int64_t a_stride, const void* b, int64_t b_stride, const void* out) {
   constexpr int v = 16 / sizeof(T);
-  const bool ok = n % v == 0 && a_stride % v == 0 && b_stride % v == 0 && aligned16(a) && aligned16(b) && aligned16(out);
+  const bool strides = n % v == 0 && a_stride % v == 0 && b_stride % v == 0;
+  const bool ok = strides && aligned16(a) && aligned16(b) && aligned16(out);
   return ok ? v : 1;
 }
 
