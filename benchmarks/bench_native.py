@@ -6,7 +6,7 @@ CPU timing: native and torch calls interleaved for --budget seconds, each keepin
 one on a machine shared with other jobs); --repeats such windows per op, spread over the run, reported as medians with
 the range of the per-window speedups. CUDA timing: CUDA events, L2 flushed before every call, median.
 Usage: python benchmarks/bench_native.py [--device cpu|cuda --batch 8 --seqlen 128 --hidden 768 --heads 12]
-Writes JSON + Markdown to benchmarks/results/; fastbert/native.py's CPU_SLOWER_THAN_TORCH follows these ratios.
+Writes JSON, Markdown and a PNG plot to benchmarks/results/; fastbert.native.CPU_SLOWER_THAN_TORCH follows them.
 """
 
 from __future__ import annotations
@@ -139,6 +139,28 @@ def table(meta: dict, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot(meta: dict, rows: list[dict], path: Path) -> None:
+    """Grouped bars, native vs torch GB/s per (op, dtype), the copy bandwidth as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['op']}\n{r['dtype']}" for r in rows]
+    xs = range(len(rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(rows)), 4))
+    ax.bar([x - 0.2 for x in xs], [r["native"]["GB/s"] for r in rows], 0.4, label="native")
+    ax.bar([x + 0.2 for x in xs], [r["torch"]["GB/s"] for r in rows], 0.4, label="torch")
+    ax.axhline(meta["copy_GB/s"], color="gray", linestyle="--", label="copy")
+    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set_ylabel("GB/s (bytes the op must move)")
+    ax.set_title(f"{meta['device_name']}, {meta['threads']} threads, commit {meta['commit']}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -194,6 +216,7 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
     out.with_suffix(".md").write_text(table(meta, rows) + "\n")
+    plot(meta, rows, out.with_suffix(".png"))
     print(table(meta, rows))
     return 0
 
