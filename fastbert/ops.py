@@ -133,6 +133,17 @@ def _native_no_grad(*args: Any, **kwargs: Any) -> str | None:
     return None
 
 
+def _native_limits(op: str) -> LimitCheck:
+    """The grad check, then fastbert.native's own per-call limits (dropout, dtypes per device, ops it lacks)."""
+
+    def check(*args: Any, **kwargs: Any) -> str | None:
+        # fastbert.native is already imported here: Backend.refuses loads the module before it checks limits.
+        native = importlib.import_module("fastbert.native")
+        return _native_no_grad(*args, **kwargs) or native.refuses(op, *args, **kwargs)
+
+    return check
+
+
 _BACKENDS: dict[str, Backend] = {
     "triton": Backend(
         "triton",
@@ -148,7 +159,7 @@ _BACKENDS: dict[str, Backend] = {
         devices=("cpu", "cuda"),
         dtypes=(torch.float32, torch.bfloat16, torch.float16),
         module="fastbert.native",
-        limits={op: _native_no_grad for op in OPS},
+        limits={op: _native_limits(op) for op in OPS},
     ),
     "torch": Backend("torch", devices=("cpu", "cuda", "mps", "meta"), dtypes=FLOATS, module="fastbert.reference"),
 }
