@@ -55,7 +55,7 @@ class BertEmbeddings(nn.Module):
             training=self.training,
             inputs_embeds=inputs_embeds,
         )
-        return self.projection(x) if self.projection is not None else x
+        return ops.linear(x, self.projection.weight, self.projection.bias) if self.projection is not None else x
 
 
 class BertSelfAttention(nn.Module):
@@ -85,7 +85,7 @@ class BertSelfAttention(nn.Module):
         self, x: torch.Tensor, packing: Packing, output_attentions: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [T, H] -> [T, H], probs [B, nH, S, S] or None
         weight, bias = self.qkv_weight()
-        qkv = F.linear(x, weight, bias).view(x.shape[0], 3, self.num_heads, self.head_dim)
+        qkv = ops.linear(x, weight, bias).view(x.shape[0], 3, self.num_heads, self.head_dim)
         if output_attentions:
             ctx, probs = reference.attention_with_probs(
                 qkv, packing.cu_seqlens, packing.max_seqlen, self.dropout_p, self.training
@@ -104,7 +104,7 @@ class BertSelfOutput(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return ops.bias_residual_layernorm(
-            F.linear(x, self.dense.weight),
+            ops.linear(x, self.dense.weight),
             self.dense.bias,
             residual,
             self.LayerNorm.weight,
@@ -135,7 +135,7 @@ class BertIntermediate(nn.Module):
         self.act = ACT_OF_CONFIG[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.bias_act(F.linear(x, self.dense.weight), self.dense.bias, self.act)
+        return ops.linear(x, self.dense.weight, self.dense.bias, self.act)
 
 
 class BertOutput(BertSelfOutput):
@@ -209,7 +209,7 @@ class BertPooler(nn.Module):
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [B, S, H] -> [B, H]
-        return torch.tanh(self.dense(hidden_states[:, 0]))
+        return torch.tanh(ops.linear(hidden_states[:, 0], self.dense.weight, self.dense.bias))
 
 
 def _pad_probs(probs: torch.Tensor, seqlen: int) -> torch.Tensor:

@@ -22,12 +22,16 @@ from types import ModuleType
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from fastbert import reference
 
 log = logging.getLogger("fastbert.ops")
 
-OPS = ("embedding_layernorm", "bias_act", "bias_residual_layernorm", "attention")
+KERNEL_OPS = ("embedding_layernorm", "bias_act", "bias_residual_layernorm", "attention")
+# Ops a backend may leave out: forcing a backend that does not implement one leaves that op to the automatic choice.
+OPTIONAL_OPS = ("linear",)
+OPS = KERNEL_OPS + OPTIONAL_OPS
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
@@ -92,12 +96,17 @@ def _native_no_grad(*args: Any, **kwargs: Any) -> str | None:
     return None
 
 
+def _onednn_limits(*args: Any, **kwargs: Any) -> str | None:
+    return importlib.import_module("fastbert.onednn").refuses(*args, **kwargs)
+
+
 _BACKENDS: dict[str, Backend] = {
     "triton": Backend(
         "triton",
         devices=("cuda", "cpu"),
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
         module="fastbert.kernels",
+        ops=KERNEL_OPS,
         device_check=_triton_device_check,
     ),
     "native": Backend(
@@ -105,11 +114,20 @@ _BACKENDS: dict[str, Backend] = {
         devices=("cpu", "cuda"),
         dtypes=(torch.float32, torch.bfloat16, torch.float16),
         module="fastbert.native",
-        limits={op: _native_no_grad for op in OPS},
+        ops=KERNEL_OPS,
+        limits={op: _native_no_grad for op in KERNEL_OPS},
+    ),
+    "onednn": Backend(
+        "onednn",
+        devices=("cpu",),
+        dtypes=(torch.float32, torch.bfloat16),
+        module="fastbert.onednn",
+        ops=("linear",),
+        limits={"linear": _onednn_limits},
     ),
     "torch": Backend("torch", devices=("cpu", "cuda", "mps", "meta"), dtypes=FLOATS, module="fastbert.reference"),
 }
-_AUTO_ORDER = ("triton", "native", "torch")
+_AUTO_ORDER = ("triton", "native", "onednn", "torch")
 
 _state = threading.local()
 _decisions: dict[str, str] = {}
@@ -160,6 +178,8 @@ def select(op: str, args: tuple, kwargs: dict) -> tuple[Callable, str]:
     lead = _first_tensor(args)
     device, dtype = lead.device, (lead.dtype if lead.is_floating_point() else _first_float(args))
     forced = forced_backend()
+    if forced is not None and op in OPTIONAL_OPS and op not in _BACKENDS[forced].ops:
+        forced = None
     if forced is not None:
         backend = _BACKENDS[forced]
         reason = backend.refuses(op, device, dtype, args, kwargs)
@@ -201,6 +221,18 @@ def _dispatch(op: str, *args: Any, **kwargs: Any) -> torch.Tensor:
 
 
 # One public function per op; the signatures are the references' (see fastbert/reference.py), without `upcast`.
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act: str | None = None
+) -> torch.Tensor:
+    """act(x @ weight^T + bias). A backend that fuses the whole layer (oneDNN on CPU) takes it in one call; on the
+    torch backend the GEMM is F.linear and a bias + activation epilogue goes to the `bias_act` op (a GPU kernel)."""
+    fn, name = select("linear", (x, weight, bias, act), {})
+    if name == "torch" and act is not None:
+        return bias_act(F.linear(x, weight), bias, act)
+    return fn(x, weight, bias, act)
+
+
+
 def embedding_layernorm(
     input_ids: torch.Tensor | None,
     token_type_ids: torch.Tensor,
@@ -235,6 +267,8 @@ def embedding_layernorm(
 
 def bias_act(x: torch.Tensor, bias: torch.Tensor, kind: str = reference.ACT_GELU) -> torch.Tensor:
     """act(x + bias) for act in gelu (erf), gelu_tanh, relu."""
+    if bias.dtype != x.dtype:  # autocast: x is the GEMM's low-precision output; F.linear adds its bias in that dtype
+        bias = bias.to(x.dtype)
     return _dispatch("bias_act", x, bias, kind)
 
 
@@ -249,6 +283,9 @@ def bias_residual_layernorm(
     training: bool = False,
 ) -> torch.Tensor:
     """LayerNorm(dropout(x + bias) + residual)."""
+    if x.dtype != residual.dtype:  # autocast: the residual stream keeps the model's dtype, as fp32 LayerNorm does
+        dtype = torch.promote_types(x.dtype, residual.dtype)
+        x, residual = x.to(dtype), residual.to(dtype)
     return _dispatch("bias_residual_layernorm", x, bias, residual, ln_weight, ln_bias, eps, dropout_p, training)
 
 
