@@ -121,9 +121,12 @@ def _verdict(
             w, b = weight.to(dtype), bias.to(dtype) if bias is not None else None
             fast, plain = _best_times(lambda: linear(xs, weight, bias, act), lambda: reference.linear(xs, w, b, act))
         wins = fast < plain
-        _verdicts[key] = (wins, f"measured {'slower' if not wins else 'faster'} than F.linear here "
-                          f"({fast * 1e3:.2f} vs {plain * 1e3:.2f} ms for [{rows}, {weight.shape[1]}] x "
-                          f"[{weight.shape[1]}, {weight.shape[0]}] {str(dtype).removeprefix('torch.')})")
+        _verdicts[key] = (
+            wins,
+            f"measured {'slower' if not wins else 'faster'} than F.linear here "
+            f"({fast * 1e3:.2f} vs {plain * 1e3:.2f} ms for [{rows}, {weight.shape[1]}] x "
+            f"[{weight.shape[1]}, {weight.shape[0]}] {str(dtype).removeprefix('torch.')})",
+        )
     return _verdicts[key]
 
 

@@ -232,7 +232,6 @@ def linear(
     return fn(x, weight, bias, act)
 
 
-
 def embedding_layernorm(
     input_ids: torch.Tensor | None,
     token_type_ids: torch.Tensor,
