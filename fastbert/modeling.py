@@ -14,6 +14,7 @@ from torch import nn
 from fastbert import ops, reference
 from fastbert.checkpoint import PreTrainedModel
 from fastbert.config import BertConfig
+from fastbert.cuda_graphs import CudaGraphs
 from fastbert.outputs import BaseModelOutputWithPooling
 from fastbert.padding import Packing, unpad
 from fastbert.validation import validate_inputs
@@ -226,6 +227,7 @@ class BertModel(PreTrainedModel):
         self.embeddings = BertEmbeddings(config)
         self.encoder = BertEncoder(config)
         self.pooler = BertPooler(config) if add_pooling_layer else None
+        self.cuda_graphs: CudaGraphs | None = None  # small-batch replay on a GPU: fastbert.cuda_graphs.enable(model)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -257,13 +259,17 @@ class BertModel(PreTrainedModel):
         position_ids = position_ids.reshape(-1, seqlen).expand(batch, seqlen)
         if token_type_ids is None:
             token_type_ids = torch.zeros(batch, seqlen, dtype=torch.long, device=device)
-        x = self.embeddings(
-            packing.pack(input_ids) if input_ids is not None else None,
-            packing.pack(token_type_ids),
-            packing.pack(position_ids),
-            packing.pack(inputs_embeds) if inputs_embeds is not None else None,
+        ids, types, positions = (
+            packing.pack(t) if t is not None else None for t in (input_ids, token_type_ids, position_ids)
         )
-        x, hidden, attentions = self.encoder(x, packing, output_hidden_states, output_attentions)
+        plain = input_ids is not None and not (output_hidden_states or output_attentions)
+        if self.cuda_graphs is not None and self.cuda_graphs.takes(packing, device, plain):
+            x, hidden, attentions = self.cuda_graphs.run(ids, types, positions, packing), [], []
+        else:
+            x = self.embeddings(
+                ids, types, positions, packing.pack(inputs_embeds) if inputs_embeds is not None else None
+            )
+            x, hidden, attentions = self.encoder(x, packing, output_hidden_states, output_attentions)
         sequence_output = packing.repad(x)
         pooled = self.pooler(sequence_output) if self.pooler is not None else None
         out = BaseModelOutputWithPooling(
