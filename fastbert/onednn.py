@@ -96,7 +96,7 @@ def _packed(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The cached oneDNN layout of `weight` in `dtype` (and bias cast to it), rebuilt when either changes."""
     key = (id(weight), dtype)
-    stamp = tuple((t._version, t.data_ptr()) if t is not None else None for t in (weight, bias))
+    stamp = tuple(_stamp(t) for t in (weight, bias))
     entry = _packs.get(key)
     if entry is None or entry[0]() is not weight or entry[1] != stamp:
         with torch.no_grad():
@@ -107,6 +107,13 @@ def _packed(
         _packs[key] = (weakref.ref(weight), stamp, packed, b)
         entry = _packs[key]
     return entry[2], entry[3]
+
+
+def _stamp(t: torch.Tensor | None) -> tuple[int, int] | None:
+    """What identifies a tensor's contents cheaply: (version, address); inference tensors have no version counter."""
+    if t is None:
+        return None
+    return (-1 if t.is_inference() else t._version, t.data_ptr())
 
 
 def _verdict(
