@@ -154,11 +154,11 @@ def measure_peak(device: torch.device, dtype: torch.dtype) -> float:
     b = torch.randn(n, n, device=device).to(dtype)
     candidates: list[Callable[[], object]] = [lambda: torch.matmul(a, b)]
     if device.type == "cpu":
-        from fastbert import onednn
+        from fastbert import cpu
 
-        if onednn.unavailable_reason() is None and dtype in (torch.float32, torch.bfloat16):
+        if cpu.unavailable_reason() is None and dtype in (torch.float32, torch.bfloat16):
             bt = b.t().contiguous()
-            candidates.append(lambda: onednn.linear(a, bt))
+            candidates.append(lambda: cpu.linear(a, bt))
     best = float("inf")
     with torch.inference_mode():
         for fn in candidates:

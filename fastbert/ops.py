@@ -96,8 +96,8 @@ def _native_no_grad(*args: Any, **kwargs: Any) -> str | None:
     return None
 
 
-def _onednn_limits(*args: Any, **kwargs: Any) -> str | None:
-    return importlib.import_module("fastbert.onednn").refuses(*args, **kwargs)
+def _cpu_linear_limits(*args: Any, **kwargs: Any) -> str | None:
+    return importlib.import_module("fastbert.cpu").refuses_linear(*args, **kwargs)
 
 
 _BACKENDS: dict[str, Backend] = {
@@ -117,17 +117,17 @@ _BACKENDS: dict[str, Backend] = {
         ops=KERNEL_OPS,
         limits={op: _native_no_grad for op in KERNEL_OPS},
     ),
-    "onednn": Backend(
-        "onednn",
+    "cpu": Backend(
+        "cpu",
         devices=("cpu",),
         dtypes=(torch.float32, torch.bfloat16),
-        module="fastbert.onednn",
-        ops=("linear",),
-        limits={"linear": _onednn_limits},
+        module="fastbert.cpu",
+        ops=("linear", "attention"),
+        limits={"linear": _cpu_linear_limits},
     ),
     "torch": Backend("torch", devices=("cpu", "cuda", "mps", "meta"), dtypes=FLOATS, module="fastbert.reference"),
 }
-_AUTO_ORDER = ("triton", "native", "onednn", "torch")
+_AUTO_ORDER = ("triton", "native", "cpu", "torch")
 
 _state = threading.local()
 _decisions: dict[str, str] = {}
@@ -224,8 +224,8 @@ def _dispatch(op: str, *args: Any, **kwargs: Any) -> torch.Tensor:
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act: str | None = None
 ) -> torch.Tensor:
-    """act(x @ weight^T + bias). A backend that fuses the whole layer (oneDNN on CPU) takes it in one call; on the
-    torch backend the GEMM is F.linear and a bias + activation epilogue goes to the `bias_act` op (a GPU kernel)."""
+    """act(x @ weight^T + bias). A backend that fuses the whole layer (the cpu backend's oneDNN) takes it in one
+    call; on the torch backend the GEMM is F.linear and the bias + activation epilogue goes to the `bias_act` op."""
     fn, name = select("linear", (x, weight, bias, act), {})
     if name == "torch" and act is not None:
         return bias_act(F.linear(x, weight), bias, act)

@@ -1,14 +1,16 @@
-"""The `linear` op's fast CPU backend: oneDNN GEMMs on weights prepacked once, activation fused in the epilogue.
+"""The CPU backend: oneDNN GEMMs on weights prepacked once (the `linear` op), and attention without padding.
 
-torch's default CPU fp32 matmul leaves much of a modern x86 core idle; oneDNN with a prepacked (blocked) weight layout
-gets close to the roof, and fusing bias + GELU into the GEMM saves a pass over the FFN's [T, 4H] activations. Whether
-it wins is measured on this machine, not assumed: at first use per (dtype, weight shape, size class) both paths are
-timed on the actual input, and the verdict (with its timings) is what the dispatch reports in `fastbert.explain()`.
-`FASTBERT_CPU_GEMM=onednn|torch` skips the measurement.
+`linear`: torch's default CPU fp32 matmul leaves much of a modern x86 core idle; oneDNN with a prepacked (blocked)
+weight layout gets close to the roof, and fusing bias + GELU into the GEMM saves a pass over the FFN's [T, 4H]
+activations. Whether it wins is measured on this machine, not assumed: at first use per (dtype, weight shape, size
+class) both paths are timed on the actual input, and the verdict (with its timings) is what the dispatch reports in
+`fastbert.explain()`. `FASTBERT_CPU_GEMM=onednn|torch` skips the measurement. Inference only (the prepacked op has no
+autograd). Under CPU autocast the GEMM runs in the autocast dtype on a cached copy of the weight in that dtype, where
+autocast itself would recast the fp32 weight on every call. Packs are cached per weight tensor and rebuilt when it
+changes (in-place update, new storage) or dies.
 
-Inference only (the prepacked op has no autograd). Under CPU autocast the GEMM runs in the autocast dtype on a cached
-copy of the weight in that dtype, where autocast itself would recast the fp32 weight on every call. Packs are cached
-per weight tensor and rebuilt when it changes (in-place update, new storage) or dies.
+`attention`: on a CPU reading `cu_seqlens` costs nothing, so each sequence gets its own unmasked SDPA call (torch's
+flash CPU kernel) straight on the packed tensor: no padded copy, no mask, no work on padding.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import weakref
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from fastbert import reference
 
@@ -48,7 +51,7 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def refuses(
+def refuses_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act: str | None = None
 ) -> str | None:
     """The dispatch limit check: why oneDNN should not take this call, or None."""
@@ -153,3 +156,30 @@ def _best_times(*fns: Callable[[], object], repeats: int = 3) -> list[float]:
 def verdicts() -> dict[tuple, tuple[bool, str]]:
     """Every calibration made so far: (dtype, N, K, fused act, small M) -> (oneDNN wins, timings)."""
     return dict(_verdicts)
+
+
+def attention(
+    qkv: torch.Tensor,  # [T, 3, nH, D] packed tokens
+    cu_seqlens: torch.Tensor,  # [B + 1] int32
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:  # [T, nH, D]
+    """softmax(q k^T * scale) v within each sequence: one SDPA call per sequence, one per batch if none is padded."""
+    total, _, heads, dim = qkv.shape
+    p = dropout_p if training else 0.0
+    batch = cu_seqlens.numel() - 1
+    with reference.no_autocast(qkv.device):
+        if total == batch * max_seqlen:  # nothing padded: the packed tensor is a [B, S] batch already
+            q, k, v = qkv.view(batch, max_seqlen, 3, heads, dim).permute(2, 0, 3, 1, 4).unbind(0)
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, scale=scale)  # [B, nH, S, D]
+            return out.transpose(1, 2).reshape(total, heads, dim)
+        out = qkv.new_zeros(total, heads, dim)
+        per_head = qkv.permute(1, 2, 0, 3)  # [3, nH, T, D] view
+        bounds = cu_seqlens.tolist()
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+            if end > start:
+                q, k, v = per_head[:, :, start:end].unbind(0)
+                out[start:end] = F.scaled_dot_product_attention(q, k, v, dropout_p=p, scale=scale).transpose(0, 1)
+    return out
