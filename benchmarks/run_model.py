@@ -126,12 +126,17 @@ def load_model(name: str) -> nn.Module:
 
 
 def make_batch(shape: Shape, vocab: int, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """input_ids, attention_mask (right padded), token_type_ids; ragged lengths uniform in [min_frac*S, S]."""
+    """input_ids, attention_mask (right padded), token_type_ids; ragged lengths uniform in [min_frac*S, S], drawn
+    stratified (one per 1/B quantile) so a batch of 8 has the law's mean padding rather than one lucky draw's."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(1000 if vocab > 2000 else 1, vocab, (shape.batch, shape.seqlen), generator=gen)
-    if shape.ragged:
-        low = max(1, int(shape.min_frac * shape.seqlen))
-        lengths = torch.randint(low, shape.seqlen + 1, (shape.batch,), generator=gen)
+    if shape.ragged:  # stratified: one length per 1/B quantile of the uniform law, shuffled (mean = its mean)
+        low = shape.min_frac * shape.seqlen
+        quantiles = (
+            torch.arange(shape.batch, dtype=torch.float64) + torch.rand(shape.batch, generator=gen)
+        ) / shape.batch
+        lengths = (low + quantiles * (shape.seqlen - low)).round().clamp(1, shape.seqlen).long()
+        lengths = lengths[torch.randperm(shape.batch, generator=gen)]
     else:
         lengths = torch.full((shape.batch,), shape.seqlen)
     mask = (torch.arange(shape.seqlen)[None, :] < lengths[:, None]).long()

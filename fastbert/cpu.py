@@ -175,11 +175,11 @@ def attention(
             q, k, v = qkv.view(batch, max_seqlen, 3, heads, dim).permute(2, 0, 3, 1, 4).unbind(0)
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, scale=scale)  # [B, nH, S, D]
             return out.transpose(1, 2).reshape(total, heads, dim)
-        out = qkv.new_zeros(total, heads, dim)
+        out = qkv.new_empty(total, heads, dim)  # every packed row belongs to exactly one sequence
         per_head = qkv.permute(1, 2, 0, 3)  # [3, nH, T, D] view
         bounds = cu_seqlens.tolist()
         for start, end in zip(bounds[:-1], bounds[1:], strict=True):
             if end > start:
-                q, k, v = per_head[:, :, start:end].unbind(0)
-                out[start:end] = F.scaled_dot_product_attention(q, k, v, dropout_p=p, scale=scale).transpose(0, 1)
+                q, k, v = per_head[:, None, :, start:end].unbind(0)  # [1, nH, L, D]: 4-D takes the flash kernel
+                out[start:end] = F.scaled_dot_product_attention(q, k, v, dropout_p=p, scale=scale)[0].transpose(0, 1)
     return out
