@@ -78,16 +78,16 @@ def markdown(doc: dict[str, Any]) -> str:
         groups.setdefault((row["model"], row["dtype"]), []).append(row)
     for (model, dtype), rows in groups.items():
         lines += [f"## {model} {dtype}", ""]
-        lines.append("| shape | system | mode | ms | seq/s | real tok/s | vs sdpa | % peak | max abs err |")
-        lines.append("|---|---|---|---:|---:|---:|---:|---:|---:|")
+        lines.append("| shape | system | mode | ms | cpu ms | seq/s | real tok/s | vs sdpa | % peak | max abs err |")
+        lines.append("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
         for r in rows:
             if r["skipped"]:
-                lines.append(f"| {r['shape']} | {r['system']} | {r['mode']} | skipped: {r['skipped']} | | | | | |")
+                lines.append(f"| {r['shape']} | {r['system']} | {r['mode']} | skipped: {r['skipped']} | | | | | | |")
                 continue
             lines.append(
-                f"| {r['shape']} | {r['system']} | {r['mode']} | {r['ms']:.1f} | {r['seq_per_s']:,.1f} "
-                f"| {r['tok_per_s']:,.0f} | {_fmt(r['speedup_vs_sdpa'], '.2f')}x | {r['pct_peak']:.1f} "
-                f"| {r['max_abs_err']:.2e} |"
+                f"| {r['shape']} | {r['system']} | {r['mode']} | {r['ms']:.1f} | {r['cpu_ms']:.0f} "
+                f"| {r['seq_per_s']:,.1f} | {r['tok_per_s']:,.0f} | {_fmt(r['speedup_vs_sdpa'], '.2f')}x "
+                f"| {r['pct_peak']:.1f} | {r['max_abs_err']:.2e} |"
             )
         lines.append("")
     return "\n".join(lines)
