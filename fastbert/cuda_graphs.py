@@ -48,11 +48,10 @@ class _Graph:
         for static, value in ((self.ids, ids), (self.types, types), (self.positions, positions)):
             static[:total].copy_(value, non_blocking=True)
             static[total:].zero_()
-        tail = [total] * (self.batch - batch) + [
-            min(total + self.seqlen * k, self.tokens) for k in range(1, self.fillers + 1)
-        ]
         self.cu_seqlens[: batch + 1].copy_(packing.cu_seqlens, non_blocking=True)
-        self.cu_seqlens[batch + 1 :].copy_(torch.tensor(tail, dtype=torch.int32), non_blocking=True)
+        self.cu_seqlens[batch + 1 : self.batch + 1].fill_(total)  # empty sequences up to the bucket's batch
+        fillers = torch.arange(1, self.fillers + 1, dtype=torch.int32, device=self.ids.device) * self.seqlen + total
+        self.cu_seqlens[self.batch + 1 :].copy_(fillers.clamp_(max=self.tokens))  # rows total..Tb, <= Sb each
 
 
 class CudaGraphs:
