@@ -8,7 +8,8 @@ rows T..Tb (pad token ids, discarded after replay). The layout lives in a static
 sync and every kernel sees a valid varlen batch.
 
 Captured graphs hold the weights' addresses: any parameter change (in place or new storage) drops them all and the next
-call recaptures. Used only in eval mode without autograd, without output_hidden_states/attentions or inputs_embeds.
+call recaptures; enable graphs after moving or casting the model (as `fastbert.optimize` does). Used only in eval mode
+without autograd, and not with output_hidden_states/attentions or inputs_embeds.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class CudaGraphs:
         self.model, self.max_tokens, self.max_batch, self.max_graphs = model, max_tokens, max_batch, max_graphs
         self.graphs: dict[tuple[int, int, int], _Graph] = {}
         self.pool = None
+        self._params = list(model.parameters())  # the stamp is checked every call: keep it a flat loop
         self._stamp: tuple | None = None
 
     def takes(self, packing: Packing, device: torch.device, plain_call: bool) -> bool:
@@ -123,10 +125,10 @@ class CudaGraphs:
         return graph
 
     def _grads(self) -> bool:
-        return any(p.requires_grad for p in self.model.parameters())
+        return any(p.requires_grad for p in self._params)
 
     def _weights_stamp(self) -> tuple:
-        return tuple((p._version, p.data_ptr()) for p in self.model.parameters())
+        return tuple((p._version, p.data_ptr()) for p in self._params)
 
 
 def enable(model: nn.Module, **limits: int) -> nn.Module:
