@@ -69,12 +69,15 @@ def transformers_model(hf: nn.Module, attn: str, device: torch.device) -> nn.Mod
     return model.to(device).eval()
 
 
-def fastbert_runner(hf: nn.Module, device: torch.device, dtype: torch.dtype, graphs: bool = False) -> Runner:
-    """fastbert converted from the same weights, cast to `dtype`, returning HF-shaped output."""
-    model = fastbert.optimize(hf, dtype=dtype, device=device, cuda_graphs=graphs)
+def fastbert_runner(
+    hf: nn.Module, device: torch.device, dtype: torch.dtype, graphs: bool = False, autocast: bool = False
+) -> Runner:
+    """fastbert converted from the same weights, cast to `dtype` (or fp32 weights under autocast to `dtype`)."""
+    model = fastbert.optimize(hf, dtype=None if autocast else dtype, device=device, cuda_graphs=graphs)
 
     def run(ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
-        return model(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+        with _autocast(device, dtype) if autocast else contextlib.nullcontext():
+            return model(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
 
     return run
 
@@ -134,7 +137,11 @@ def build_systems(
             module = importlib.import_module(module_name)
         except ImportError:
             continue
-        run = module.build(hf, dtype, device)
+        try:
+            run = module.build(hf, dtype, device)
+        except Exception as exc:  # the extra row's failure is its row's outcome
+            out.append(System(module.NAME, "extra", None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"))
+            continue
         out.append(System(module.NAME, "extra", run, None if run is not None else "not at this dtype/device"))
     return out
 
@@ -153,6 +160,10 @@ def _build(name: str, hf: nn.Module, device: torch.device, dtype: torch.dtype, w
         return System(name, "fp32", onnxruntime_runner(hf, workdir))
     if name == "fastbert":
         return System(name, "weights" if dtype != torch.float32 else "fp32", fastbert_runner(hf, device, dtype))
+    if name == "fastbert autocast":
+        if dtype == torch.float32:
+            return System(name, "-", None, "autocast is a low-precision mode")
+        return System(name, "autocast", fastbert_runner(hf, device, dtype, autocast=True))
     if name == "fastbert + CUDA graphs":
         if device.type != "cuda":
             return System(name, "-", None, "CUDA only")

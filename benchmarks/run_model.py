@@ -29,7 +29,14 @@ from benchmarks.model_systems import System, build_systems, scratch_dir, transfo
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-CPU_SYSTEMS = ("transformers eager", "transformers sdpa", "transformers sdpa + compile", "onnxruntime", "fastbert")
+CPU_SYSTEMS = (
+    "transformers eager",
+    "transformers sdpa",
+    "transformers sdpa + compile",
+    "onnxruntime",
+    "fastbert",
+    "fastbert autocast",
+)
 GPU_SYSTEMS = (
     "transformers eager",
     "transformers sdpa",
@@ -90,30 +97,24 @@ def suite_for(device: torch.device, kind: str) -> Suite:
     """The named suite for this device (default / quick / full / tiny)."""
     full = tuple(Shape(b, s, r) for b in (1, 8, 32, 128) for s in (128, 384, 512) for r in (False, True))
     headline = Shape(8, 128, True)
+    models = ("bert-base", "minilm")
     if kind == "tiny":  # the smoke test's: exercises every code path in seconds
         return Suite(("tiny",), ("fp32", "bf16"), {"tiny": (Shape(2, 16, True),)}, CPU_SYSTEMS, rounds=1)
-    if device.type == "cuda":
-        low = ("bf16", "fp16")
+    if device.type == "cuda":  # ByteTransformer's shape (avg 0.6 x max), TensorRT's batch 128, batch-1 latency
         gpu = (Shape(16, 512, True, 0.2), Shape(128, 128, False), Shape(1, 128, False))
         shapes = full if kind == "full" else (gpu[:1] if kind == "quick" else gpu)
-        return Suite(
-            ("bert-base", "minilm"), ("fp32", *low), dict.fromkeys(("bert-base", "minilm"), shapes), GPU_SYSTEMS
-        )
+        return Suite(models, ("fp32", "bf16", "fp16"), dict.fromkeys(models, shapes), GPU_SYSTEMS, rounds=20)
     if kind == "full":
-        return Suite(
-            ("bert-base", "minilm"), ("fp32", "bf16"), dict.fromkeys(("bert-base", "minilm"), full), CPU_SYSTEMS
-        )
+        return Suite(models, ("fp32", "bf16"), dict.fromkeys(models, full), CPU_SYSTEMS)
     if kind == "quick":
         systems = tuple(s for s in CPU_SYSTEMS if "compile" not in s)
-        return Suite(
-            ("bert-base", "minilm"), ("fp32", "bf16"), dict.fromkeys(("bert-base", "minilm"), (headline,)), systems
-        )
+        return Suite(models, ("fp32", "bf16"), dict.fromkeys(models, (headline,)), systems)
     shapes = {
         "bert-base": (headline, Shape(1, 128, False)),
         "minilm": (headline, Shape(1, 128, False), Shape(32, 128, True), Shape(8, 512, True)),
     }
     compiled = {"bert-base": (), "minilm": (headline,)}  # keeps `make bench` under 10 minutes on 2 cores
-    return Suite(("bert-base", "minilm"), ("fp32", "bf16"), shapes, CPU_SYSTEMS, compile_shapes=compiled)
+    return Suite(models, ("fp32", "bf16"), shapes, CPU_SYSTEMS, compile_shapes=compiled)
 
 
 def load_model(name: str) -> nn.Module:

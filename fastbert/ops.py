@@ -100,6 +100,11 @@ def _cpu_linear_limits(*args: Any, **kwargs: Any) -> str | None:
     return importlib.import_module("fastbert.cpu").refuses_linear(*args, **kwargs)
 
 
+def _cpu_attention_limits(*args: Any, **kwargs: Any) -> str | None:
+    # a loop over cu_seqlens read on the host: torch.compile/export trace the reference instead
+    return "under torch.compile/export tracing" if torch.compiler.is_compiling() else None
+
+
 _BACKENDS: dict[str, Backend] = {
     "triton": Backend(
         "triton",
@@ -123,7 +128,7 @@ _BACKENDS: dict[str, Backend] = {
         dtypes=(torch.float32, torch.bfloat16),
         module="fastbert.cpu",
         ops=("linear", "attention"),
-        limits={"linear": _cpu_linear_limits},
+        limits={"linear": _cpu_linear_limits, "attention": _cpu_attention_limits},
     ),
     "torch": Backend("torch", devices=("cpu", "cuda", "mps", "meta"), dtypes=FLOATS, module="fastbert.reference"),
 }
