@@ -94,6 +94,24 @@ def linear(
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def linear_residual_layernorm(
+    x: torch.Tensor,  # [T, K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor,  # [N]
+    residual: torch.Tensor,  # [T, N], x's dtype
+    ln_weight: torch.Tensor,  # [N]
+    ln_bias: torch.Tensor,  # [N]
+    eps: float,
+) -> torch.Tensor:  # [T, N]
+    """LayerNorm(x @ weight^T + bias + residual): bias and residual added in the GEMM's epilogue, one LayerNorm pass
+    after (torch's CPU LayerNorm accumulates bf16 input in fp32, so statistics stay fp32 without an upcast copy)."""
+    if x.shape[0] == 0:
+        return residual.new_empty(residual.shape)
+    packed, b = _packed(weight, bias, x.dtype)
+    h = torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), residual.contiguous(), packed, b, "add")
+    return F.layer_norm(h, h.shape[-1:], ln_weight, ln_bias, eps)
+
+
 def _packed(
     weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

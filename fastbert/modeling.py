@@ -93,7 +93,7 @@ class BertSelfAttention(nn.Module):
             )
         else:
             ctx, probs = ops.attention(qkv, packing.cu_seqlens, packing.max_seqlen, self.dropout_p, self.training), None
-        return ctx.reshape(x.shape[0], -1), probs
+        return ctx.reshape(x.shape[0], self.num_heads * self.head_dim), probs
 
 
 class BertSelfOutput(nn.Module):
@@ -104,8 +104,9 @@ class BertSelfOutput(nn.Module):
         self.dropout_p = config.hidden_dropout_prob
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return ops.bias_residual_layernorm(
-            ops.linear(x, self.dense.weight),
+        return ops.dense_residual_layernorm(
+            x,
+            self.dense.weight,
             self.dense.bias,
             residual,
             self.LayerNorm.weight,

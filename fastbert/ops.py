@@ -237,6 +237,32 @@ def linear(
     return fn(x, weight, bias, act)
 
 
+def dense_residual_layernorm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    residual: torch.Tensor,
+    ln_weight: torch.Tensor,
+    ln_bias: torch.Tensor,
+    eps: float,
+    dropout_p: float = 0.0,
+    training: bool = False,
+) -> torch.Tensor:
+    """LayerNorm(dropout(x @ weight^T + bias) + residual): a sub-layer's output projection and its epilogue.
+
+    Where the cpu backend takes the GEMM (inference, one dtype throughout) bias and residual ride in its epilogue;
+    otherwise the GEMM is `linear` and the epilogue the `bias_residual_layernorm` op (a GPU kernel)."""
+    fn, name = select("linear", (x, weight, None, None), {})
+    same_dtype = x.dtype == residual.dtype == weight.dtype and not torch.is_autocast_enabled(x.device.type)
+    if name == "cpu" and same_dtype and not (training and dropout_p > 0):
+        return importlib.import_module("fastbert.cpu").linear_residual_layernorm(
+            x, weight, bias, residual, ln_weight, ln_bias, eps
+        )
+    return bias_residual_layernorm(
+        fn(x, weight, None, None), bias, residual, ln_weight, ln_bias, eps, dropout_p, training
+    )
+
+
 def embedding_layernorm(
     input_ids: torch.Tensor | None,
     token_type_ids: torch.Tensor,

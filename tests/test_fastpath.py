@@ -187,3 +187,17 @@ def test_cuda_graph_bucket_layout_computes_the_same_encoder(lengths: list[int]) 
         static = fb.encoder(fb.embeddings(graph.ids, graph.types, graph.positions), graph.packing)[0]
         direct = fb(ids, attention_mask=mask, packed_output=True).last_hidden_state
     assert max_err(static[: packing.total], direct) <= ATOL
+
+
+@pytest.mark.parametrize("gemm", ["onednn", "torch"])
+def test_every_row_padded(gemm: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Zero real tokens: zeros at every position, a finite pooler output, and transformers' pooler on those zeros."""
+    monkeypatch.setenv("FASTBERT_CPU_GEMM", gemm)
+    _, fb = pair(TINY)
+    ids, mask = torch.randint(1, TINY["vocab_size"], (3, 7)), torch.zeros(3, 7, dtype=torch.long)
+    with torch.no_grad():
+        out = fb(ids, attention_mask=mask)
+        packed = fb(ids, attention_mask=mask, packed_output=True).last_hidden_state
+    assert (out.last_hidden_state == 0).all() and packed.shape == (0, TINY["hidden_size"])
+    expected = torch.tanh(fb.pooler.dense.bias).expand(3, -1)
+    assert max_err(out.pooler_output, expected) <= ATOL
