@@ -107,7 +107,8 @@ class CudaGraphs:
         packing: Packing,
     ) -> _Graph:
         """Warm up on a side stream (kernel selection, Triton autotuning, caches), then capture into the shared pool."""
-        graph = _Graph(*key, device=ids.device)
+        with torch.inference_mode(False):  # normal tensors: later calls may copy into them outside inference mode
+            graph = _Graph(*key, device=ids.device)
         graph.load(ids, types, positions, packing)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
