@@ -126,7 +126,7 @@ def test_gemm_calibration_is_reported_in_explain(monkeypatch: pytest.MonkeyPatch
     with torch.no_grad():
         ops.linear(x, w)
     verdict = cpu.verdicts()[(torch.float32, 12, 24, False, True)]
-    assert "ms for [5, 24] x [24, 12]" in verdict[1]
+    assert "ms CPU time for [5, 24] x [24, 12]" in verdict[1]
     assert fastbert.explain().count("linear: ") == 1
     assert ("linear: cpu" in fastbert.explain()) == verdict[0]
 
