@@ -321,8 +321,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--systems", nargs="+", help="subset of the suite's systems (quote names with spaces)")
     parser.add_argument("--rounds", type=int, help="timed calls per system and shape (default 3)")
     parser.add_argument("--out", default=RESULTS, help="directory for model_<device>.{json,md,png}")
+    parser.add_argument(
+        "--threads", type=int, help="CPU threads for every system (torch and onnxruntime); default: torch's default"
+    )
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     suite = suite_for(device, args.suite or "default")
     if args.models:
         suite.models = tuple(args.models)
