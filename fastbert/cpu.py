@@ -197,11 +197,12 @@ def attention(
             q, k, v = qkv.view(batch, max_seqlen, 3, heads, dim).permute(2, 0, 3, 1, 4).unbind(0)
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, scale=scale)  # [B, nH, S, D]
             return out.transpose(1, 2).reshape(total, heads, dim)
-        out = qkv.new_empty(total, heads, dim)  # every packed row belongs to exactly one sequence
         per_head = qkv.permute(1, 2, 0, 3)  # [3, nH, T, D] view
         bounds = cu_seqlens.tolist()
+        outs = []
         for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-            if end > start:
-                q, k, v = per_head[:, None, :, start:end].unbind(0)  # [1, nH, L, D]: 4-D takes the flash kernel
-                out[start:end] = F.scaled_dot_product_attention(q, k, v, dropout_p=p, scale=scale)[0].transpose(0, 1)
-    return out
+            if end > start:  # [1, nH, L, D]: 4-D inputs take the flash kernel
+                q, k, v = per_head[:, None, :, start:end].unbind(0)
+                outs.append(F.scaled_dot_product_attention(q, k, v, dropout_p=p, scale=scale)[0].transpose(0, 1))
+    # one gather of the per-sequence [L, nH, D] views back into packed order (every row belongs to one sequence)
+    return torch.cat(outs) if outs else qkv.new_empty(0, heads, dim)
