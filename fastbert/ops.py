@@ -232,7 +232,7 @@ def linear(
     """act(x @ weight^T + bias). A backend that fuses the whole layer (the cpu backend's oneDNN) takes it in one
     call; on the torch backend the GEMM is F.linear and the bias + activation epilogue goes to the `bias_act` op."""
     fn, name = select("linear", (x, weight, bias, act), {})
-    if name == "torch" and act is not None:
+    if name == "torch" and act is not None and bias is not None:
         return bias_act(F.linear(x, weight), bias, act)
     return fn(x, weight, bias, act)
 
