@@ -104,6 +104,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
     for row in doc["rows"]:
         if not row["skipped"]:
             groups.setdefault((row["model"], row["dtype"]), []).append(row)
+    palette = {name: f"C{i}" for i, name in enumerate(dict.fromkeys(r["system"] for r in doc["rows"]))}
     fig, axes = plt.subplots(len(groups) or 1, 1, figsize=(11, 3.2 * max(1, len(groups))), squeeze=False)
     for ax, ((model, dtype), rows) in zip(axes[:, 0], groups.items(), strict=False):
         shapes = list(dict.fromkeys(r["shape"] for r in rows))
@@ -112,11 +113,11 @@ def plot(doc: dict[str, Any], path: str) -> None:
         for i, system in enumerate(systems):
             values = {r["shape"]: r["tok_per_s"] for r in rows if r["system"] == system}
             xs = [j + i * width for j in range(len(shapes))]
-            ax.bar(xs, [values.get(s, 0) for s in shapes], width, label=system)
+            ax.bar(xs, [values.get(s, 0) for s in shapes], width, label=system, color=palette[system])
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes)
         ax.set_ylabel("real tokens/s")
         ax.set_title(f"{model} {dtype}")
-    axes[0, 0].legend(fontsize=8, ncols=3)
+        ax.legend(fontsize=7, ncols=3)
     fig.suptitle(f"{doc['device']} - commit {doc['commit'][:12]}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
