@@ -73,6 +73,14 @@ def markdown(doc: dict[str, Any]) -> str:
         f"commit {doc['commit']}, {doc['date_utc']}, load average {doc['load_average']}, peaks measured: {peaks}",
         "",
     ]
+    load, cpus = doc.get("load_average"), os.cpu_count() or 1
+    if doc["device_type"] == "cpu" and load and max(load) > cpus:
+        lines += [
+            f"**Warning: the machine was oversubscribed (load average up to {max(load):.1f} on {cpus} CPUs).** "
+            "Multi-threaded timings then measure scheduling stalls at every parallel region as much as compute; "
+            "compare `cpu ms` and rerun with `--threads 1` for work-bound ratios.",
+            "",
+        ]
     groups: dict[tuple[str, str], list[dict]] = {}
     for row in doc["rows"]:
         groups.setdefault((row["model"], row["dtype"]), []).append(row)
