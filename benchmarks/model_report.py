@@ -70,10 +70,12 @@ def markdown(doc: dict[str, Any]) -> str:
     lines = [
         f"# Model throughput on {doc['device']}",
         "",
-        f"commit {doc['commit']}, {doc['date_utc']}, load average {doc['load_average']}, peaks measured: {peaks}",
+        f"commit {doc['commit']}, {doc['date_utc']}, load average at start {doc.get('load_average_at_start')} and "
+        f"end {doc['load_average']}, peaks measured: {peaks}",
         "",
     ]
-    load, cpus = doc.get("load_average"), os.cpu_count() or 1
+    load = [*(doc.get("load_average") or ()), *(doc.get("load_average_at_start") or ())]
+    cpus = os.cpu_count() or 1
     if doc["device_type"] == "cpu" and load and max(load) > cpus:
         lines += [
             f"**Warning: the machine was oversubscribed (load average up to {max(load):.1f} on {cpus} CPUs).** "

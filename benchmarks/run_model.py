@@ -241,7 +241,7 @@ def run_suite(suite: Suite, device: torch.device, log: Callable[[str], None] = p
     rows: list[Row] = []
     peaks = {name: measure_peak(device, DTYPES[name]) for name in suite.dtypes}  # re-measured at the end too
     total = sum(len(suite.shapes[m]) for m in suite.models) * len(suite.dtypes) * len(suite.systems)
-    started = time.time()
+    started, load_at_start = time.time(), os.getloadavg() if hasattr(os, "getloadavg") else None
     with scratch_dir() as workdir, tqdm(total=total, desc="model suite", unit="row", file=sys.stderr) as progress:
         for model_name in suite.models:
             hf = load_model(model_name).to(device)
@@ -266,7 +266,9 @@ def run_suite(suite: Suite, device: torch.device, log: Callable[[str], None] = p
     for row in rows:
         if row.flops_per_s is not None:
             row.pct_peak = 100 * row.flops_per_s / peaks[row.dtype]
-    return model_report.document(rows, peaks, device, time.time() - started)
+    doc = model_report.document(rows, peaks, device, time.time() - started)
+    doc["load_average_at_start"] = load_at_start
+    return doc
 
 
 def _compile_filter(system: System, suite: Suite, model: str, shape: Shape) -> System:
