@@ -23,12 +23,16 @@ from types import ModuleType
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from fastbert import reference
 
 log = logging.getLogger("fastbert.ops")
 
-OPS = ("embedding_layernorm", "bias_act", "bias_residual_layernorm", "attention")
+KERNEL_OPS = ("embedding_layernorm", "bias_act", "bias_residual_layernorm", "attention")
+# Ops a backend may leave out: forcing a backend that does not implement one leaves that op to the automatic choice.
+OPTIONAL_OPS = ("linear",)
+OPS = KERNEL_OPS + OPTIONAL_OPS
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
@@ -144,12 +148,22 @@ def _native_limits(op: str) -> LimitCheck:
     return check
 
 
+def _cpu_linear_limits(*args: Any, **kwargs: Any) -> str | None:
+    return importlib.import_module("fastbert.cpu").refuses_linear(*args, **kwargs)
+
+
+def _cpu_attention_limits(*args: Any, **kwargs: Any) -> str | None:
+    # a loop over cu_seqlens read on the host: torch.compile/export trace the reference instead
+    return "under torch.compile/export tracing" if torch.compiler.is_compiling() else None
+
+
 _BACKENDS: dict[str, Backend] = {
     "triton": Backend(
         "triton",
         devices=("cuda", "cpu"),
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
         module="fastbert.kernels",
+        ops=KERNEL_OPS,
         limits=_TRITON_LIMITS,
         device_check=_triton_device_check,
         auto_devices=("cuda",),  # CPU (interpreter) only when forced: tests, never a silent slow path
@@ -159,11 +173,20 @@ _BACKENDS: dict[str, Backend] = {
         devices=("cpu", "cuda"),
         dtypes=(torch.float32, torch.bfloat16, torch.float16),
         module="fastbert.native",
-        limits={op: _native_limits(op) for op in OPS},
+        ops=KERNEL_OPS,
+        limits={op: _native_limits(op) for op in KERNEL_OPS},
+    ),
+    "cpu": Backend(
+        "cpu",
+        devices=("cpu",),
+        dtypes=(torch.float32, torch.bfloat16),
+        module="fastbert.cpu",
+        ops=("linear", "attention"),
+        limits={"linear": _cpu_linear_limits, "attention": _cpu_attention_limits},
     ),
     "torch": Backend("torch", devices=("cpu", "cuda", "mps", "meta"), dtypes=FLOATS, module="fastbert.reference"),
 }
-_AUTO_ORDER = ("triton", "native", "torch")
+_AUTO_ORDER = ("triton", "native", "cpu", "torch")
 
 _state = threading.local()
 _decisions: dict[str, str] = {}
@@ -214,6 +237,8 @@ def select(op: str, args: tuple, kwargs: dict) -> tuple[Callable, str]:
     lead = _first_tensor(args)
     device, dtype = lead.device, (lead.dtype if lead.is_floating_point() else _first_float(args))
     forced = forced_backend()
+    if forced is not None and op in OPTIONAL_OPS and op not in _BACKENDS[forced].ops:
+        forced = None
     if forced is not None:
         backend = _BACKENDS[forced]
         reason = backend.refuses(op, device, dtype, args, kwargs, forced=True)
@@ -255,6 +280,43 @@ def _dispatch(op: str, *args: Any, **kwargs: Any) -> torch.Tensor:
 
 
 # One public function per op; the signatures are the references' (see fastbert/reference.py), without `upcast`.
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act: str | None = None
+) -> torch.Tensor:
+    """act(x @ weight^T + bias). A backend that fuses the whole layer (the cpu backend's oneDNN) takes it in one
+    call; on the torch backend the GEMM is F.linear and the bias + activation epilogue goes to the `bias_act` op."""
+    fn, name = select("linear", (x, weight, bias, act), {})
+    if name == "torch" and act is not None and bias is not None:
+        return bias_act(F.linear(x, weight), bias, act)
+    return fn(x, weight, bias, act)
+
+
+def dense_residual_layernorm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    residual: torch.Tensor,
+    ln_weight: torch.Tensor,
+    ln_bias: torch.Tensor,
+    eps: float,
+    dropout_p: float = 0.0,
+    training: bool = False,
+) -> torch.Tensor:
+    """LayerNorm(dropout(x @ weight^T + bias) + residual): a sub-layer's output projection and its epilogue.
+
+    Where the cpu backend takes the GEMM (inference, one dtype throughout) bias and residual ride in its epilogue;
+    otherwise the GEMM is `linear` and the epilogue the `bias_residual_layernorm` op (a GPU kernel)."""
+    fn, name = select("linear", (x, weight, None, None), {})
+    same_dtype = x.dtype == residual.dtype == weight.dtype and not torch.is_autocast_enabled(x.device.type)
+    if name == "cpu" and same_dtype and not (training and dropout_p > 0):
+        return importlib.import_module("fastbert.cpu").linear_residual_layernorm(
+            x, weight, bias, residual, ln_weight, ln_bias, eps
+        )
+    return bias_residual_layernorm(
+        fn(x, weight, None, None), bias, residual, ln_weight, ln_bias, eps, dropout_p, training
+    )
+
+
 def embedding_layernorm(
     input_ids: torch.Tensor | None,
     token_type_ids: torch.Tensor,
@@ -289,6 +351,8 @@ def embedding_layernorm(
 
 def bias_act(x: torch.Tensor, bias: torch.Tensor, kind: str = reference.ACT_GELU) -> torch.Tensor:
     """act(x + bias) for act in gelu (erf), gelu_tanh, relu."""
+    if bias.dtype != x.dtype:  # autocast: x is the GEMM's low-precision output; F.linear adds its bias in that dtype
+        bias = bias.to(x.dtype)
     return _dispatch("bias_act", x, bias, kind)
 
 
@@ -303,6 +367,9 @@ def bias_residual_layernorm(
     training: bool = False,
 ) -> torch.Tensor:
     """LayerNorm(dropout(x + bias) + residual)."""
+    if x.dtype != residual.dtype:  # autocast: the residual stream keeps the model's dtype, as fp32 LayerNorm does
+        dtype = torch.promote_types(x.dtype, residual.dtype)
+        x, residual = x.to(dtype), residual.to(dtype)
     return _dispatch("bias_residual_layernorm", x, bias, residual, ln_weight, ln_bias, eps, dropout_p, training)
 
 
