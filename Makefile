@@ -5,7 +5,16 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip install -q -c requirements/constraints.txt
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test bench lint clean
+# Native kernels (csrc/): `make native` builds the CPU extension in place; `make cuda-check` compiles the CUDA sources
+# (compile only, no GPU needed) wherever nvcc exists. Keep CUDA_GENCODE in sync with setup.py's CUDA_ARCH_FLAGS.
+NVCC         ?= $(shell command -v nvcc 2>/dev/null)
+MAX_JOBS     ?= 2
+CUDA_GENCODE := -gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_80,code=compute_80
+TORCH_INC     = $(shell $(PY) -c "from torch.utils import cpp_extension as c; \
+                  print(*map('-I{}'.format, c.include_paths()))")
+PY_INC        = $(shell $(PY) -c "import sysconfig; print('-I' + sysconfig.get_paths()['include'])")
+
+.PHONY: venv test bench lint clean native cuda-check
 
 venv: $(STAMP)
 
@@ -19,8 +28,30 @@ $(STAMP): requirements/constraints.txt requirements/dev.txt setup.py
 lint: venv
 	$(VENV)/bin/ruff check .
 
-test: venv lint
-	$(PY) -m pytest -q tests
+native: venv
+	FASTBERT_BUILD_NATIVE=1 MAX_JOBS=$(MAX_JOBS) $(PY) setup.py -q build_ext --inplace
+
+# nvcc also compiles the binding as host C++ (it adds the CUDA include path); the CPU torch wheel lacks one generated
+# CUDA header, stubbed with -idirafter so a real one wins where it exists.
+CUDA_CHECK := build/cuda-check
+ifneq ($(NVCC),)
+cuda-check: $(CUDA_CHECK)/fused_ops.o $(CUDA_CHECK)/bind.o
+else
+cuda-check:
+	@echo "cuda-check: nvcc not found, CUDA sources not compile-checked"
+endif
+
+$(CUDA_CHECK)/fused_ops.o: csrc/cuda/fused_ops.cu csrc/cuda/launch.h
+	mkdir -p $(CUDA_CHECK)
+	$(NVCC) -std=c++20 -O3 $(CUDA_GENCODE) -c $< -o $@
+
+$(CUDA_CHECK)/bind.o: csrc/cuda/bind.cpp csrc/cuda/launch.h csrc/bind_utils.h $(STAMP)
+	mkdir -p $(CUDA_CHECK)/stub/c10/cuda/impl && touch $(CUDA_CHECK)/stub/c10/cuda/impl/cuda_cmake_macros.h
+	$(NVCC) -std=c++20 -x c++ -c $< -o $@ $(TORCH_INC) $(PY_INC) \
+		-Xcompiler -idirafter,$(CUDA_CHECK)/stub -DTORCH_EXTENSION_NAME=_native_cuda
+
+test: venv lint native cuda-check
+	$(PY) -m pytest -q tests benchmarks --benchmark-disable
 
 bench: venv
 	$(PY) -m benchmarks.run_model $(BENCH_ARGS)

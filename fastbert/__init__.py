@@ -12,6 +12,7 @@ from fastbert.heads import (
 )
 from fastbert.modeling import BertModel
 from fastbert.ops import BackendUnavailable, explain, use_backend
+from fastbert.optimize import optimize
 
 __version__ = "0.1.0"
 
@@ -27,5 +28,6 @@ __all__ = [
     "BertForTokenClassification",
     "BertModel",
     "explain",
+    "optimize",
     "use_backend",
 ]

@@ -11,6 +11,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "explain": ("fastbert.cli", "show which backend each fused op would use here, and why"),
     "pretrain": ("fastbert.pretrain.cli", "pretrain a BERT/ALBERT with MLM + NSP/SOP on a text corpus"),
     "finetune": ("fastbert.finetune.cli", "fine-tune on classification, regression, tagging or extractive QA"),
+    "export-onnx": ("fastbert.onnx.cli", "export a checkpoint to ONNX, check it in onnxruntime, optionally optimize"),
+    "distill": ("fastbert.distill.cli", "train a smaller student from a BERT teacher (torchrun for many processes)"),
 }
 
 

@@ -14,6 +14,7 @@ from torch import nn
 from fastbert import ops, reference
 from fastbert.checkpoint import PreTrainedModel
 from fastbert.config import BertConfig
+from fastbert.cuda_graphs import CudaGraphs
 from fastbert.outputs import BaseModelOutputWithPooling
 from fastbert.padding import Packing, unpad
 from fastbert.validation import validate_inputs
@@ -55,7 +56,7 @@ class BertEmbeddings(nn.Module):
             training=self.training,
             inputs_embeds=inputs_embeds,
         )
-        return self.projection(x) if self.projection is not None else x
+        return ops.linear(x, self.projection.weight, self.projection.bias) if self.projection is not None else x
 
 
 class BertSelfAttention(nn.Module):
@@ -85,7 +86,7 @@ class BertSelfAttention(nn.Module):
         self, x: torch.Tensor, packing: Packing, output_attentions: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [T, H] -> [T, H], probs [B, nH, S, S] or None
         weight, bias = self.qkv_weight()
-        qkv = F.linear(x, weight, bias).view(x.shape[0], 3, self.num_heads, self.head_dim)
+        qkv = ops.linear(x, weight, bias).view(x.shape[0], 3, self.num_heads, self.head_dim)
         if output_attentions:
             ctx, probs = reference.attention_with_probs(
                 qkv, packing.cu_seqlens, packing.max_seqlen, self.dropout_p, self.training
@@ -103,8 +104,9 @@ class BertSelfOutput(nn.Module):
         self.dropout_p = config.hidden_dropout_prob
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return ops.bias_residual_layernorm(
-            F.linear(x, self.dense.weight),
+        return ops.dense_residual_layernorm(
+            x,
+            self.dense.weight,
             self.dense.bias,
             residual,
             self.LayerNorm.weight,
@@ -135,7 +137,7 @@ class BertIntermediate(nn.Module):
         self.act = ACT_OF_CONFIG[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.bias_act(F.linear(x, self.dense.weight), self.dense.bias, self.act)
+        return ops.linear(x, self.dense.weight, self.dense.bias, self.act)
 
 
 class BertOutput(BertSelfOutput):
@@ -209,7 +211,7 @@ class BertPooler(nn.Module):
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [B, S, H] -> [B, H]
-        return torch.tanh(self.dense(hidden_states[:, 0]))
+        return torch.tanh(ops.linear(hidden_states[:, 0], self.dense.weight, self.dense.bias))
 
 
 def _pad_probs(probs: torch.Tensor, seqlen: int) -> torch.Tensor:
@@ -226,6 +228,7 @@ class BertModel(PreTrainedModel):
         self.embeddings = BertEmbeddings(config)
         self.encoder = BertEncoder(config)
         self.pooler = BertPooler(config) if add_pooling_layer else None
+        self.cuda_graphs: CudaGraphs | None = None  # small-batch replay on a GPU: fastbert.cuda_graphs.enable(model)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -257,13 +260,17 @@ class BertModel(PreTrainedModel):
         position_ids = position_ids.reshape(-1, seqlen).expand(batch, seqlen)
         if token_type_ids is None:
             token_type_ids = torch.zeros(batch, seqlen, dtype=torch.long, device=device)
-        x = self.embeddings(
-            packing.pack(input_ids) if input_ids is not None else None,
-            packing.pack(token_type_ids),
-            packing.pack(position_ids),
-            packing.pack(inputs_embeds) if inputs_embeds is not None else None,
+        ids, types, positions = (
+            packing.pack(t) if t is not None else None for t in (input_ids, token_type_ids, position_ids)
         )
-        x, hidden, attentions = self.encoder(x, packing, output_hidden_states, output_attentions)
+        plain = input_ids is not None and not (output_hidden_states or output_attentions)
+        if self.cuda_graphs is not None and self.cuda_graphs.takes(packing, device, plain):
+            x, hidden, attentions = self.cuda_graphs.run(ids, types, positions, packing), [], []
+        else:
+            x = self.embeddings(
+                ids, types, positions, packing.pack(inputs_embeds) if inputs_embeds is not None else None
+            )
+            x, hidden, attentions = self.encoder(x, packing, output_hidden_states, output_attentions)
         sequence_output = packing.repad(x)
         pooled = self.pooler(sequence_output) if self.pooler is not None else None
         out = BaseModelOutputWithPooling(

@@ -4,6 +4,7 @@ What a backend supports is data (`Backend`: devices, dtypes, a loader, per-op li
 it happened: `fastbert.explain()` lists the last decision per op, and the `fastbert.ops` logger records each new
 one at DEBUG. `FASTBERT_BACKEND=triton|native|torch` (or `use_backend(...)`, or `BertConfig.backend`) forces one
 backend; a forced backend that cannot take a call raises `BackendUnavailable`, it never silently degrades.
+Triton takes CUDA tensors automatically, CPU tensors (its interpreter, TRITON_INTERPRET=1) only when forced.
 
 Importing this module never needs a GPU, Triton or the native extension: backends load lazily, and a failed load
 is recorded as the reason to fall back.
@@ -22,12 +23,16 @@ from types import ModuleType
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from fastbert import reference
 
 log = logging.getLogger("fastbert.ops")
 
-OPS = ("embedding_layernorm", "bias_act", "bias_residual_layernorm", "attention")
+KERNEL_OPS = ("embedding_layernorm", "bias_act", "bias_residual_layernorm", "attention")
+# Ops a backend may leave out: forcing a backend that does not implement one leaves that op to the automatic choice.
+OPTIONAL_OPS = ("linear",)
+OPS = KERNEL_OPS + OPTIONAL_OPS
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
@@ -49,6 +54,7 @@ class Backend:
     ops: tuple[str, ...] = OPS
     limits: dict[str, LimitCheck] = field(default_factory=dict)
     device_check: Callable[[str], str | None] | None = None  # e.g. Triton on CPU only under TRITON_INTERPRET=1
+    auto_devices: tuple[str, ...] | None = None  # devices automatic dispatch sends here (None: all of `devices`)
     _loaded: ModuleType | None = field(default=None, repr=False)
     _load_error: str | None = field(default=None, repr=False)
 
@@ -63,12 +69,16 @@ class Backend:
                 self._load_error = f"{type(exc).__name__}: {exc}"
         return self._loaded, self._load_error
 
-    def refuses(self, op: str, device: torch.device, dtype: torch.dtype, args: tuple, kwargs: dict) -> str | None:
-        """Why this backend cannot take the call, or None if it can."""
+    def refuses(
+        self, op: str, device: torch.device, dtype: torch.dtype, args: tuple, kwargs: dict, forced: bool = False
+    ) -> str | None:
+        """Why this backend cannot take the call, or None if it can (`forced`: chosen by name, not automatically)."""
         if op not in self.ops:
             return f"does not implement {op}"
         if device.type not in self.devices:
             return f"runs on {'/'.join(self.devices)}, not {device.type}"
+        if not forced and self.auto_devices is not None and device.type not in self.auto_devices:
+            return f"takes {device.type} tensors only when forced"
         if self.device_check is not None and (reason := self.device_check(device.type)):
             return reason
         if dtype not in self.dtypes:
@@ -86,10 +96,65 @@ def _triton_device_check(device_type: str) -> str | None:
     return None
 
 
+TRITON_MAX_FEATURE = 16384  # row kernels hold a whole feature row in registers (kernels/_common.py MAX_FEATURE)
+TRITON_MAX_HEAD_DIM = 128  # kernels/attention.py MAX_HEAD_DIM
+TRITON_MAX_SEQLEN_DROPOUT = 46340  # attention dropout's int32 Philox offsets (kernels/attention.py)
+
+
+def _feature_limit(n: int) -> str | None:
+    return f"feature dim {n} > {TRITON_MAX_FEATURE}" if n > TRITON_MAX_FEATURE else None
+
+
+def _triton_embedding_limit(*args: Any, **kwargs: Any) -> str | None:
+    return _feature_limit(args[3].shape[-1])  # word_weight [V, E]
+
+
+def _triton_brln_limit(x: torch.Tensor, *args: Any, **kwargs: Any) -> str | None:
+    return _feature_limit(x.shape[-1])
+
+
+def _triton_attention_limit(
+    qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, dropout_p: float = 0.0, training: bool = False,
+    *args: Any,
+) -> str | None:
+    if qkv.shape[-1] > TRITON_MAX_HEAD_DIM:
+        return f"head dim {qkv.shape[-1]} > {TRITON_MAX_HEAD_DIM}"
+    if training and dropout_p > 0 and max_seqlen > TRITON_MAX_SEQLEN_DROPOUT:
+        return f"attention dropout with max_seqlen {max_seqlen} > {TRITON_MAX_SEQLEN_DROPOUT}"
+    return None
+
+
+_TRITON_LIMITS: dict[str, LimitCheck] = {
+    "embedding_layernorm": _triton_embedding_limit,
+    "bias_residual_layernorm": _triton_brln_limit,
+    "attention": _triton_attention_limit,
+}
+
+
 def _native_no_grad(*args: Any, **kwargs: Any) -> str | None:
     if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         return "forward only: inputs require grad"
     return None
+
+
+def _native_limits(op: str) -> LimitCheck:
+    """The grad check, then fastbert.native's own per-call limits (dropout, dtypes per device, ops it lacks)."""
+
+    def check(*args: Any, **kwargs: Any) -> str | None:
+        # fastbert.native is already imported here: Backend.refuses loads the module before it checks limits.
+        native = importlib.import_module("fastbert.native")
+        return _native_no_grad(*args, **kwargs) or native.refuses(op, *args, **kwargs)
+
+    return check
+
+
+def _cpu_linear_limits(*args: Any, **kwargs: Any) -> str | None:
+    return importlib.import_module("fastbert.cpu").refuses_linear(*args, **kwargs)
+
+
+def _cpu_attention_limits(*args: Any, **kwargs: Any) -> str | None:
+    # a loop over cu_seqlens read on the host: torch.compile/export trace the reference instead
+    return "under torch.compile/export tracing" if torch.compiler.is_compiling() else None
 
 
 _BACKENDS: dict[str, Backend] = {
@@ -98,18 +163,30 @@ _BACKENDS: dict[str, Backend] = {
         devices=("cuda", "cpu"),
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
         module="fastbert.kernels",
+        ops=KERNEL_OPS,
+        limits=_TRITON_LIMITS,
         device_check=_triton_device_check,
+        auto_devices=("cuda",),  # CPU (interpreter) only when forced: tests, never a silent slow path
     ),
     "native": Backend(
         "native",
         devices=("cpu", "cuda"),
         dtypes=(torch.float32, torch.bfloat16, torch.float16),
         module="fastbert.native",
-        limits={op: _native_no_grad for op in OPS},
+        ops=KERNEL_OPS,
+        limits={op: _native_limits(op) for op in KERNEL_OPS},
+    ),
+    "cpu": Backend(
+        "cpu",
+        devices=("cpu",),
+        dtypes=(torch.float32, torch.bfloat16),
+        module="fastbert.cpu",
+        ops=("linear", "attention"),
+        limits={"linear": _cpu_linear_limits, "attention": _cpu_attention_limits},
     ),
     "torch": Backend("torch", devices=("cpu", "cuda", "mps", "meta"), dtypes=FLOATS, module="fastbert.reference"),
 }
-_AUTO_ORDER = ("triton", "native", "torch")
+_AUTO_ORDER = ("triton", "native", "cpu", "torch")
 
 _state = threading.local()
 _decisions: dict[str, str] = {}
@@ -160,9 +237,11 @@ def select(op: str, args: tuple, kwargs: dict) -> tuple[Callable, str]:
     lead = _first_tensor(args)
     device, dtype = lead.device, (lead.dtype if lead.is_floating_point() else _first_float(args))
     forced = forced_backend()
+    if forced is not None and op in OPTIONAL_OPS and op not in _BACKENDS[forced].ops:
+        forced = None
     if forced is not None:
         backend = _BACKENDS[forced]
-        reason = backend.refuses(op, device, dtype, args, kwargs)
+        reason = backend.refuses(op, device, dtype, args, kwargs, forced=True)
         if reason:
             raise BackendUnavailable(f"{op}: forced backend {forced!r} cannot run on {device.type}/{dtype}: {reason}")
         _record(op, f"{forced} (forced)")
@@ -201,6 +280,43 @@ def _dispatch(op: str, *args: Any, **kwargs: Any) -> torch.Tensor:
 
 
 # One public function per op; the signatures are the references' (see fastbert/reference.py), without `upcast`.
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act: str | None = None
+) -> torch.Tensor:
+    """act(x @ weight^T + bias). A backend that fuses the whole layer (the cpu backend's oneDNN) takes it in one
+    call; on the torch backend the GEMM is F.linear and the bias + activation epilogue goes to the `bias_act` op."""
+    fn, name = select("linear", (x, weight, bias, act), {})
+    if name == "torch" and act is not None and bias is not None:
+        return bias_act(F.linear(x, weight), bias, act)
+    return fn(x, weight, bias, act)
+
+
+def dense_residual_layernorm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    residual: torch.Tensor,
+    ln_weight: torch.Tensor,
+    ln_bias: torch.Tensor,
+    eps: float,
+    dropout_p: float = 0.0,
+    training: bool = False,
+) -> torch.Tensor:
+    """LayerNorm(dropout(x @ weight^T + bias) + residual): a sub-layer's output projection and its epilogue.
+
+    Where the cpu backend takes the GEMM (inference, one dtype throughout) bias and residual ride in its epilogue;
+    otherwise the GEMM is `linear` and the epilogue the `bias_residual_layernorm` op (a GPU kernel)."""
+    fn, name = select("linear", (x, weight, None, None), {})
+    same_dtype = x.dtype == residual.dtype == weight.dtype and not torch.is_autocast_enabled(x.device.type)
+    if name == "cpu" and same_dtype and not (training and dropout_p > 0):
+        return importlib.import_module("fastbert.cpu").linear_residual_layernorm(
+            x, weight, bias, residual, ln_weight, ln_bias, eps
+        )
+    return bias_residual_layernorm(
+        fn(x, weight, None, None), bias, residual, ln_weight, ln_bias, eps, dropout_p, training
+    )
+
+
 def embedding_layernorm(
     input_ids: torch.Tensor | None,
     token_type_ids: torch.Tensor,
@@ -235,6 +351,8 @@ def embedding_layernorm(
 
 def bias_act(x: torch.Tensor, bias: torch.Tensor, kind: str = reference.ACT_GELU) -> torch.Tensor:
     """act(x + bias) for act in gelu (erf), gelu_tanh, relu."""
+    if bias.dtype != x.dtype:  # autocast: x is the GEMM's low-precision output; F.linear adds its bias in that dtype
+        bias = bias.to(x.dtype)
     return _dispatch("bias_act", x, bias, kind)
 
 
@@ -249,6 +367,9 @@ def bias_residual_layernorm(
     training: bool = False,
 ) -> torch.Tensor:
     """LayerNorm(dropout(x + bias) + residual)."""
+    if x.dtype != residual.dtype:  # autocast: the residual stream keeps the model's dtype, as fp32 LayerNorm does
+        dtype = torch.promote_types(x.dtype, residual.dtype)
+        x, residual = x.to(dtype), residual.to(dtype)
     return _dispatch("bias_residual_layernorm", x, bias, residual, ln_weight, ln_bias, eps, dropout_p, training)
 
 

@@ -9,6 +9,7 @@ Packed layout: tokens of all sequences laid end to end, `[total_tokens, ...]`; s
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -66,6 +67,22 @@ def activation(x: torch.Tensor, kind: str) -> torch.Tensor:
     raise ValueError(f"unknown activation {kind!r}; expected one of {ACTIVATIONS}")
 
 
+def linear(
+    x: torch.Tensor,  # [*, K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+    act: str | None = None,
+    upcast: bool = False,
+) -> torch.Tensor:  # [*, N]
+    """act(x @ weight^T + bias): every dense layer of the encoder (FFN-in with `act`).
+
+    Under `torch.autocast` the GEMM runs in the autocast dtype, exactly as `F.linear` does; the activation follows.
+    """
+    out = F.linear(_up(x, upcast), _up(weight, upcast), _up(bias, upcast))
+    out = activation(out, act) if act is not None else out
+    return out.to(x.dtype) if upcast else out
+
+
 def bias_act(
     x: torch.Tensor,  # [*, N]
     bias: torch.Tensor,  # [N]
@@ -87,9 +104,21 @@ def bias_residual_layernorm(
     training: bool = False,
     upcast: bool = False,
 ) -> torch.Tensor:  # [*, N]
-    """LayerNorm(dropout(x + bias) + residual): the epilogue of every BERT sub-layer."""
+    """LayerNorm(dropout(x + bias) + residual): the epilogue of every BERT sub-layer.
+
+    Returns the wider of x's and residual's dtypes: under autocast x is the GEMM's bf16/fp16 output while the residual
+    stream keeps the model's dtype, as transformers' fp32 LayerNorm does under autocast.
+    """
     h = F.dropout(_up(x, upcast) + _up(bias, upcast), dropout_p, training) + _up(residual, upcast)
-    return layer_norm(h, _up(ln_weight, upcast), _up(ln_bias, upcast), eps).to(x.dtype)
+    out_dtype = torch.promote_types(x.dtype, residual.dtype)
+    return layer_norm(h, _up(ln_weight, upcast), _up(ln_bias, upcast), eps).to(out_dtype)
+
+
+def no_autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast off: these ops pick their own precision (fp32 softmax); autocast must not recast their matmuls."""
+    if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def packed_positions(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,7 +164,8 @@ def attention(
     q, k, v = padded.unbind(0)
     p = dropout_p if training else 0.0
     scale = scale if scale is not None else 1.0 / math.sqrt(dim)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=scale)  # [B, nH, S, D]
+    with no_autocast(qkv.device):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=scale)  # [B, nH, S, D]
     out = out.transpose(1, 2).reshape(-1, heads, dim)
     out = out if flat is None else out.index_select(0, flat)
     return out.to(qkv.dtype)
@@ -157,11 +187,12 @@ def attention_with_probs(
     padded, mask, flat = _to_padded(qkv, cu_seqlens, max_seqlen)
     q, k, v = padded.unbind(0)
     scale = scale if scale is not None else 1.0 / math.sqrt(dim)
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    dropped = F.dropout(probs, dropout_p, training)
-    out = torch.matmul(dropped.to(v.dtype), v).transpose(1, 2).reshape(-1, heads, dim)
+    with no_autocast(qkv.device):
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        dropped = F.dropout(probs, dropout_p, training)
+        out = torch.matmul(dropped.to(v.dtype), v).transpose(1, 2).reshape(-1, heads, dim)
     out = out if flat is None else out.index_select(0, flat)
     return out, probs.to(qkv.dtype)

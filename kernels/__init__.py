@@ -1,12 +1,27 @@
-"""Triton kernels for fastbert's fused ops, installed as `fastbert.kernels`. They know nothing of models."""
+"""Triton kernels for fastbert's fused ops, installed as `fastbert.kernels`. They know nothing of models.
+
+One file per op (forward and backward kernels, launcher, autograd Function); the functions here have exactly the
+signatures of `fastbert.ops`' public functions. Importing this package imports Triton: `fastbert.ops` only does so
+lazily, so `import fastbert` never needs it. On CPU tensors the kernels run under TRITON_INTERPRET=1 (tests).
+"""
 
 from __future__ import annotations
+
+_IMPORT_ERROR: str | None = None
+try:
+    from .attention import attention
+    from .bias_act import bias_act
+    from .bias_residual_layernorm import bias_residual_layernorm
+    from .embedding import embedding_layernorm
+    from .linear_act import linear_act  # an extra: GEMM + bias + activation, not a dispatch op
+except ImportError as exc:  # triton missing or too old: a reason to fall back, reported by unavailable_reason()
+    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+__all__ = [
+    "attention", "bias_act", "bias_residual_layernorm", "embedding_layernorm", "linear_act", "unavailable_reason",
+]
 
 
 def unavailable_reason() -> str | None:
     """Why the Triton backend cannot run here, or None."""
-    try:
-        import triton  # noqa: F401
-    except ImportError as exc:
-        return f"triton is not installed ({exc})"
-    return "no Triton kernels are built into this version yet"
+    return _IMPORT_ERROR

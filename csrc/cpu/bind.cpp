@@ -1,0 +1,254 @@
+// The torch-facing side of the CPU kernels: checks arguments, lays tensors out as the kernels expect, picks the
+// kernel table for this CPU's ISA once at load, and binds with pybind11. Kernels live in *.inc (see kernels.h).
+#include <ATen/ATen.h>
+#include <torch/python.h>
+
+#include <ATen/Parallel.h>
+
+#include <string>
+
+#include "../bind_utils.h"
+#include "kernels.h"
+
+namespace fastbert::cpu {
+namespace {
+
+bool cpu_has(const char* isa) {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (std::string(isa) == "avx512")
+    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  if (std::string(isa) == "avx2") return avx2;
+#endif
+  return std::string(isa) == "generic";
+}
+
+const KernelTable* table_of(const std::string& isa) {
+#if defined(__x86_64__)
+  if (isa == "avx512") return &kernels_avx512();
+  if (isa == "avx2") return &kernels_avx2();
+#endif
+  if (isa == "generic") return &kernels_generic();
+  return nullptr;
+}
+
+const KernelTable* active = nullptr;
+
+const KernelTable& kernels() {
+  if (active == nullptr) {
+    for (const char* isa : {"avx512", "avx2", "generic"}) {
+      if (cpu_has(isa)) {
+        active = table_of(isa);
+        break;
+      }
+    }
+  }
+  return *active;
+}
+
+// Select the kernels compiled for `isa` (tests run every path the CPU can execute); false if it cannot run here.
+// cpu_has comes first: even building a table runs code compiled for that ISA.
+bool set_isa(const std::string& isa) {
+  if (!cpu_has(isa.c_str()) || table_of(isa) == nullptr) return false;
+  active = table_of(isa);
+  return true;
+}
+
+std::vector<std::string> runnable_isas() {
+  std::vector<std::string> out;
+  for (const char* isa : {"avx512", "avx2", "generic"})
+    if (cpu_has(isa) && table_of(isa) != nullptr) out.emplace_back(isa);
+  return out;
+}
+
+DType dtype_of(const at::Tensor& t, const char* what) {
+  if (t.scalar_type() == at::kFloat) return DType::f32;
+  if (t.scalar_type() == at::kBFloat16) return DType::bf16;
+  TORCH_CHECK_TYPE(false, "native CPU kernels take float32 or bfloat16, got ", what, " of ", t.scalar_type());
+}
+
+const at::Device kCpu(at::kCPU);
+
+// Threads for `bytes` of memory-bound work: torch's thread count, fewer when the job is too small to split.
+int threads_for(int64_t bytes) {
+  const int64_t by_size = std::max<int64_t>(1, bytes / (64 * 1024));
+  return int(std::min<int64_t>(at::get_num_threads(), by_size));
+}
+
+// Flat contiguous ids of one index type, range-checked on the host (cheap on CPU; F.embedding raises the same way).
+at::Tensor ids_of(const at::Tensor& ids, at::ScalarType type, int64_t rows, const char* what) {
+  check_device(ids, kCpu, what);
+  at::Tensor flat = ids.reshape({-1}).to(type).contiguous();
+  if (flat.numel() > 0) {
+    const int64_t lo = flat.min().item<int64_t>(), hi = flat.max().item<int64_t>();
+    TORCH_CHECK_INDEX(lo >= 0 && hi < rows, what, " out of range: [", lo, ", ", hi, "] for a table of ", rows, " rows");
+  }
+  return flat;
+}
+
+at::Tensor embedding_layernorm(const std::optional<at::Tensor>& input_ids, const at::Tensor& token_type_ids,
+                               const at::Tensor& position_ids, const at::Tensor& word_weight,
+                               const at::Tensor& position_weight, const at::Tensor& type_weight,
+                               const at::Tensor& ln_weight, const at::Tensor& ln_bias, double eps,
+                               const std::optional<at::Tensor>& inputs_embeds,
+                               const std::optional<at::Tensor>& out_opt) {
+  TORCH_CHECK_VALUE(input_ids.has_value() != inputs_embeds.has_value(), "pass exactly one of input_ids, inputs_embeds");
+  const at::Tensor& lead = inputs_embeds ? *inputs_embeds : word_weight;
+  check_device(lead, kCpu, inputs_embeds ? "inputs_embeds" : "word_weight");
+  const DType dtype = dtype_of(lead, inputs_embeds ? "inputs_embeds" : "word_weight");
+  const int64_t dim = lead.size(-1);
+  std::vector<int64_t> shape = inputs_embeds ? inputs_embeds->sizes().vec() : input_ids->sizes().vec();
+  if (!inputs_embeds) shape.push_back(dim);
+  const int64_t tokens = inputs_embeds ? inputs_embeds->numel() / std::max<int64_t>(dim, 1) : input_ids->numel();
+  TORCH_CHECK_VALUE(token_type_ids.numel() == tokens && position_ids.numel() == tokens,
+                    "token_type_ids and position_ids must have one entry per token (", tokens, ")");
+  const at::ScalarType itype = index_type({input_ids ? &*input_ids : nullptr, &token_type_ids, &position_ids});
+  at::Tensor words = inputs_embeds ? as_rows(*inputs_embeds, dim) : at::Tensor();
+  at::Tensor ww = inputs_embeds ? at::Tensor() : table(word_weight, lead, dim, "word_weight");
+  at::Tensor ids = inputs_embeds ? at::Tensor() : ids_of(*input_ids, itype, word_weight.size(0), "input_ids");
+  at::Tensor tw = table(type_weight, lead, dim, "type_weight"), pw = table(position_weight, lead, dim, "pos_weight");
+  at::Tensor tts = ids_of(token_type_ids, itype, type_weight.size(0), "token_type_ids");
+  at::Tensor pos = ids_of(position_ids, itype, position_weight.size(0), "position_ids");
+  at::Tensor w = params(ln_weight, dim, kCpu, "ln_weight"), b = params(ln_bias, dim, kCpu, "ln_bias");
+  at::Tensor out = output(out_opt, shape, lead);
+  if (tokens == 0 || dim == 0) return out;
+  EmbeddingArgs a{};
+  a.words = words.defined() ? words.data_ptr() : nullptr;
+  a.words_stride = words.defined() ? words.stride(0) : 0;
+  a.ids = ids.defined() ? ids.data_ptr() : nullptr;
+  a.type_ids = tts.data_ptr();
+  a.pos_ids = pos.data_ptr();
+  a.ids_int64 = itype == at::kLong;
+  a.word_weight = ww.defined() ? ww.data_ptr() : nullptr;
+  a.word_stride = ww.defined() ? ww.stride(0) : 0;
+  a.type_weight = tw.data_ptr();
+  a.type_stride = tw.stride(0);
+  a.pos_weight = pw.data_ptr();
+  a.pos_stride = pw.stride(0);
+  a.ln_weight = w.data_ptr<float>();
+  a.ln_bias = b.data_ptr<float>();
+  a.eps = float(eps);
+  a.out = out.data_ptr();
+  a.tokens = tokens;
+  a.dim = dim;
+  kernels().embedding_layernorm(a, dtype, threads_for(out.nbytes() * 4));
+  return out;
+}
+
+at::Tensor bias_act(const at::Tensor& x, const at::Tensor& bias, const std::string& kind,
+                    const std::optional<at::Tensor>& out_opt) {
+  check_device(x, kCpu, "x");
+  const DType dtype = dtype_of(x, "x");
+  const Act act = Act(act_code(kind));
+  TORCH_CHECK_VALUE(x.dim() >= 1, "x must be [*, N], got a scalar");
+  const int64_t n = x.size(-1);
+  at::Tensor b = params(bias, n, kCpu, "bias");
+  at::Tensor out = output(out_opt, x.sizes(), x);
+  if (x.numel() == 0) return out;
+  at::Tensor rows = as_rows(x, n);
+  RowsArgs a{};
+  a.x = rows.data_ptr();
+  a.x_stride = rows.stride(0);
+  a.bias = b.data_ptr<float>();
+  a.act = act;
+  a.out = out.data_ptr();
+  a.rows = rows.size(0);
+  a.n = n;
+  kernels().bias_act(a, dtype, threads_for(out.nbytes() * (act == Act::relu ? 2 : 8)));
+  return out;
+}
+
+at::Tensor bias_residual_layernorm(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,
+                                   const at::Tensor& ln_weight, const at::Tensor& ln_bias, double eps,
+                                   const std::optional<at::Tensor>& out_opt) {
+  check_device(x, kCpu, "x");
+  check_device(residual, kCpu, "residual");
+  const DType dtype = dtype_of(x, "x");
+  TORCH_CHECK_TYPE(residual.scalar_type() == x.scalar_type(), "residual must be ", x.scalar_type(), ", got ",
+                   residual.scalar_type());
+  TORCH_CHECK_VALUE(x.dim() >= 1 && residual.sizes() == x.sizes(), "x and residual must have the same shape, got ",
+                    x.sizes(), " and ", residual.sizes());
+  const int64_t n = x.size(-1);
+  at::Tensor b = params(bias, n, kCpu, "bias"), w = params(ln_weight, n, kCpu, "ln_weight");
+  at::Tensor lb = params(ln_bias, n, kCpu, "ln_bias");
+  at::Tensor out = output(out_opt, x.sizes(), x);
+  if (x.numel() == 0) return out;
+  at::Tensor xr = as_rows(x, n), rr = as_rows(residual, n);
+  RowsArgs a{};
+  a.x = xr.data_ptr();
+  a.x_stride = xr.stride(0);
+  a.bias = b.data_ptr<float>();
+  a.residual = rr.data_ptr();
+  a.res_stride = rr.stride(0);
+  a.ln_weight = w.data_ptr<float>();
+  a.ln_bias = lb.data_ptr<float>();
+  a.eps = float(eps);
+  a.out = out.data_ptr();
+  a.rows = xr.size(0);
+  a.n = n;
+  kernels().bias_residual_layernorm(a, dtype, threads_for(out.nbytes() * 3));
+  return out;
+}
+
+at::Tensor attention(const at::Tensor& qkv_in, const at::Tensor& cu_seqlens, int64_t max_seqlen, double scale,
+                     const std::optional<at::Tensor>& out_opt) {
+  check_device(qkv_in, kCpu, "qkv");
+  check_device(cu_seqlens, kCpu, "cu_seqlens");
+  const DType dtype = dtype_of(qkv_in, "qkv");
+  TORCH_CHECK_VALUE(qkv_in.dim() == 4 && qkv_in.size(1) == 3, "qkv must be [T, 3, nH, D], got ", qkv_in.sizes());
+  TORCH_CHECK_TYPE(cu_seqlens.scalar_type() == at::kInt && cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 1,
+                   "cu_seqlens must be a 1-D int32 tensor [B + 1], got ", cu_seqlens.scalar_type(), " ",
+                   cu_seqlens.sizes());
+  const int64_t total = qkv_in.size(0), heads = qkv_in.size(2), dim = qkv_in.size(3);
+  at::Tensor cu = cu_seqlens.contiguous();
+  const int32_t* c = cu.data_ptr<int32_t>();
+  const int64_t batch = cu.numel() - 1;
+  TORCH_CHECK_VALUE(c[0] == 0 && c[batch] == total, "cu_seqlens must run from 0 to T = ", total, ", got ", c[0],
+                    " .. ", c[batch]);
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK_VALUE(c[b + 1] >= c[b] && c[b + 1] - c[b] <= max_seqlen, "sequence ", b, " has length ",
+                      c[b + 1] - c[b], ": lengths must be in [0, max_seqlen = ", max_seqlen, "]");
+  }
+  at::Tensor out = output(out_opt, {total, heads, dim}, qkv_in);
+  if (total == 0 || heads == 0 || dim == 0) return out;
+  at::Tensor qkv = qkv_in.stride(3) == 1 ? qkv_in : qkv_in.contiguous();
+  AttentionArgs a{};
+  a.qkv = qkv.data_ptr();
+  a.stride_t = qkv.stride(0);
+  a.stride_which = qkv.stride(1);
+  a.stride_head = qkv.stride(2);
+  a.cu_seqlens = c;
+  a.batch = batch;
+  a.heads = heads;
+  a.dim = dim;
+  a.max_seqlen = max_seqlen;
+  a.scale = float(scale);
+  a.out = out.data_ptr();
+  kernels().attention(a, dtype, int(std::min<int64_t>(at::get_num_threads(), batch * heads)));
+  return out;
+}
+
+}  // namespace
+}  // namespace fastbert::cpu
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace fastbert::cpu;
+  m.doc() = "fastbert native CPU kernels (C++, OpenMP, runtime ISA dispatch)";
+  kernels();  // pick the ISA once, at import, before any thread can race on it
+  m.def("embedding_layernorm", &embedding_layernorm, "LayerNorm(word[ids] + pos[pos] + type[tt]) -> [*, E]",
+        py::arg("input_ids"), py::arg("token_type_ids"), py::arg("position_ids"), py::arg("word_weight"),
+        py::arg("position_weight"), py::arg("type_weight"), py::arg("ln_weight"), py::arg("ln_bias"), py::arg("eps"),
+        py::arg("inputs_embeds"), py::arg("out") = py::none());
+  m.def("bias_act", &bias_act, "act(x + bias)", py::arg("x"), py::arg("bias"), py::arg("kind"),
+        py::arg("out") = py::none());
+  m.def("bias_residual_layernorm", &bias_residual_layernorm, "LayerNorm(x + bias + residual)", py::arg("x"),
+        py::arg("bias"), py::arg("residual"), py::arg("ln_weight"), py::arg("ln_bias"), py::arg("eps"),
+        py::arg("out") = py::none());
+  m.def("attention", &attention, "varlen attention over packed qkv [T, 3, nH, D] -> [T, nH, D]", py::arg("qkv"),
+        py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("scale"), py::arg("out") = py::none());
+  m.def("isa", [] { return std::string(kernels().isa); }, "the instruction set of the kernels in use");
+  m.def("set_isa", &set_isa, "use the kernels compiled for one ISA; False if this CPU cannot run them");
+  m.def("runnable_isas", &runnable_isas, "the ISAs compiled in that this CPU can run, best first");
+}

@@ -1,0 +1,14 @@
+// CPU kernels compiled for AVX2 + FMA; bind.cpp uses this table when the CPU has it.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "kernels.h"
+
+#if defined(__x86_64__)
+#pragma GCC target("avx2,fma")
+#define FASTBERT_ISA avx2
+#include "isa_body.inc"
+#endif

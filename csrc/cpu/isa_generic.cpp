@@ -1,0 +1,11 @@
+// CPU kernels compiled for the compiler's baseline ISA (SSE2 on x86-64; NEON etc. elsewhere): bind.cpp's fallback.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "kernels.h"
+
+#define FASTBERT_ISA generic
+#include "isa_body.inc"

@@ -1,0 +1,65 @@
+// The CPU kernels' C++ interface: raw pointers and sizes, no torch. Each ISA translation unit (isa_*.cpp) fills a
+// KernelTable from the same sources (*.inc) compiled for its instruction set; bind.cpp picks one at load time.
+#pragma once
+
+#include <cstdint>
+
+namespace fastbert::cpu {
+
+enum class DType : int { f32 = 0, bf16 = 1 };
+enum class Act : int { gelu = 0, gelu_tanh = 1, relu = 2 };
+
+struct EmbeddingArgs {
+  const void* words;          // [T, E] rows of inputs_embeds, or null to gather word_weight[ids]
+  int64_t words_stride;       // row stride of `words` in elements
+  const void* ids;            // [T] int32/int64 word ids (when words is null)
+  const void* type_ids;       // [T] int32/int64
+  const void* pos_ids;        // [T] int32/int64
+  bool ids_int64;             // all three id arrays share this index type
+  const void* word_weight;    // [V, E]
+  const void* type_weight;    // [Tt, E]
+  const void* pos_weight;     // [P, E]
+  int64_t word_stride, type_stride, pos_stride;  // row strides of the three tables
+  const float* ln_weight;     // [E] fp32
+  const float* ln_bias;       // [E] fp32
+  float eps;
+  void* out;                  // [T, E] contiguous
+  int64_t tokens, dim;
+};
+
+struct RowsArgs {
+  const void* x;              // [R, N], row stride x_stride
+  int64_t x_stride;
+  const float* bias;          // [N] fp32
+  const void* residual;       // [R, N] row stride res_stride (bias_residual_layernorm only)
+  int64_t res_stride;
+  const float* ln_weight;     // [N] fp32 (bias_residual_layernorm only)
+  const float* ln_bias;       // [N] fp32
+  float eps;
+  Act act;                    // bias_act only
+  void* out;                  // [R, N] contiguous
+  int64_t rows, n;
+};
+
+struct AttentionArgs {
+  const void* qkv;            // [T, 3, nH, D], last dim contiguous
+  int64_t stride_t, stride_which, stride_head;  // element strides of the first three dims
+  const int32_t* cu_seqlens;  // [B + 1], validated by the caller
+  int64_t batch, heads, dim, max_seqlen;
+  float scale;
+  void* out;                  // [T, nH, D] contiguous
+};
+
+struct KernelTable {
+  const char* isa;
+  void (*embedding_layernorm)(const EmbeddingArgs&, DType, int threads);
+  void (*bias_act)(const RowsArgs&, DType, int threads);
+  void (*bias_residual_layernorm)(const RowsArgs&, DType, int threads);
+  void (*attention)(const AttentionArgs&, DType, int threads);
+};
+
+const KernelTable& kernels_avx512();
+const KernelTable& kernels_avx2();
+const KernelTable& kernels_generic();
+
+}  // namespace fastbert::cpu

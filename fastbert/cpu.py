@@ -1,0 +1,208 @@
+"""The CPU backend: oneDNN GEMMs on weights prepacked once (the `linear` op), and attention without padding.
+
+`linear`: torch's default CPU fp32 matmul leaves much of a modern x86 core idle; oneDNN with a prepacked (blocked)
+weight layout gets close to the roof, and fusing bias + GELU into the GEMM saves a pass over the FFN's [T, 4H]
+activations. Whether it wins is measured on this machine, not assumed: at first use per (dtype, weight shape, size
+class) both paths are timed on the actual input, and the verdict (with its timings) is what the dispatch reports in
+`fastbert.explain()`. `FASTBERT_CPU_GEMM=onednn|torch` skips the measurement. Inference only (the prepacked op has no
+autograd). Under CPU autocast the GEMM runs in the autocast dtype on a cached copy of the weight in that dtype, where
+autocast itself would recast the fp32 weight on every call. Packs are cached per weight tensor and rebuilt when it
+changes (in-place update, new storage) or dies.
+
+`attention`: on a CPU reading `cu_seqlens` costs nothing, so each sequence gets its own unmasked SDPA call (torch's
+flash CPU kernel) straight on the packed tensor: no padded copy, no mask, no work on padding.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import weakref
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from fastbert import reference
+
+# activation kind -> (oneDNN post-op, algorithm)
+_POST_OPS = {None: ("none", ""), "gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh"), "relu": ("relu", "")}
+_SMALL_M = 128  # calibration size classes: latency-sized (M < 128 rows) and throughput-sized inputs
+# oneDNN keeps the call unless F.linear is >10% faster: within noise, the fused epilogues (residual, GELU) that one
+# timed GEMM does not show decide
+_TIE_MARGIN = 1.1
+
+# (id(weight), dtype) -> (weakref to weight, version stamp, packed weight, bias in that dtype)
+_packs: dict[tuple[int, torch.dtype], tuple[weakref.ref, tuple, torch.Tensor, torch.Tensor | None]] = {}
+# (dtype, N, K, fused act, small M) -> (oneDNN wins, why)
+_verdicts: dict[tuple, tuple[bool, str]] = {}
+
+
+def unavailable_reason() -> str | None:
+    """Why this backend cannot load here, or None."""
+    if not torch.backends.mkldnn.is_available():
+        return "torch was built without oneDNN"
+    if not hasattr(torch.ops.mkldnn, "_linear_pointwise") or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return "this torch has no oneDNN prepacked linear"
+    return None
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the GEMM runs in: autocast's when CPU autocast is on and x is fp32, else x's."""
+    if x.dtype == torch.float32 and torch.is_autocast_enabled("cpu"):
+        return torch.get_autocast_dtype("cpu")
+    return x.dtype
+
+
+def refuses_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act: str | None = None
+) -> str | None:
+    """The dispatch limit check: why oneDNN should not take this call, or None."""
+    if torch.compiler.is_compiling():
+        return "under torch.compile/export tracing"
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        return "forward only: inputs require grad"
+    if act not in _POST_OPS:
+        return f"no fused epilogue for {act!r}"
+    dtype = compute_dtype(x)
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"does not take {dtype}"
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "this CPU has no bf16 GEMM in oneDNN"
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1] or weight.device.type != "cpu":
+        return "not a CPU [N, K] weight matching x"
+    mode = os.environ.get("FASTBERT_CPU_GEMM", "auto")
+    if mode == "torch":
+        return "FASTBERT_CPU_GEMM=torch"
+    if mode == "onednn" or x.numel() == 0:
+        return None
+    wins, why = _verdict(x, weight, bias, act, dtype)
+    return None if wins else why
+
+
+def linear(
+    x: torch.Tensor,  # [*, K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+    act: str | None = None,
+) -> torch.Tensor:  # [*, N] in compute_dtype(x)
+    """act(x @ weight^T + bias) with the prepacked weight; bias and activation fused into the GEMM."""
+    dtype = compute_dtype(x)
+    packed, b = _packed(weight, bias, dtype)
+    rows = x.reshape(-1, x.shape[-1]).to(dtype).contiguous()
+    if rows.shape[0] == 0:
+        return rows.new_empty(*x.shape[:-1], weight.shape[0])
+    attr, algorithm = _POST_OPS[act]
+    out = torch.ops.mkldnn._linear_pointwise(rows, packed, b, attr, [], algorithm)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def linear_residual_layernorm(
+    x: torch.Tensor,  # [T, K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor,  # [N]
+    residual: torch.Tensor,  # [T, N], x's dtype
+    ln_weight: torch.Tensor,  # [N]
+    ln_bias: torch.Tensor,  # [N]
+    eps: float,
+) -> torch.Tensor:  # [T, N]
+    """LayerNorm(x @ weight^T + bias + residual): bias and residual added in the GEMM's epilogue, one LayerNorm pass
+    after (torch's CPU LayerNorm accumulates bf16 input in fp32, so statistics stay fp32 without an upcast copy)."""
+    if x.shape[0] == 0:
+        return residual.new_empty(residual.shape)
+    packed, b = _packed(weight, bias, x.dtype)
+    h = torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), residual.contiguous(), packed, b, "add")
+    return F.layer_norm(h, h.shape[-1:], ln_weight, ln_bias, eps)
+
+
+def _packed(
+    weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The cached oneDNN layout of `weight` in `dtype` (and bias cast to it), rebuilt when either changes."""
+    key = (id(weight), dtype)
+    stamp = tuple(_stamp(t) for t in (weight, bias))
+    entry = _packs.get(key)
+    if entry is None or entry[0]() is not weight or entry[1] != stamp:
+        with torch.no_grad():
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous())
+            b = bias.detach().to(dtype).contiguous() if bias is not None else None
+        if entry is None:
+            weakref.finalize(weight, _packs.pop, key, None)
+        _packs[key] = (weakref.ref(weight), stamp, packed, b)
+        entry = _packs[key]
+    return entry[2], entry[3]
+
+
+def _stamp(t: torch.Tensor | None) -> tuple[int, int] | None:
+    """What identifies a tensor's contents cheaply: (version, address); inference tensors have no version counter."""
+    if t is None:
+        return None
+    return (-1 if t.is_inference() else t._version, t.data_ptr())
+
+
+def _verdict(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str | None, dtype: torch.dtype
+) -> tuple[bool, str]:
+    """Time oneDNN against F.linear (+ the activation) on this very input, once per size class."""
+    rows = x.numel() // x.shape[-1]
+    key = (dtype, *weight.shape, act is not None, rows < _SMALL_M)
+    if key not in _verdicts:
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+            xs = x.reshape(rows, -1).to(dtype)
+            w, b = weight.to(dtype), bias.to(dtype) if bias is not None else None
+            fast, plain = _best_times(lambda: linear(xs, weight, bias, act), lambda: reference.linear(xs, w, b, act))
+        wins = fast < plain * _TIE_MARGIN
+        _verdicts[key] = (
+            wins,
+            f"measured {'slower' if not wins else 'faster'} than F.linear here "
+            f"({fast * 1e3:.2f} vs {plain * 1e3:.2f} ms CPU time for [{rows}, {weight.shape[1]}] x "
+            f"[{weight.shape[1]}, {weight.shape[0]}] {str(dtype).removeprefix('torch.')})",
+        )
+    return _verdicts[key]
+
+
+def _best_times(*fns: Callable[[], object], repeats: int = 5) -> list[float]:
+    """Best-of-`repeats` process CPU seconds per function, interleaved: CPU time (not wall time) so that being
+    descheduled on a shared machine does not decide the verdict, and interleaved so cache noise hits both alike."""
+    for fn in fns:
+        fn()  # warm-up: packing, oneDNN primitive creation, page faults
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            start = time.process_time()
+            fn()
+            best[i] = min(best[i], time.process_time() - start)
+    return best
+
+
+def verdicts() -> dict[tuple, tuple[bool, str]]:
+    """Every calibration made so far: (dtype, N, K, fused act, small M) -> (oneDNN wins, timings)."""
+    return dict(_verdicts)
+
+
+def attention(
+    qkv: torch.Tensor,  # [T, 3, nH, D] packed tokens
+    cu_seqlens: torch.Tensor,  # [B + 1] int32
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:  # [T, nH, D]
+    """softmax(q k^T * scale) v within each sequence: one SDPA call per sequence, one per batch if none is padded."""
+    total, _, heads, dim = qkv.shape
+    p = dropout_p if training else 0.0
+    batch = cu_seqlens.numel() - 1
+    with reference.no_autocast(qkv.device):
+        if total == batch * max_seqlen:  # nothing padded: the packed tensor is a [B, S] batch already
+            q, k, v = qkv.view(batch, max_seqlen, 3, heads, dim).permute(2, 0, 3, 1, 4).unbind(0)
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, scale=scale)  # [B, nH, S, D]
+            return out.transpose(1, 2).reshape(total, heads, dim)
+        per_head = qkv.permute(1, 2, 0, 3)  # [3, nH, T, D] view
+        bounds = cu_seqlens.tolist()
+        outs = []
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+            if end > start:  # [1, nH, L, D]: 4-D inputs take the flash kernel
+                q, k, v = per_head[:, None, :, start:end].unbind(0)
+                outs.append(F.scaled_dot_product_attention(q, k, v, dropout_p=p, scale=scale)[0].transpose(0, 1))
+    # one gather of the per-sequence [L, nH, D] views back into packed order (every row belongs to one sequence)
+    return torch.cat(outs) if outs else qkv.new_empty(0, heads, dim)

@@ -1,0 +1,113 @@
+"""`fastbert distill TEACHER CORPUS --output DIR`: the command-line face of `fastbert.distill.distill`.
+
+Run it under `torchrun --nproc_per_node N` for data-parallel training (rank 0 saves).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from fastbert.distill.objectives import WEIGHTS, Objectives
+
+PRESETS = {"distilbert": Objectives.distilbert, "sentence": Objectives.sentence_embedding}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("teacher", help="teacher checkpoint directory (fastbert or transformers)")
+    p.add_argument("corpus", help="text file, one sentence or paragraph per line")
+    p.add_argument("--output", required=True, help="run folder; the student is written to OUTPUT/student")
+    p.add_argument("--tokenizer", help="tokenizer.json/vocab.txt or folder (default: the teacher's)")
+    p.add_argument("--eval-corpus", help="held-out text file (default: the last 2%% of the corpus)")
+    s = p.add_argument_group("student")
+    s.add_argument("--layers", type=int, help="student depth (default: half the teacher's)")
+    s.add_argument("--layer-map", type=int, nargs="+", help="teacher layer copied into each student layer")
+    s.add_argument("--hidden-size", type=int, help="narrower student width")
+    s.add_argument("--embedding-size", type=int, help="ALBERT factorised embedding width")
+    s.add_argument("--layer-sharing", choices=["none", "all", "attention", "ffn"], help="ALBERT layer sharing")
+    s.add_argument("--num-hidden-groups", type=int, help="ALBERT groups of shared layers")
+    s.add_argument("--init", choices=["auto", "copy", "random"], default="auto")
+    s.add_argument("--projection", action="store_true", default=None, help="learned projection to teacher width")
+    s.add_argument("--freeze-embeddings", action="store_true")
+    o = p.add_argument_group("objectives (any weight given replaces the preset)")
+    o.add_argument("--preset", choices=sorted(PRESETS), default="distilbert")
+    for name in WEIGHTS:
+        o.add_argument(f"--{name.replace('_', '-')}", type=float, help=f"weight of the {name} loss")
+    o.add_argument("--temperature", type=float, default=2.0)
+    o.add_argument("--embedding-metric", choices=["cosine", "mse"], default="cosine")
+    t = p.add_argument_group("training")
+    t.add_argument("--max-length", type=int, default=128)
+    t.add_argument("--batch-size", type=int, default=32, help="per process")
+    t.add_argument("--grad-accum", type=int, default=1)
+    t.add_argument("--epochs", type=float, default=1.0)
+    t.add_argument("--max-steps", type=int)
+    t.add_argument("--lr", type=float, default=1e-4)
+    t.add_argument("--warmup-ratio", type=float, default=0.05)
+    t.add_argument("--weight-decay", type=float, default=0.01)
+    t.add_argument("--max-grad-norm", type=float, default=1.0)
+    t.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
+    t.add_argument("--teacher-precision", choices=["fp32", "bf16", "fp16"], default="fp32")
+    t.add_argument("--mlm-probability", type=float, default=0.15)
+    t.add_argument("--whole-word", action="store_true")
+    t.add_argument("--cache-teacher", action="store_true", help="keep teacher targets on disk across epochs")
+    t.add_argument("--checkpoint-every", type=int, default=500)
+    t.add_argument("--resume", help="'latest' or a step-N checkpoint folder")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+
+
+def objectives_from_args(args: argparse.Namespace) -> Objectives:
+    given = {name: getattr(args, name) for name in WEIGHTS if getattr(args, name) is not None}
+    obj = Objectives(**given) if given else PRESETS[args.preset]()
+    obj.temperature, obj.embedding_metric = args.temperature, args.embedding_metric
+    return obj
+
+
+def run(args: argparse.Namespace) -> int:
+    from fastbert.distill.trainer import DistillConfig, distill
+
+    overrides = {
+        key: value
+        for key, value in (
+            ("embedding_size", args.embedding_size),
+            ("layer_sharing", args.layer_sharing),
+            ("num_hidden_groups", args.num_hidden_groups),
+        )
+        if value is not None
+    }
+    config = DistillConfig(
+        output_dir=args.output,
+        num_layers=args.layers or (len(args.layer_map) if args.layer_map else None),
+        layer_map=args.layer_map,
+        hidden_size=args.hidden_size,
+        student_overrides=overrides,
+        init=args.init,
+        projection=args.projection,
+        freeze_embeddings=args.freeze_embeddings,
+        objectives=objectives_from_args(args),
+        max_length=args.max_length,
+        batch_size=args.batch_size,
+        grad_accum=args.grad_accum,
+        epochs=args.epochs,
+        max_steps=args.max_steps,
+        lr=args.lr,
+        warmup_ratio=args.warmup_ratio,
+        weight_decay=args.weight_decay,
+        max_grad_norm=args.max_grad_norm,
+        precision=args.precision,
+        teacher_precision=args.teacher_precision,
+        mlm_probability=args.mlm_probability,
+        whole_word=args.whole_word,
+        cache_teacher=args.cache_teacher,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+        seed=args.seed,
+        device=args.device,
+    )
+    result = distill(args.teacher, args.corpus, config, tokenizer=args.tokenizer, eval_corpus=args.eval_corpus)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(
+            f"student: {result.student_dir}  held-out loss {result.eval_before:.4f} -> {result.eval_after:.4f}  "
+            f"({result.train_seconds:.0f} s of training)"
+        )
+    return 0

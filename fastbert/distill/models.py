@@ -1,0 +1,113 @@
+"""Teacher loading (fastbert/transformers directory or live model), the trainable student module (student plus the
+learned projections to the teacher's width), and the teacher's targets for a batch."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from torch import nn
+
+from fastbert.checkpoint import PreTrainedModel
+from fastbert.distill.losses import mean_pool
+from fastbert.distill.objectives import Objectives
+from fastbert.heads import HEADS, BertForMaskedLM
+from fastbert.modeling import BertModel
+
+MLM_ARCHITECTURES = ("BertForMaskedLM", "BertForPreTraining")
+
+
+def load_teacher(teacher: str | os.PathLike | nn.Module) -> PreTrainedModel:
+    """A checkpoint directory (MLM head kept when it has one), a fastbert model, or a live transformers BERT model."""
+    if isinstance(teacher, PreTrainedModel):
+        return teacher
+    if isinstance(teacher, nn.Module):
+        name = type(teacher).__name__
+        if name not in HEADS or not hasattr(teacher, "config"):
+            raise TypeError(f"cannot use a {name} as teacher: expected a fastbert or transformers BERT model")
+        return HEADS[name].from_hf(teacher)
+    path = os.fspath(teacher)
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        raise FileNotFoundError(f"teacher {path} is not a checkpoint directory (no config.json)")
+    with open(config, encoding="utf-8") as f:
+        architectures = json.load(f).get("architectures") or []
+    cls = BertForMaskedLM if any(a in MLM_ARCHITECTURES for a in architectures) else BertModel
+    return cls.from_pretrained(path)
+
+
+def has_mlm_head(model: nn.Module) -> bool:
+    return hasattr(model, "cls") and hasattr(model.cls, "predictions")
+
+
+def _encoder(model: nn.Module) -> BertModel:
+    return model.bert if hasattr(model, "bert") else model
+
+
+class DistillStudent(nn.Module):
+    """The student and its projections (student width -> teacher width, one per projected hidden state).
+
+    This is what DDP wraps; only `student` is saved as the result, the projections live in training checkpoints.
+    """
+
+    def __init__(self, student: PreTrainedModel, projections: dict[int, nn.Linear], obj: Objectives) -> None:
+        super().__init__()
+        self.student, self.obj = student, obj
+        self.projections = nn.ModuleDict({str(k): p for k, p in projections.items()})
+        self.layer_map: dict[int, int] = {}
+
+    def project(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
+        proj = self.projections[str(index)] if str(index) in self.projections else None
+        return proj(hidden) if proj is not None else hidden
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict:
+        obj = self.obj
+        want_hidden = bool(obj.hidden_mse) or has_mlm_head(self.student) and bool(obj.cosine or obj.embedding)
+        out = self.student(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            token_type_ids=batch["token_type_ids"],
+            output_hidden_states=want_hidden,
+            output_attentions=bool(obj.attention),
+        )
+        layers = self.student.config.num_hidden_layers
+        result: dict = {"logits": out.logits if has_mlm_head(self.student) else None}
+        last = out.hidden_states[-1] if want_hidden else out.last_hidden_state
+        if obj.cosine or obj.embedding:
+            result["last"] = self.project(layers, last)
+        if obj.hidden_mse:
+            result["hidden"] = {k: self.project(k, out.hidden_states[k]) for k in self.layer_map}
+        if obj.attention:
+            result["attentions"] = {k: out.attentions[k - 1] for k in self.layer_map if k > 0}
+        return result
+
+
+@torch.no_grad()
+def teacher_targets(
+    teacher: PreTrainedModel, batch: dict[str, torch.Tensor], obj: Objectives, layer_map: dict[int, int]
+) -> dict:
+    """What the active objectives need from the teacher, in fp32; hidden/attention keyed by the student's index."""
+    want_hidden = bool(obj.hidden_mse) or has_mlm_head(teacher) and bool(obj.cosine or obj.embedding)
+    out = teacher(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        token_type_ids=batch["token_type_ids"],
+        output_hidden_states=want_hidden,
+        output_attentions=bool(obj.attention),
+    )
+    result: dict = {}
+    if obj.uses_logits:
+        logits = out.get("logits", out.get("prediction_logits"))
+        result["logits"] = logits.float()
+    if obj.cosine or obj.embedding:
+        last = (out.hidden_states[-1] if want_hidden else out.last_hidden_state).float()
+        if obj.cosine:
+            result["last"] = last
+        if obj.embedding:
+            result["embedding"] = mean_pool(last, batch["attention_mask"])
+    if obj.hidden_mse:
+        result["hidden"] = {k: out.hidden_states[j].float() for k, j in layer_map.items()}
+    if obj.attention:
+        result["attentions"] = {k: out.attentions[j - 1].float() for k, j in layer_map.items() if k > 0}
+    return result

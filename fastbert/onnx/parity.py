@@ -1,0 +1,110 @@
+"""onnxruntime vs PyTorch on shapes the export never saw: ragged rows, a fully padded row, batch of 1.
+
+fp32 graphs must match within 1e-4 at valid positions. fp16 graphs follow the project's low-precision rule: their
+error against the fp32 PyTorch model may be at most 2x fastbert's own fp16 error plus a small floor. Every output
+must be finite everywhere, padding included.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from tqdm.auto import tqdm
+
+from fastbert.checkpoint import PreTrainedModel
+from fastbert.config import BertConfig
+from fastbert.onnx.graph import output_names, spec_of
+from fastbert.onnx.session import Session
+
+BATCHES, LENGTHS = (1, 3), (1, 8, 128, 512)
+FP32_ATOL = 1e-4
+FP16_FLOOR = 1e-3
+
+
+def parity_shapes(config: BertConfig) -> list[tuple[int, int]]:
+    """(batch, seqlen) pairs checked on export; lengths above max_position_embeddings are dropped."""
+    return [(b, s) for b in BATCHES for s in LENGTHS if s <= config.max_position_embeddings]
+
+
+def make_inputs(
+    config: BertConfig, batch: int, seqlen: int, choices: int | None = None, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Random ids and token types. One row: full length. Several: row 0 right-padded, row 1 left-padded, row 2
+    fully padded, further rows right-padded; ragged lengths are random in [1, seqlen - 1] (1 when seqlen is 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (batch, seqlen) if choices is None else (batch, choices, seqlen)
+    ids = torch.randint(0, config.vocab_size, shape, generator=gen)
+    types = torch.randint(0, config.type_vocab_size, shape, generator=gen)
+    lengths = torch.randint(1, max(seqlen, 2), (batch, 1), generator=gen) if batch > 1 else torch.full((1, 1), seqlen)
+    positions = torch.arange(seqlen).expand(batch, seqlen).clone()
+    if batch > 1:
+        positions[1] = positions[1].flip(0)  # left padding: the ones sit at the end
+    if batch > 2:
+        lengths[2] = 0
+    mask = (positions < lengths).long()
+    if choices is not None:
+        mask = mask.unsqueeze(1).expand(shape).contiguous()
+    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
+
+
+def _errors(
+    model: PreTrainedModel, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], mask: torch.Tensor
+) -> dict[str, float]:
+    """Max abs error per output; per-token outputs at valid positions only."""
+    spec = spec_of(model)
+    per_token = dict(zip(spec.outputs, spec.per_token, strict=True))
+    errors = {}
+    for name in output_names(model):
+        diff = (got[name].double() - want[name].double()).abs()
+        if per_token[name]:
+            diff = diff[mask.bool()]
+        errors[name] = diff.max().item() if diff.numel() else 0.0
+    return errors
+
+
+def _torch_outputs(model: PreTrainedModel, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    with torch.no_grad():
+        out = model(**inputs)
+    return {name: out[name] for name in output_names(model)}
+
+
+def check_parity(
+    model: PreTrainedModel,
+    path: str | os.PathLike,
+    shapes: list[tuple[int, int]],
+    reference: PreTrainedModel | str | os.PathLike,
+    progress: bool = True,
+) -> dict[tuple[int, int], float]:
+    """Max abs error of the ONNX graph at `path` per (batch, seqlen); raises RuntimeError if any is out of bounds.
+
+    `model` is the exported PyTorch model (its dtype is the graph's); `reference` is the fp32 PyTorch model, or
+    another fp32 ONNX graph to compare against (the unoptimized export, for the optimized one).
+    """
+    fp16 = next(model.parameters()).dtype == torch.float16
+    if fp16 and not isinstance(reference, PreTrainedModel):
+        raise ValueError("an fp16 graph is checked against the fp32 PyTorch model, not against another graph")
+    session = Session(path)
+    other = reference if isinstance(reference, PreTrainedModel) else Session(reference)
+    choices = 2 if type(model).__name__ == "BertForMultipleChoice" else None
+    results = {}
+    for batch, seqlen in tqdm(shapes, desc=f"parity {os.path.basename(path)}", disable=not progress, leave=False):
+        inputs = make_inputs(model.config, batch, seqlen, choices)
+        got = session(**inputs)
+        bad = [name for name in output_names(model) if not torch.isfinite(got[name]).all()]
+        if bad:
+            raise RuntimeError(f"{path}: non-finite values in {bad} at batch={batch}, seqlen={seqlen}")
+        want = other(**inputs) if isinstance(other, Session) else _torch_outputs(other, inputs)
+        errors = _errors(model, got, want, inputs["attention_mask"])
+        worst = max(errors.values())
+        bound = FP32_ATOL
+        if fp16:  # low precision: judged by fastbert's own fp16 error
+            own = max(_errors(model, _torch_outputs(model, inputs), want, inputs["attention_mask"]).values())
+            bound = 2 * own + FP16_FLOOR
+        if worst > bound:
+            raise RuntimeError(
+                f"{path}: onnxruntime differs from the reference by {worst:.3g} (bound {bound:.3g}) at batch={batch}, "
+                f"seqlen={seqlen}; per output: {errors}"
+            )
+        results[(batch, seqlen)] = worst
+    return results

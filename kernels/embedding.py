@@ -1,0 +1,249 @@
+"""Embedding gather (word + position + token type) + sum + LayerNorm (+ dropout) in one pass, and its backward.
+
+Limits: ids `[*]` int32/int64 (flattened), tables `[V, E]`, `[P, E]`, `[Tt, E]` fp32/fp16/bf16 with a unit
+feature stride (any row stride), E <= 16384; `inputs_embeds` `[*, E]` replaces the word lookup. With ALBERT's
+embedding_size < hidden the LayerNorm is over E and the projection follows in the model. Statistics in fp32, one
+cast to the table's (or inputs_embeds') dtype on store. Ids are not bounds-checked here (the model validates them).
+Backward: one kernel recomputes the row sum from the ids and writes dL/d(sum) in fp32 plus per-program partial
+LayerNorm grads; the three table grads are then summed by nn.Embedding's backward op (fp32, deterministic on
+CUDA) and cast once to the table dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _common as C
+from ._device import dropout_keep, layernorm_tile, layernorm_tile_bwd
+
+
+@triton.jit
+def _row_sum(
+    ids_ptr, emb_ptr, tt_ptr, pos_ptr, word_ptr, posw_ptr, typew_ptr, rows, cols, rmask, mask,
+    stride_word, stride_pos, stride_type, stride_emb, HAS_EMBEDS: tl.constexpr,
+):
+    """word[ids] (or inputs_embeds) + position[pos] + type[tt] for a [BLOCK_M, BLOCK_N] tile, fp32, 0 off mask."""
+    c = cols[None, :]
+    if HAS_EMBEDS:
+        x = tl.load(emb_ptr + rows.to(tl.int64)[:, None] * stride_emb + c, mask=mask, other=0.0).to(tl.float32)
+    else:
+        ids = tl.load(ids_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        x = tl.load(word_ptr + ids[:, None] * stride_word + c, mask=mask, other=0.0).to(tl.float32)
+    pos = tl.load(pos_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    tt = tl.load(tt_ptr + rows, mask=rmask, other=0).to(tl.int64)
+    x += tl.load(posw_ptr + pos[:, None] * stride_pos + c, mask=mask, other=0.0).to(tl.float32)
+    x += tl.load(typew_ptr + tt[:, None] * stride_type + c, mask=mask, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _embedding_ln_fwd(
+    ids_ptr,  # [M] int (unused with HAS_EMBEDS)
+    emb_ptr,  # [M, E] rows at stride_emb (inputs_embeds; used with HAS_EMBEDS)
+    tt_ptr,  # [M] int token-type ids
+    pos_ptr,  # [M] int position ids
+    word_ptr,  # [V, E] rows at stride_word
+    posw_ptr,  # [P, E] rows at stride_pos
+    typew_ptr,  # [Tt, E] rows at stride_type
+    w_ptr,  # [E] LayerNorm weight
+    b_ptr,  # [E] LayerNorm bias
+    y_ptr,  # [M, E] contiguous
+    mean_ptr,  # [M] fp32
+    rstd_ptr,  # [M] fp32
+    M,
+    E,
+    stride_word,
+    stride_pos,
+    stride_type,
+    stride_emb,
+    eps,
+    p,
+    scale,
+    seed,
+    HAS_EMBEDS: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    rmask, cmask = rows < M, cols < E
+    mask = rmask[:, None] & cmask[None, :]
+    x = _row_sum(
+        ids_ptr, emb_ptr, tt_ptr, pos_ptr, word_ptr, posw_ptr, typew_ptr, rows, cols, rmask, mask,
+        stride_word, stride_pos, stride_type, stride_emb, HAS_EMBEDS,
+    )
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    y, mean, rstd = layernorm_tile(x, mask, w, b, E, eps)
+    if DROPOUT:
+        y = tl.where(dropout_keep(seed, rows[:, None] * E + cols[None, :], p), y * scale, 0.0)
+    tl.store(y_ptr + rows.to(tl.int64)[:, None] * E + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(mean_ptr + rows, mean, mask=rmask)
+    tl.store(rstd_ptr + rows, rstd, mask=rmask)
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _embedding_ln_bwd(
+    dy_ptr,  # [M, E] rows at stride_dy
+    ids_ptr,  # [M] int
+    emb_ptr,  # [M, E] rows at stride_emb
+    tt_ptr,  # [M] int
+    pos_ptr,  # [M] int
+    word_ptr,  # [V, E]
+    posw_ptr,  # [P, E]
+    typew_ptr,  # [Tt, E]
+    w_ptr,  # [E]
+    mean_ptr,  # [M] fp32
+    rstd_ptr,  # [M] fp32
+    dx_ptr,  # [M, E] fp32 contiguous: dL/d(word + position + type)
+    dparts_ptr,  # [2, G, E] fp32 partial rows per program: d(ln weight), d(ln bias)
+    M,
+    E,
+    stride_dy,
+    stride_word,
+    stride_pos,
+    stride_type,
+    stride_emb,
+    p,
+    scale,
+    seed,
+    HAS_EMBEDS: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < E
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    db = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(pid * BLOCK_M, M, programs * BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        mask = rmask[:, None] & cmask[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        x = _row_sum(
+            ids_ptr, emb_ptr, tt_ptr, pos_ptr, word_ptr, posw_ptr, typew_ptr, rows, cols, rmask, mask,
+            stride_word, stride_pos, stride_type, stride_emb, HAS_EMBEDS,
+        )
+        mean = tl.load(mean_ptr + rows, mask=rmask, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        g = tl.load(dy_ptr + r64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if DROPOUT:
+            g = tl.where(dropout_keep(seed, rows[:, None] * E + cols[None, :], p), g * scale, 0.0)
+        tl.store(dx_ptr + r64 * E + cols[None, :], layernorm_tile_bwd(g, xhat, rstd, w, E), mask=mask)
+        dw += g * xhat
+        db += g
+    part = pid * E + cols
+    tl.store(dparts_ptr + part, tl.sum(dw, axis=0), mask=cmask)
+    tl.store(dparts_ptr + programs * E + part, tl.sum(db, axis=0), mask=cmask)
+
+
+def _blocks(n: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps): the whole row, as many rows as fill the tile."""
+    block_n = C.feature_block(n)
+    block_m = C.rows_per_program(block_n)
+    return block_m, block_n, C.warps_for(block_m * block_n)
+
+
+def _scatter(grad_rows: torch.Tensor, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Sum fp32 row grads into a [rows(table), E] grad with nn.Embedding's own backward (sort-based on CUDA, so
+    deterministic, unlike index_add_), cast once to the table dtype."""
+    return torch.ops.aten.embedding_dense_backward(grad_rows, ids, table.shape[0], -1, False).to(table.dtype)
+
+
+class EmbeddingLayerNorm(torch.autograd.Function):
+    """Saves the ids, tables, LayerNorm weight and fp32 (mean, rstd); the row sum is re-gathered in backward."""
+
+    @staticmethod
+    def forward(ctx, input_ids, token_type_ids, position_ids, word, posw, typew, ln_w, ln_b, eps, p, inputs_embeds):
+        e = word.shape[-1]
+        has_embeds = inputs_embeds is not None
+        lead = inputs_embeds.shape[:-1] if has_embeds else input_ids.shape
+        tables = [t if t.stride(-1) == 1 else t.contiguous() for t in (word, posw, typew)]
+        tt, pos = token_type_ids.reshape(-1).contiguous(), position_ids.reshape(-1).contiguous()
+        emb = C.as_rows(inputs_embeds, e) if has_embeds else None
+        ids = tt if has_embeds else input_ids.reshape(-1).contiguous()  # ids_ptr is unused with inputs_embeds
+        m = tt.numel()
+        dtype = inputs_embeds.dtype if has_embeds else word.dtype
+        y = torch.empty(m, e, dtype=dtype, device=word.device)
+        mean = torch.empty(m, dtype=torch.float32, device=word.device)
+        rstd = torch.empty_like(mean)
+        seed, scale = (C.dropout_seed() if p > 0 else 0), C.keep_scale(p)
+        block_m, block_n, warps = _blocks(e)
+        emb_arg, emb_stride = (emb, emb.stride(0)) if has_embeds else (y, 0)
+        if m:
+            _embedding_ln_fwd[(triton.cdiv(m, block_m),)](
+                ids, emb_arg, tt, pos, *tables, ln_w, ln_b, y, mean, rstd, m, e, *(t.stride(0) for t in tables),
+                emb_stride, eps, p, scale, seed, HAS_EMBEDS=has_embeds, DROPOUT=p > 0, BLOCK_M=block_m,
+                BLOCK_N=block_n, num_warps=warps,
+            )
+        ctx.save_for_backward(ids, emb, tt, pos, *tables, ln_w, mean, rstd)
+        ctx.p, ctx.scale, ctx.seed, ctx.has_embeds = p, scale, seed, has_embeds
+        ctx.emb_shape = inputs_embeds.shape if has_embeds else None
+        ctx.emb_dtype = dtype
+        return y.view(*lead, e)
+
+    @staticmethod
+    def backward(ctx, dy):
+        ids, emb, tt, pos, word, posw, typew, ln_w, mean, rstd = ctx.saved_tensors
+        m, e = tt.numel(), word.shape[-1]
+        dyr = C.as_rows(dy, e)
+        dx = torch.empty(m, e, dtype=torch.float32, device=word.device)
+        block_m, block_n, warps = _blocks(e)
+        programs = C.reduction_programs(triton.cdiv(m, block_m), word.device)
+        parts = torch.zeros(2, programs, e, dtype=torch.float32, device=word.device)
+        emb_arg, emb_stride = (emb, emb.stride(0)) if ctx.has_embeds else (dx, 0)
+        if m:
+            _embedding_ln_bwd[(programs,)](
+                dyr, ids, emb_arg, tt, pos, word, posw, typew, ln_w, mean, rstd, dx, parts, m, e, dyr.stride(0),
+                word.stride(0), posw.stride(0), typew.stride(0), emb_stride, ctx.p, ctx.scale, ctx.seed,
+                HAS_EMBEDS=ctx.has_embeds, DROPOUT=ctx.p > 0, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+            )
+        dw, db = parts.sum(1).unbind(0)
+        d_word = None if ctx.has_embeds else _scatter(dx, ids, word)
+        d_embeds = dx.to(ctx.emb_dtype).view(ctx.emb_shape) if ctx.has_embeds else None
+        return (
+            None, None, None, d_word, _scatter(dx, pos, posw), _scatter(dx, tt, typew),
+            dw.to(ln_w.dtype), db.to(ln_w.dtype), None, None, d_embeds,
+        )
+
+
+def embedding_layernorm(
+    input_ids: torch.Tensor | None,
+    token_type_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    word_weight: torch.Tensor,
+    position_weight: torch.Tensor,
+    type_weight: torch.Tensor,
+    ln_weight: torch.Tensor,
+    ln_bias: torch.Tensor,
+    eps: float,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    inputs_embeds: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """LayerNorm(word[ids] + position[pos] + type[tt]) then dropout, fused; differentiable in every float tensor."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("pass exactly one of input_ids and inputs_embeds")
+    e = word_weight.shape[-1]
+    lead = input_ids.shape if input_ids is not None else inputs_embeds.shape[:-1]
+    if token_type_ids.shape != lead or position_ids.shape != lead:
+        raise ValueError(f"token_type_ids {tuple(token_type_ids.shape)} and position_ids "
+                         f"{tuple(position_ids.shape)} must match the ids' shape {tuple(lead)}")
+    for name, t in (("position_weight", position_weight), ("type_weight", type_weight)):
+        if t.dim() != 2 or t.shape[1] != e:
+            raise ValueError(f"{name} must be [rows, {e}], got {tuple(t.shape)}")
+    if inputs_embeds is not None and inputs_embeds.shape[-1] != e:
+        raise ValueError(f"inputs_embeds must end in {e}, got {tuple(inputs_embeds.shape)}")
+    C.check_dropout(dropout_p)
+    p = dropout_p if training else 0.0
+    return EmbeddingLayerNorm.apply(
+        input_ids, token_type_ids, position_ids, word_weight, position_weight, type_weight, ln_weight, ln_bias,
+        eps, p, inputs_embeds,
+    )

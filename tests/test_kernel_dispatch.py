@@ -1,0 +1,102 @@
+"""Dispatch rules for the Triton backend: CPU tensors only when forced (interpreter), limits that say why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_checks import requires_triton
+
+from fastbert import ops
+
+pytestmark = requires_triton
+
+
+def _bias_act_args() -> tuple:
+    return torch.randn(4, 8), torch.randn(8), "gelu"
+
+
+def test_automatic_dispatch_keeps_cpu_tensors_off_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("FASTBERT_BACKEND", raising=False)
+    _, name = ops.select("bias_act", _bias_act_args(), {})
+    assert name != "triton"
+    assert "triton: takes cpu tensors only when forced" in ops.explain()
+
+
+def test_forced_triton_takes_cpu_tensors_under_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with ops.use_backend("triton"):
+        fn, name = ops.select("bias_act", _bias_act_args(), {})
+    assert name == "triton" and fn.__module__.startswith("fastbert.kernels")
+    monkeypatch.setenv("FASTBERT_BACKEND", "triton")
+    assert ops.select("bias_act", _bias_act_args(), {})[1] == "triton"
+
+
+def test_forced_triton_on_cpu_without_the_interpreter_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with ops.use_backend("triton"), pytest.raises(ops.BackendUnavailable, match="TRITON_INTERPRET=1"):
+        ops.bias_act(*_bias_act_args())
+
+
+@pytest.mark.parametrize(
+    ("op", "args", "reason"),
+    [
+        ("attention", (torch.randn(4, 3, 1, 160), torch.tensor([0, 4], dtype=torch.int32), 4), "head dim 160 > 128"),
+        ("attention", (torch.randn(4, 3, 1, 64), torch.tensor([0, 4], dtype=torch.int32), 50000, 0.1, True),
+         "max_seqlen 50000"),
+        ("bias_residual_layernorm", (torch.randn(2, 20000), *[torch.randn(20000)] * 1, torch.randn(2, 20000),
+                                     torch.ones(20000), torch.zeros(20000), 1e-12), "feature dim 20000 > 16384"),
+    ],
+)
+def test_triton_limits_give_a_reason(monkeypatch: pytest.MonkeyPatch, op: str, args: tuple, reason: str) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with ops.use_backend("triton"), pytest.raises(ops.BackendUnavailable, match=reason):
+        ops.select(op, args, {})
+    assert ops.select(op, args, {})[1] != "triton"  # automatic dispatch falls back
+
+
+def test_limit_constants_match_the_kernels() -> None:
+    import importlib
+
+    _common = importlib.import_module("fastbert.kernels._common")
+    attention = importlib.import_module("fastbert.kernels.attention")  # the package's `attention` is the function
+    assert ops.TRITON_MAX_FEATURE == _common.MAX_FEATURE
+    assert ops.TRITON_MAX_HEAD_DIM == attention.MAX_HEAD_DIM
+    assert ops.TRITON_MAX_SEQLEN_DROPOUT == attention.MAX_SEQLEN_DROPOUT
+
+
+def test_kernel_functions_have_the_ops_signatures() -> None:
+    import inspect
+
+    from fastbert import kernels
+
+    assert kernels.unavailable_reason() is None
+    for op in ops.KERNEL_OPS:
+        assert inspect.signature(getattr(kernels, op)) == inspect.signature(getattr(ops, op)), op
+
+
+def test_triton_takes_cuda_tensors_automatically() -> None:
+    """As data: the Triton backend accepts a CUDA call in automatic mode (checked without a GPU)."""
+    backend = ops.backends()["triton"]
+    args = _bias_act_args()
+    assert backend.refuses("bias_act", torch.device("cuda"), torch.float16, args, {}) is None
+    assert backend.refuses("bias_act", torch.device("cpu"), torch.float32, args, {}) is not None
+
+
+def test_fastbert_imports_and_runs_without_triton() -> None:
+    """With triton unimportable, fastbert still imports, the Triton backend reports why, and ops fall back."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, fastbert\n"
+        "from fastbert import kernels, ops\n"
+        "assert 'triton' in kernels.unavailable_reason(), kernels.unavailable_reason()\n"
+        "_, name = ops.select('bias_act', (torch.randn(2, 4), torch.randn(4), 'gelu'), {})\n"
+        "assert name != 'triton', name\n"
+        "print(ops.backends()['triton'].load()[1])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "triton" in done.stdout

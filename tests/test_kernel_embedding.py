@@ -1,0 +1,122 @@
+"""Triton embedding gather + sum + LayerNorm (+ dropout), forward and backward (table scatter), vs fp64."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_checks import DEVICE, DTYPES, check_op, gpu, nan_poisoned_empty, requires_triton, row_strided
+
+from fastbert import reference
+
+pytestmark = requires_triton
+EPS = 1e-12
+
+
+def _case(tokens: int, e: int, vocab: int = 50, positions: int = 40, types: int = 2, device=DEVICE):
+    """ids, token types, positions (ints, with repeats so grads accumulate) and fp64 tables + LN params."""
+    ints = [torch.randint(0, n, (tokens,), device=device) for n in (vocab, types, positions)]
+    tables = [torch.randn(n, e, dtype=torch.float64, device=device) for n in (vocab, positions, types)]
+    ln = [torch.randn(e, dtype=torch.float64, device=device) for _ in range(2)]
+    return ints, tables, ln
+
+
+def _check_ids(dtype: torch.dtype, tokens: int, e: int, view=None, device=DEVICE, **sizes) -> None:
+    from fastbert import kernels
+
+    (ids, tt, pos), tables, ln = _case(tokens, e, device=device, **sizes)
+    check_op(
+        f"embedding_layernorm[{e}]", functools.partial(kernels.embedding_layernorm, eps=EPS),
+        functools.partial(reference.embedding_layernorm, eps=EPS), [ids, tt, pos, *tables, *ln], dtype, view,
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_embedding_layernorm_matches_reference(dtype: torch.dtype) -> None:
+    _check_ids(dtype, 37, 48, view=row_strided)  # E=48: an ALBERT-style embedding_size below the hidden size
+
+
+def test_embedding_layernorm_hidden_384_one_token() -> None:
+    _check_ids(torch.float32, 1, 384)
+
+
+def test_embedding_layernorm_inputs_embeds() -> None:
+    from fastbert import kernels
+
+    (_, tt, pos), (word, *tables), ln = _case(21, 64)
+
+    def via(fn):  # the word table is unused with inputs_embeds: keep it out of the differentiated inputs
+        return lambda tt, pos, posw, typew, w, b, emb: fn(None, tt, pos, word.to(emb.dtype), posw, typew, w, b, EPS,
+                                                          inputs_embeds=emb)
+
+    emb = torch.randn(21, 64, dtype=torch.float64)
+    check_op("embedding_layernorm[inputs_embeds]", via(kernels.embedding_layernorm),
+             via(reference.embedding_layernorm), [tt, pos, *tables, *ln, emb], torch.float32, row_strided)
+
+
+def test_embedding_layernorm_dropout_mask_is_shared_by_forward_and_backward() -> None:
+    """Dropout zeros show in the output; backward must apply that same mask (checked through every grad)."""
+    from fastbert import kernels
+
+    p, tokens, e = 0.25, 64, 80
+    (ids, tt, pos), tables, ln = _case(tokens, e)
+    params = [t.float().requires_grad_() for t in (*tables, *ln)]
+    with nan_poisoned_empty():
+        y = kernels.embedding_layernorm(ids, tt, pos, *params, EPS, dropout_p=p, training=True)
+        gout = torch.randn_like(y)
+        ours = torch.autograd.grad(y, params, gout)
+    keep = y != 0
+    frac = keep.double().mean().item()
+    assert abs(frac - (1 - p)) < 5 * ((p * (1 - p)) / keep.numel()) ** 0.5, f"kept fraction {frac:.3f}, p={p}"
+    ref_params = [t.detach().double().requires_grad_() for t in params]
+    expect = reference.embedding_layernorm(ids, tt, pos, *ref_params, EPS) * keep / (1 - p)
+    torch.testing.assert_close(y.double(), expect, rtol=0, atol=1e-5)
+    for g, r in zip(ours, torch.autograd.grad(expect, ref_params, gout.double()), strict=True):
+        torch.testing.assert_close(g.double(), r, rtol=0, atol=1e-5 * max(1.0, r.abs().max().item()))
+
+
+def test_embedding_layernorm_rejects_bad_input() -> None:
+    from fastbert import kernels
+
+    (ids, tt, pos), tables, ln = _case(5, 16)
+    tables = [t.float() for t in tables]
+    ln = [t.float() for t in ln]
+    with pytest.raises(ValueError, match="exactly one"):
+        kernels.embedding_layernorm(None, tt, pos, *tables, *ln, EPS)
+    with pytest.raises(ValueError, match="must match"):
+        kernels.embedding_layernorm(ids, tt[:3], pos, *tables, *ln, EPS)
+
+
+def test_embedding_layernorm_matches_torch_layer_norm_on_bert_tables() -> None:
+    """The model's own call: ids [T] packed, tables from nn.Embedding (padding row included), fp32."""
+    from fastbert import kernels
+
+    word, posw, typew = torch.nn.Embedding(99, 32, padding_idx=0), torch.nn.Embedding(16, 32), torch.nn.Embedding(2, 32)
+    ids = torch.tensor([0, 5, 5, 98, 1, 0, 7])
+    pos, tt = torch.tensor([0, 1, 2, 3, 0, 1, 2]), torch.tensor([0, 0, 1, 1, 0, 0, 1])
+    ln = torch.nn.LayerNorm(32)
+    y = kernels.embedding_layernorm(ids, tt, pos, word.weight, posw.weight, typew.weight, ln.weight, ln.bias, 1e-12)
+    expect = F.layer_norm(word(ids) + posw(pos) + typew(tt), (32,), ln.weight, ln.bias, 1e-12)
+    torch.testing.assert_close(y, expect, rtol=0, atol=1e-5)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("e", [128, 768, 1024])
+def test_embedding_layernorm_gpu_bert_shapes(dtype: torch.dtype, e: int) -> None:
+    _check_ids(dtype, 8191, e, view=row_strided, device=torch.device("cuda"), vocab=30522, positions=512)
+
+
+@gpu
+def test_embedding_layernorm_gpu_backward_is_deterministic() -> None:
+    from fastbert import kernels
+
+    (ids, tt, pos), tables, ln = _case(16384, 768, vocab=30522, positions=512, device=torch.device("cuda"))
+    params = [t.half().requires_grad_() for t in (*tables, *ln)]
+    grads = []
+    for _ in range(2):
+        y = kernels.embedding_layernorm(ids, tt, pos, *params, EPS)
+        grads.append(torch.autograd.grad(y.float().square().sum(), params))
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
