@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 import fastbert
+from fastbert.ops import exclude_backends
 
 Runner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 EXTRA_SYSTEMS = ("benchmarks.onnx_row",)  # fastbert.onnx.Session, provided by the ONNX work
@@ -70,13 +71,19 @@ def transformers_model(hf: nn.Module, attn: str, device: torch.device) -> nn.Mod
 
 
 def fastbert_runner(
-    hf: nn.Module, device: torch.device, dtype: torch.dtype, graphs: bool = False, autocast: bool = False
+    hf: nn.Module,
+    device: torch.device,
+    dtype: torch.dtype,
+    graphs: bool = False,
+    autocast: bool = False,
+    exclude: tuple[str, ...] = (),
 ) -> Runner:
-    """fastbert converted from the same weights, cast to `dtype` (or fp32 weights under autocast to `dtype`)."""
+    """fastbert converted from the same weights, cast to `dtype` (or fp32 weights under autocast to `dtype`);
+    `exclude` leaves backends out of the dispatch (the native row's counterpart)."""
     model = fastbert.optimize(hf, dtype=None if autocast else dtype, device=device, cuda_graphs=graphs)
 
     def run(ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
-        with _autocast(device, dtype) if autocast else contextlib.nullcontext():
+        with _autocast(device, dtype) if autocast else contextlib.nullcontext(), exclude_backends(*exclude):
             return model(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
 
     return run
@@ -162,6 +169,11 @@ def _build(name: str, hf: nn.Module, device: torch.device, dtype: torch.dtype, w
         return System(name, "fp32", onnxruntime_runner(hf, workdir))
     if name == "fastbert":
         return System(name, "weights" if dtype != torch.float32 else "fp32", fastbert_runner(hf, device, dtype))
+    if name == "fastbert without native":
+        if device.type != "cpu":
+            return System(name, "-", None, "the native comparison row is a CPU row")
+        mode = "weights" if dtype != torch.float32 else "fp32"
+        return System(name, mode, fastbert_runner(hf, device, dtype, exclude=("native",)))
     if name == "fastbert autocast":
         if dtype == torch.float32:
             return System(name, "-", None, "autocast is a low-precision mode")

@@ -35,6 +35,7 @@ CPU_SYSTEMS = (
     "transformers sdpa + compile",
     "onnxruntime",
     "fastbert",
+    "fastbert without native",
     "fastbert autocast",
 )
 GPU_SYSTEMS = (

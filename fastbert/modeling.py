@@ -7,6 +7,8 @@ The batch is unpadded once before the embedding and repadded once at the output.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -247,6 +249,38 @@ class BertModel(PreTrainedModel):
         packed_output: bool = False,
     ) -> BaseModelOutputWithPooling | tuple:
         """Encode a batch; `packed_output=True` gives `last_hidden_state` as `[total_tokens, H]` (valid tokens only)."""
+        with self._backend_scope():
+            return self._forward(
+                input_ids,
+                attention_mask,
+                token_type_ids,
+                position_ids,
+                inputs_embeds,
+                output_attentions,
+                output_hidden_states,
+                return_dict,
+                packed_output,
+            )
+
+    def _backend_scope(self) -> contextlib.AbstractContextManager:
+        """`config.backend` forces a backend for this model, unless `use_backend` / FASTBERT_BACKEND already do."""
+        name = self.config.backend
+        if name in (None, "auto") or ops.forced_backend() is not None:
+            return contextlib.nullcontext()
+        return ops.use_backend(name)
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        token_type_ids: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        inputs_embeds: torch.Tensor | None,
+        output_attentions: bool,
+        output_hidden_states: bool,
+        return_dict: bool,
+        packed_output: bool,
+    ) -> BaseModelOutputWithPooling | tuple:
         batch, seqlen = validate_inputs(
             self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds
         )

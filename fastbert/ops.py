@@ -228,6 +228,20 @@ def use_backend(name: str | None) -> Iterator[None]:
         _state.forced = previous
 
 
+@contextlib.contextmanager
+def exclude_backends(*names: str) -> Iterator[None]:
+    """Leave these backends out of the automatic choice inside a block (to measure a path with and without one)."""
+    unknown = set(names) - set(_BACKENDS)
+    if unknown:
+        raise ValueError(f"unknown backend(s) {sorted(unknown)}; expected names from {sorted(_BACKENDS)}")
+    previous = getattr(_state, "excluded", frozenset())
+    _state.excluded = previous | frozenset(names)
+    try:
+        yield
+    finally:
+        _state.excluded = previous
+
+
 def _first_tensor(args: tuple) -> torch.Tensor:
     return next(a for a in args if isinstance(a, torch.Tensor))
 
@@ -247,9 +261,10 @@ def select(op: str, args: tuple, kwargs: dict) -> tuple[Callable, str]:
         _record(op, f"{forced} (forced)")
         return getattr(backend.load()[0], op), forced
     why = []
+    excluded = getattr(_state, "excluded", frozenset())
     for name in _AUTO_ORDER:
         backend = _BACKENDS[name]
-        reason = backend.refuses(op, device, dtype, args, kwargs)
+        reason = "excluded" if name in excluded else backend.refuses(op, device, dtype, args, kwargs)
         if reason is None:
             _record(op, name + (f" (skipped {'; '.join(why)})" if why else ""))
             return getattr(backend.load()[0], op), name

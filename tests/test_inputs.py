@@ -142,6 +142,24 @@ def test_forced_backend_that_cannot_run_raises() -> None:
         pass
 
 
+def test_config_backend_forces_one_for_that_model() -> None:
+    model = BertModel(BertConfig(**TINY, backend="native")).train()  # native is forward-only: it must refuse
+    with pytest.raises(fastbert.BackendUnavailable, match="forced backend 'native'"):
+        model(IDS)
+    with fastbert.use_backend("torch"):  # the caller's choice wins over the config's
+        model(IDS)
+
+
+def test_excluded_backends_are_skipped_with_that_reason() -> None:
+    model = BertModel(BertConfig(**TINY)).eval()
+    with torch.no_grad(), fastbert.ops.exclude_backends("native", "cpu"):
+        model(IDS)
+    decisions = dict(line.split(": ", 1) for line in fastbert.explain().splitlines())
+    assert decisions["attention"].startswith("torch") and "native: excluded" in decisions["attention"]
+    with pytest.raises(ValueError, match="unknown backend"), fastbert.ops.exclude_backends("nope"):
+        pass
+
+
 def test_import_needs_no_triton_no_gpu_no_native() -> None:
     code = (
         "import sys; sys.modules['triton'] = None; sys.modules['fastbert.native_ext'] = None\n"
