@@ -246,3 +246,10 @@ def loop_options(args: Any) -> dict[str, Any]:
     names = ("lr", "epochs", "max_steps", "max_minutes", "warmup_ratio", "weight_decay", "grad_accum", "precision")
     names += ("eval_every", "save_every", "log_every", "resume", "strategy")
     return {name: getattr(args, name) for name in names}
+
+
+def print_summary(result: dict[str, Any]) -> None:
+    """One JSON line with the final step, metrics and training time, from rank 0 only (the CLIs' last word)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        summary = {"step": result["step"], **result["metrics"], "train_seconds": round(result["train_seconds"])}
+        print(json.dumps(summary))

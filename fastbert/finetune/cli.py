@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
-from fastbert.trainer import add_loop_arguments, loop_options
+from fastbert.trainer import add_loop_arguments, loop_options, print_summary
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,8 +47,5 @@ def run(args: argparse.Namespace) -> int:
         loop=loop_options(args),
         **options,
     )
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(
-            json.dumps({"step": result["step"], **result["metrics"], "train_seconds": round(result["train_seconds"])})
-        )
+    print_summary(result)
     return 0

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
-from fastbert.trainer import add_loop_arguments, loop_options
+from fastbert.trainer import add_loop_arguments, loop_options, print_summary
 
 # flag -> BertConfig field for the model shape (used when neither --init-from nor --config gives it)
 MODEL_FLAGS = {
@@ -70,8 +68,5 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         loop=loop_options(args),
     )
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(
-            json.dumps({"step": result["step"], **result["metrics"], "train_seconds": round(result["train_seconds"])})
-        )
+    print_summary(result)
     return 0
