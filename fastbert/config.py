@@ -13,7 +13,7 @@ from typing import Any
 
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 SHARING = ("none", "all", "attention", "ffn")
-BACKENDS = (None, "auto", "triton", "native", "torch")
+BACKENDS = (None, "auto", "triton", "native", "cpu", "torch")
 
 _DEFAULTS: dict[str, Any] = {
     "vocab_size": 30522,
@@ -40,7 +40,7 @@ _DEFAULTS: dict[str, Any] = {
     "embedding_size": None,  # ALBERT: embeddings of size E projected to hidden_size; None means E == H
     "layer_sharing": "none",  # none | all | attention | ffn
     "num_hidden_groups": 1,  # ALBERT groups: layer i uses group i * groups // layers
-    "backend": None,  # None/auto | triton | native | torch (FASTBERT_BACKEND overrides)
+    "backend": None,  # None/auto | triton | native | cpu | torch (use_backend() and FASTBERT_BACKEND override)
 }
 
 _FASTBERT_FIELDS = ("embedding_size", "layer_sharing", "num_hidden_groups", "backend")
