@@ -53,7 +53,9 @@ $(CUDA_CHECK)/bind.o: csrc/cuda/bind.cpp csrc/cuda/launch.h csrc/bind_utils.h $(
 test: venv lint native cuda-check
 	$(PY) -m pytest -q tests benchmarks --benchmark-disable
 
+# The native CPU kernels are part of the fast path: built here too, but a machine without a compiler still benchmarks.
 bench: venv
+	$(MAKE) native || echo "make bench: the native CPU extension did not build (see above); fastbert runs without it"
 	$(PY) -m benchmarks.run_model $(BENCH_ARGS)
 
 clean:

@@ -44,7 +44,9 @@ def git_commit() -> str:
         return "unknown"
 
 
-def document(rows: list, peaks: dict[str, float], device: torch.device, seconds: float) -> dict[str, Any]:
+def document(
+    rows: list, peaks: dict[str, float], ceilings: dict[str, float | None], device: torch.device, seconds: float
+) -> dict[str, Any]:
     """Everything a reader needs to trust (or distrust) the numbers, including the machine's load."""
     return {
         "device": device_name(device),
@@ -54,7 +56,8 @@ def document(rows: list, peaks: dict[str, float], device: torch.device, seconds:
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "wall_seconds": round(seconds, 1),
-        "peak_flops": {k: v for k, v in peaks.items()},
+        "peak_flops": dict(peaks),  # the best large matmul measured in this run: the "% peak" denominator
+        "arithmetic_peak_flops": dict(ceilings),  # FMAs from registers (CPU): what no GEMM can pass
         "flops_formula": "per sequence of s real tokens: s * (2 * encoder_params + 4 * layers * s * hidden)",
         "rows": [dataclasses.asdict(r) for r in rows],
     }
@@ -67,11 +70,15 @@ def _fmt(value: float | None, spec: str) -> str:
 def markdown(doc: dict[str, Any]) -> str:
     """One table per (model, dtype); skipped rows say why."""
     peaks = ", ".join(f"{k} {v / 1e9:,.0f} GFLOP/s" for k, v in doc["peak_flops"].items())
+    ceilings = ", ".join(
+        f"{k} {v / 1e9:,.0f} GFLOP/s" for k, v in (doc.get("arithmetic_peak_flops") or {}).items() if v is not None
+    )
     lines = [
         f"# Model throughput on {doc['device']}",
         "",
         f"commit {doc['commit']}, {doc['date_utc']}, load average at start {doc.get('load_average_at_start')} and "
-        f"end {doc['load_average']}, peaks measured: {peaks}",
+        f"end {doc['load_average']}, peaks measured (large matmul, the % peak denominator): {peaks}"
+        + (f"; arithmetic ceiling (FMAs from registers, no memory): {ceilings}" if ceilings else ""),
         "",
     ]
     load = [*(doc.get("load_average") or ()), *(doc.get("load_average_at_start") or ())]
@@ -99,8 +106,24 @@ def markdown(doc: dict[str, Any]) -> str:
                 f"| {r['seq_per_s']:,.1f} | {r['tok_per_s']:,.0f} | {_fmt(r['speedup_vs_sdpa'], '.2f')}x "
                 f"| {r['pct_peak']:.1f} | {r['max_abs_err']:.2e} |"
             )
-        lines.append("")
+        lines += ["", _bound_line(rows, doc["peak_flops"][dtype]), ""]
     return "\n".join(lines)
+
+
+def _bound_line(rows: list[dict], peak: float) -> str:
+    """Per shape: the real tokens/s of a system that ran every useful FLOP at the measured peak and did nothing else,
+    and that as a ratio over sdpa: the most any system can show in this table."""
+    parts = []
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        timed = [r for r in rows if r["shape"] == shape and not r["skipped"]]
+        if not timed:
+            continue
+        flops = timed[0]["flops_per_s"] * timed[0]["ms"] / 1e3  # the same useful FLOPs for every system of a shape
+        bound = timed[0]["real_tokens"] * peak / flops
+        sdpa = next((r for r in timed if r["system"] == "transformers sdpa"), None)
+        ratio = f" = {bound / sdpa['tok_per_s']:.2f}x sdpa" if sdpa else ""
+        parts.append(f"{shape} {bound:,.0f} real tok/s{ratio}")
+    return "Bound at 100% of the measured peak on useful FLOPs only: " + "; ".join(parts) + "."
 
 
 def plot(doc: dict[str, Any], path: str) -> None:

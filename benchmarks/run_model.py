@@ -189,6 +189,17 @@ def measure_peak(device: torch.device, dtype: torch.dtype) -> float:
     return 2 * n**3 / best
 
 
+def measure_arithmetic_peak(device: torch.device, dtype_name: str) -> float | None:
+    """FLOP/s of FMAs (fp32) or bf16 dot products from registers on every thread: what the silicon can do, the
+    ceiling of any GEMM. CPU only, from the native extension; None where it is not built or lacks the instruction."""
+    if device.type != "cpu" or dtype_name not in ("fp32", "bf16"):
+        return None
+    from fastbert import native
+
+    module, _ = native.load("_native_cpu")
+    return module.arithmetic_peak(dtype_name) if module is not None else None
+
+
 def _time_once(fn: Callable[[], object], device: torch.device) -> float:
     """Seconds for one call (CUDA events on a GPU, with the L2 flushed first)."""
     if device.type == "cuda":
@@ -277,7 +288,8 @@ def run_suite(suite: Suite, device: torch.device, log: Callable[[str], None] = p
     for row in rows:
         if row.flops_per_s is not None:
             row.pct_peak = 100 * row.flops_per_s / peaks[row.dtype]
-    doc = model_report.document(rows, peaks, device, time.time() - started)
+    ceilings = {name: measure_arithmetic_peak(device, name) for name in suite.dtypes}
+    doc = model_report.document(rows, peaks, ceilings, device, time.time() - started)
     doc["load_average_at_start"] = load_at_start
     return doc
 

@@ -18,8 +18,8 @@ from fastbert.checkpoint import PreTrainedModel
 from fastbert.config import BertConfig
 from fastbert.cuda_graphs import CudaGraphs
 from fastbert.outputs import BaseModelOutputWithPooling
-from fastbert.padding import Packing, unpad
-from fastbert.validation import validate_inputs
+from fastbert.padding import Packing, unpad_and_read
+from fastbert.validation import check_inputs
 
 ACT_OF_CONFIG = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 
@@ -281,14 +281,16 @@ class BertModel(PreTrainedModel):
         return_dict: bool,
         packed_output: bool,
     ) -> BaseModelOutputWithPooling | tuple:
-        batch, seqlen = validate_inputs(
+        batch, seqlen, ranges = check_inputs(
             self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds
         )
         lead = input_ids if input_ids is not None else inputs_embeds
         device = lead.device
         if batch == 0:
             return self._empty_output(lead, seqlen, return_dict, output_hidden_states, output_attentions)
-        packing = unpad(attention_mask, batch, seqlen, device)
+        packing, checked = unpad_and_read(attention_mask, batch, seqlen, device, ranges and ranges.values)
+        if ranges is not None:  # before any kernel gathers with these ids
+            ranges.raise_if_bad(checked)
         if position_ids is None:
             position_ids = torch.arange(seqlen, device=device)
         position_ids = position_ids.reshape(-1, seqlen).expand(batch, seqlen)

@@ -1,7 +1,8 @@
 """Unpad once, repad once: the encoder runs on `[total_tokens, H]` and never sees a padding token.
 
 `Packing` carries what every layer needs (`cu_seqlens`, `max_seqlen`) plus how to get back to `[B, S, ...]`.
-Building it costs the only host sync of a forward pass (`max_seqlen` must be a Python int).
+Building it costs the only host sync of a forward pass (`max_seqlen` and the packed size must be Python ints); the
+model's input checks ride on the same sync (`unpad_and_read`).
 """
 
 from __future__ import annotations
@@ -50,15 +51,28 @@ def dense(batch: int, seqlen: int, device: torch.device) -> Packing:
 
 def unpad(attention_mask: torch.Tensor | None, batch: int, seqlen: int, device: torch.device) -> Packing:
     """Packing for a 0/1 key mask `[B, S]` (1 = real token); any layout of ones works, not only left-aligned."""
-    if attention_mask is None:
-        return dense(batch, seqlen, device)
+    return unpad_and_read(attention_mask, batch, seqlen, device)[0]
+
+
+def unpad_and_read(
+    attention_mask: torch.Tensor | None,
+    batch: int,
+    seqlen: int,
+    device: torch.device,
+    also_read: torch.Tensor | None = None,
+) -> tuple[Packing, list[int]]:
+    """`unpad`, reading `also_read` (1-D int64 on `device`, e.g. input checks) to the host in the same sync, so a
+    forward pass syncs once. Returns the packing and those values."""
+    extra = torch.zeros(0, dtype=torch.int64, device=device) if also_read is None else also_read.to(device)
+    if attention_mask is None or batch == 0:
+        return dense(batch, seqlen, device), (extra.tolist() if extra.numel() else [])
     valid = attention_mask.to(device=device, dtype=torch.bool)
-    lengths = valid.sum(dim=1, dtype=torch.int32)
-    stats = torch.stack([lengths.max(), lengths.sum()]).tolist() if batch else [0, 0]  # the one host sync
-    max_seqlen, total = int(stats[0]), int(stats[1])
+    lengths = valid.sum(dim=1, dtype=torch.int64)
+    stats = torch.cat([torch.stack([lengths.max(), lengths.sum()]), extra]).tolist()  # the one host sync
+    max_seqlen, total, values = int(stats[0]), int(stats[1]), stats[2:]
     if total == batch * seqlen:
-        return dense(batch, seqlen, device)
+        return dense(batch, seqlen, device), values
     cu = torch.zeros(batch + 1, dtype=torch.int32, device=device)
     cu[1:] = torch.cumsum(lengths, 0)
-    indices = valid.reshape(-1).nonzero(as_tuple=False).squeeze(1)
-    return Packing(batch, seqlen, cu, max_seqlen, indices)
+    indices = valid.reshape(-1).nonzero_static(size=total).squeeze(1)  # sized by `total`: no second sync
+    return Packing(batch, seqlen, cu, max_seqlen, indices), values

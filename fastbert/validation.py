@@ -1,10 +1,13 @@
 """Input checks that run before any kernel, with the same errors on every device.
 
 Out-of-range ids would be silent memory errors inside a fused gather on a GPU, so they are caught here. The range
-checks cost one host sync for all of them together.
+checks need their values on the host: `check_inputs` leaves them on the device as a `RangeCheck`, which the model reads
+in the same sync as the packing's lengths (one host sync per forward); `validate_inputs` reads them at once.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -31,7 +34,24 @@ def validate_inputs(
     position_ids: torch.Tensor | None,
     inputs_embeds: torch.Tensor | None,
 ) -> tuple[int, int]:
-    """Check every input against the config; returns (batch, seqlen). Raises TypeError / ValueError."""
+    """Check every input against the config, id ranges included; returns (batch, seqlen). Raises TypeError /
+    ValueError."""
+    batch, seqlen, ranges = check_inputs(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
+    if ranges is not None:
+        ranges.raise_if_bad(ranges.values.tolist())
+    return batch, seqlen
+
+
+def check_inputs(
+    config: BertConfig,
+    input_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    token_type_ids: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+) -> tuple[int, int, RangeCheck | None]:
+    """Types and shapes now (no sync); returns (batch, seqlen, the value checks still to read), None when there is
+    nothing to read (batch 0, or nothing to range-check)."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids or inputs_embeds")
     if input_ids is not None:
@@ -72,18 +92,36 @@ def validate_inputs(
             position_ids = position_ids.unsqueeze(0)
         _check_ids("position_ids", position_ids.expand(shape) if position_ids.shape[0] == 1 else position_ids, shape)
     if batch == 0:
-        return batch, seqlen
-    _check_ranges(config, input_ids, attention_mask, token_type_ids, position_ids)
-    return batch, seqlen
+        return batch, seqlen, None
+    return batch, seqlen, _range_check(config, input_ids, attention_mask, token_type_ids, position_ids)
 
 
-def _check_ranges(
+@dataclass(frozen=True)
+class RangeCheck:
+    """Min and max of each id tensor, then a bad-mask flag, on the inputs' device, until the caller reads them."""
+
+    limits: tuple[tuple[str, str, int], ...]  # (input name, config field, bound) per id tensor
+    has_mask_flag: bool
+    values: torch.Tensor  # [2 * len(limits) + has_mask_flag] int64
+
+    def raise_if_bad(self, values: list[int]) -> None:
+        """`values` = `self.values` on the host; raises ValueError naming the first input out of its range."""
+        for i, (name, field, bound) in enumerate(self.limits):
+            low, high = values[2 * i], values[2 * i + 1]
+            if low < 0 or high >= bound:
+                bad = low if low < 0 else high
+                raise ValueError(f"{name} contains {bad}, outside [0, {bound}) ({field}={bound})")
+        if self.has_mask_flag and values[-1]:
+            raise ValueError("attention_mask must contain only 0 and 1 (1 = attend, 0 = padding)")
+
+
+def _range_check(
     config: BertConfig,
     input_ids: torch.Tensor | None,
     attention_mask: torch.Tensor | None,
     token_type_ids: torch.Tensor | None,
     position_ids: torch.Tensor | None,
-) -> None:
+) -> RangeCheck | None:
     checks: list[tuple[str, torch.Tensor]] = []
     if input_ids is not None:
         checks.append(("input_ids", input_ids))
@@ -96,17 +134,12 @@ def _check_ranges(
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         mask_bad = ((attention_mask != 0) & (attention_mask != 1)).any().long().view(1)
     parts = stats + ([mask_bad] if mask_bad is not None else [])
-    values = torch.cat(parts).tolist() if parts else []
+    if not parts:
+        return None
     limits = {
         "input_ids": ("vocab_size", config.vocab_size),
         "token_type_ids": ("type_vocab_size", config.type_vocab_size),
         "position_ids": ("max_position_embeddings", config.max_position_embeddings),
     }
-    for i, (name, _) in enumerate(checks):
-        low, high = values[2 * i], values[2 * i + 1]
-        field, bound = limits[name]
-        if low < 0 or high >= bound:
-            bad = low if low < 0 else high
-            raise ValueError(f"{name} contains {bad}, outside [0, {bound}) ({field}={bound})")
-    if mask_bad is not None and values[-1]:
-        raise ValueError("attention_mask must contain only 0 and 1 (1 = attend, 0 = padding)")
+    named = tuple((name, *limits[name]) for name, _ in checks)
+    return RangeCheck(named, mask_bad is not None, torch.cat([t.to(parts[0].device) for t in parts]))

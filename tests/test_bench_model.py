@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import types
 
@@ -66,3 +67,32 @@ def test_ragged_lengths_stay_in_range_and_have_the_law_mean() -> None:
     lengths = mask.sum(1).float()
     assert lengths.min() >= 32 and lengths.max() <= 128
     assert abs(lengths.mean().item() - 80) < 2
+
+
+def test_bound_line_is_the_peak_time_of_the_useful_flops() -> None:
+    """A shape whose useful work is 2 GFLOP on 1,000 real tokens: at a 100 GFLOP/s peak that is 20 ms, 50,000 tok/s;
+    sdpa at 20,000 tok/s makes the bound 2.5x sdpa. Every system of a shape carries the same useful FLOPs."""
+    base = dict(shape="b8 s128", real_tokens=1000, skipped=None)
+    rows = [
+        dict(base, system="transformers sdpa", ms=50.0, flops_per_s=2e9 / 0.05, tok_per_s=20_000.0),
+        dict(base, system="fastbert", ms=25.0, flops_per_s=2e9 / 0.025, tok_per_s=40_000.0),
+        dict(base, system="onnxruntime", ms=None, flops_per_s=None, tok_per_s=None, skipped="not here"),
+    ]
+    line = model_report._bound_line(rows, peak=100e9)
+    assert "b8 s128 50,000 real tok/s = 2.50x sdpa" in line
+
+
+
+def test_arithmetic_peak_checks_its_arguments() -> None:
+    """The native FMA probe answers FLOP/s (or None without the instruction) and refuses what it cannot measure."""
+    from fastbert import native
+
+    module, why = native.load("_native_cpu")
+    if module is None:
+        pytest.skip(why)
+    peak = module.arithmetic_peak("fp32", 0.01)
+    assert peak is None or (math.isfinite(peak) and peak > 0)
+    with pytest.raises(ValueError, match="dtype must be"):
+        module.arithmetic_peak("fp64")
+    with pytest.raises(ValueError, match="seconds must be"):
+        module.arithmetic_peak("fp32", 0.0)

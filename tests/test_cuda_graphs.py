@@ -3,6 +3,8 @@ recapture after a weight change, and no host sync inside the encoder or a replay
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -92,6 +94,27 @@ def test_no_host_sync_inside_the_encoder_or_a_replay() -> None:
             graphed.cuda_graphs.run(packed, types, positions, packing)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+def test_a_whole_forward_reads_the_device_once() -> None:
+    """Input range checks and unpadding share one device-to-host read (no second one for the packed size either),
+    with and without CUDA graphs."""
+    eager, graphed = models(torch.float16)
+    ids, mask = batch([50, 17, 3], 50)
+    types = (torch.arange(50, device="cuda")[None] >= 10).long() * mask
+    for model in (eager, graphed):
+        with torch.inference_mode():
+            model(ids, attention_mask=mask, token_type_ids=types)  # warm-up: capture, first-use setup
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    model(ids, attention_mask=mask, token_type_ids=types)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+        assert len(syncs) == 1, syncs
 
 
 def test_gpu_fp32_matches_transformers() -> None:

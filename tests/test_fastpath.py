@@ -9,7 +9,7 @@ import torch
 import fastbert
 from fastbert import cpu, ops, reference
 from fastbert.cuda_graphs import _bucket_tokens, _Graph
-from fastbert.padding import unpad
+from fastbert.padding import unpad, unpad_and_read
 
 transformers = pytest.importorskip("transformers")
 
@@ -168,6 +168,30 @@ def test_optimize_converts_a_transformers_head() -> None:
         fastbert.optimize(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="CUDA"):
         fastbert.optimize(hf, cuda_graphs=True)
+
+
+@pytest.mark.parametrize("layout", ["right", "left", "holes", "full", "none"])
+def test_packing_reads_extra_values_in_its_one_sync(layout: str) -> None:
+    """`unpad_and_read` packs exactly the mask's ones, in order, with the right cu_seqlens, whatever their layout,
+    and hands back the caller's values read in the same sync."""
+    gen = torch.Generator().manual_seed(1)
+    mask = {
+        "right": (torch.arange(6)[None] < torch.tensor([6, 2, 0, 4])[:, None]),
+        "left": (torch.arange(6)[None] >= torch.tensor([0, 4, 6, 1])[:, None]),
+        "holes": torch.rand(4, 6, generator=gen) < 0.5,
+        "full": torch.ones(4, 6, dtype=torch.bool),
+        "none": None,
+    }[layout]
+    extra = torch.tensor([-3, 7, 1 << 40])
+    packing, values = unpad_and_read(None if mask is None else mask.long(), 4, 6, torch.device("cpu"), extra)
+    assert values == [-3, 7, 1 << 40]
+    expected = torch.ones(4, 6, dtype=torch.bool) if mask is None else mask
+    flat = expected.reshape(-1).nonzero().squeeze(1)
+    assert packing.total == flat.numel() and packing.max_seqlen == int(expected.sum(1).max())
+    assert packing.lengths.tolist() == expected.sum(1).tolist()
+    x = torch.arange(24.0).view(4, 6, 1)
+    assert torch.equal(packing.pack(x).view(-1), x.view(-1)[flat])
+    assert torch.equal(packing.repad(packing.pack(x)), x * expected[..., None])
 
 
 @pytest.mark.parametrize("lengths", [[3], [16, 1, 9], [5, 0, 12, 2, 7]])

@@ -250,5 +250,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("scale"), py::arg("out") = py::none());
   m.def("isa", [] { return std::string(kernels().isa); }, "the instruction set of the kernels in use");
   m.def("set_isa", &set_isa, "use the kernels compiled for one ISA; False if this CPU cannot run them");
+  m.def(
+      "arithmetic_peak",
+      [](const std::string& dtype, double seconds) -> py::object {
+        TORCH_CHECK_VALUE(dtype == "fp32" || dtype == "bf16", "dtype must be 'fp32' or 'bf16', got '", dtype, "'");
+        TORCH_CHECK_VALUE(seconds > 0 && seconds <= 60, "seconds must be in (0, 60], got ", seconds);
+        std::optional<double> peak;
+        {
+          py::gil_scoped_release release;
+          peak = arithmetic_peak(dtype, at::get_num_threads(), seconds);
+        }
+        return peak ? py::cast(*peak) : py::none();
+      },
+      "FLOP/s of fp32 FMAs or bf16 dot products from registers on torch's threads: the CPU's arithmetic ceiling; "
+      "None where the CPU lacks the instruction",
+      py::arg("dtype"), py::arg("seconds") = 0.5);
   m.def("runnable_isas", &runnable_isas, "the ISAs compiled in that this CPU can run, best first");
 }

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
+#include <string>
 
 namespace fastbert::cpu {
 
@@ -61,5 +63,9 @@ struct KernelTable {
 const KernelTable& kernels_avx512();
 const KernelTable& kernels_avx2();
 const KernelTable& kernels_generic();
+
+// FLOP/s of `threads` threads running fp32 FMAs ("fp32") or bf16 dot products ("bf16") from registers for about
+// `seconds`: the arithmetic ceiling no GEMM can pass. nullopt where this CPU lacks the instruction (peak.cpp).
+std::optional<double> arithmetic_peak(const std::string& dtype, int threads, double seconds);
 
 }  // namespace fastbert::cpu

@@ -1,0 +1,124 @@
+// The CPU's arithmetic ceiling: fp32 FMA and bf16 dot-product throughput of a loop that never touches memory. The
+// model suite prints it beside the measured matmul peak, so a GEMM's efficiency reads against the silicon, not
+// against another library.
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "kernels.h"
+
+namespace fastbert::cpu {
+namespace {
+
+// Independent accumulator chains per thread: more than FMA latency (4 cycles) x FMA pipes (2) on current x86 cores,
+// so the loop is throughput-bound, and few enough (12 of 16 / 32 vector registers) to stay in registers.
+constexpr int kChains = 12;
+
+#if defined(__x86_64__)
+// Each kernel runs `iters` rounds of kChains dependent-chain updates and returns a sum, so nothing is dead code.
+__attribute__((target("avx512f"))) float fma_avx512(int64_t iters) {
+  __m512 acc[kChains];
+  const __m512 scale = _mm512_set1_ps(0.999999f), shift = _mm512_set1_ps(1e-6f);
+  for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_ps(float(i));
+  for (int64_t k = 0; k < iters; ++k) {
+#pragma GCC unroll 12
+    for (int i = 0; i < kChains; ++i) acc[i] = _mm512_fmadd_ps(acc[i], scale, shift);
+  }
+  alignas(64) float lanes[16];
+  float sum = 0.f;
+  for (int i = 0; i < kChains; ++i) {
+    _mm512_store_ps(lanes, acc[i]);  // not _mm512_reduce_add_ps: GCC 12 warns inside a target() function
+    for (float v : lanes) sum += v;
+  }
+  return sum;
+}
+
+__attribute__((target("avx2,fma"))) float fma_avx2(int64_t iters) {
+  __m256 acc[kChains];
+  const __m256 scale = _mm256_set1_ps(0.999999f), shift = _mm256_set1_ps(1e-6f);
+  for (int i = 0; i < kChains; ++i) acc[i] = _mm256_set1_ps(float(i));
+  for (int64_t k = 0; k < iters; ++k) {
+#pragma GCC unroll 12
+    for (int i = 0; i < kChains; ++i) acc[i] = _mm256_fmadd_ps(acc[i], scale, shift);
+  }
+  alignas(32) float lanes[8];
+  float sum = 0.f;
+  for (int i = 0; i < kChains; ++i) {
+    _mm256_store_ps(lanes, acc[i]);
+    for (float v : lanes) sum += v;
+  }
+  return sum;
+}
+
+// vdpbf16ps: per fp32 lane, acc += a[2i] * b[2i] + a[2i+1] * b[2i+1], so 4 FLOP per lane per instruction.
+__attribute__((target("avx512f,avx512bf16"))) float dot_bf16_avx512(int64_t iters) {
+  __m512 acc[kChains];
+  const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3380);  // 1.0, ~6e-8
+  for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_ps(float(i));
+  for (int64_t k = 0; k < iters; ++k) {
+#pragma GCC unroll 12
+    for (int i = 0; i < kChains; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+  }
+  alignas(64) float lanes[16];
+  float sum = 0.f;
+  for (int i = 0; i < kChains; ++i) {
+    _mm512_store_ps(lanes, acc[i]);  // not _mm512_reduce_add_ps: GCC 12 warns inside a target() function
+    for (float v : lanes) sum += v;
+  }
+  return sum;
+}
+#endif
+
+struct Probe {
+  float (*run)(int64_t);
+  double flops_per_iter;  // per thread: chains x lanes x FLOP per lane
+};
+
+std::optional<Probe> probe_for(const std::string& dtype) {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f");
+  if (dtype == "bf16" && avx512 && __builtin_cpu_supports("avx512bf16")) return Probe{dot_bf16_avx512, kChains * 64.0};
+  if (dtype == "fp32" && avx512) return Probe{fma_avx512, kChains * 32.0};
+  if (dtype == "fp32" && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    return Probe{fma_avx2, kChains * 16.0};
+#endif
+  return std::nullopt;
+}
+
+double seconds_for(const Probe& probe, int64_t iters, int threads, float* sink) {
+  const auto start = std::chrono::steady_clock::now();
+  float total = 0.f;
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+  total += probe.run(iters);
+  *sink += total;
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+std::optional<double> arithmetic_peak(const std::string& dtype, int threads, double seconds) {
+  const std::optional<Probe> probe = probe_for(dtype);
+  if (!probe) return std::nullopt;
+  float sink = 0.f;
+  int64_t iters = 1 << 12;
+  double took = seconds_for(*probe, iters, threads, &sink);
+  while (took < seconds / 32) {  // grow until one run is long enough to time
+    iters *= 4;
+    took = seconds_for(*probe, iters, threads, &sink);
+  }
+  iters = int64_t(double(iters) * seconds / 4 / took) + 1;
+  double best = took * 1e9;
+  for (int rep = 0; rep < 4; ++rep) best = std::min(best, seconds_for(*probe, iters, threads, &sink));  // a busy
+  volatile float keep = sink;  // neighbour only slows a run: the fastest is the ceiling. `keep`: loops stay live
+  (void)keep;
+  return probe->flops_per_iter * double(iters) * threads / best;
+}
+
+}  // namespace fastbert::cpu
