@@ -21,58 +21,39 @@ namespace {
 constexpr int kChains = 12;
 
 #if defined(__x86_64__)
-// Each kernel runs `iters` rounds of kChains dependent-chain updates and returns a sum, so nothing is dead code.
-__attribute__((target("avx512f"))) float fma_avx512(int64_t iters) {
-  __m512 acc[kChains];
-  const __m512 scale = _mm512_set1_ps(0.999999f), shift = _mm512_set1_ps(1e-6f);
-  for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_ps(float(i));
-  for (int64_t k = 0; k < iters; ++k) {
-#pragma GCC unroll 12
-    for (int i = 0; i < kChains; ++i) acc[i] = _mm512_fmadd_ps(acc[i], scale, shift);
-  }
-  alignas(64) float lanes[16];
-  float sum = 0.f;
-  for (int i = 0; i < kChains; ++i) {
-    _mm512_store_ps(lanes, acc[i]);  // not _mm512_reduce_add_ps: GCC 12 warns inside a target() function
-    for (float v : lanes) sum += v;
-  }
+// One probe loop for every vector type: kChains independent chains of `update(a)`, then every lane summed so the
+// loop stays live. A macro, not a template or a lambda: the loop must be compiled under its function's target().
+#define FASTBERT_PROBE(Vec, init, update, store, lanes_per_vec)                    \
+  Vec acc[kChains];                                                                \
+  for (int i = 0; i < kChains; ++i) acc[i] = init(float(i));                       \
+  for (int64_t k = 0; k < iters; ++k) {                                            \
+    _Pragma("GCC unroll 12") for (int i = 0; i < kChains; ++i) {                   \
+      Vec a = acc[i];                                                              \
+      acc[i] = update;                                                             \
+    }                                                                              \
+  }                                                                                \
+  alignas(64) float lanes[kChains * lanes_per_vec];                                \
+  for (int i = 0; i < kChains; ++i) store(lanes + i * lanes_per_vec, acc[i]);      \
+  float sum = 0.f;                                                                 \
+  for (float v : lanes) sum += v;                                                  \
   return sum;
+
+__attribute__((target("avx512f"))) float fma_avx512(int64_t iters) {
+  const __m512 scale = _mm512_set1_ps(0.999999f), shift = _mm512_set1_ps(1e-6f);
+  FASTBERT_PROBE(__m512, _mm512_set1_ps, _mm512_fmadd_ps(a, scale, shift), _mm512_store_ps, 16)
 }
 
 __attribute__((target("avx2,fma"))) float fma_avx2(int64_t iters) {
-  __m256 acc[kChains];
   const __m256 scale = _mm256_set1_ps(0.999999f), shift = _mm256_set1_ps(1e-6f);
-  for (int i = 0; i < kChains; ++i) acc[i] = _mm256_set1_ps(float(i));
-  for (int64_t k = 0; k < iters; ++k) {
-#pragma GCC unroll 12
-    for (int i = 0; i < kChains; ++i) acc[i] = _mm256_fmadd_ps(acc[i], scale, shift);
-  }
-  alignas(32) float lanes[8];
-  float sum = 0.f;
-  for (int i = 0; i < kChains; ++i) {
-    _mm256_store_ps(lanes, acc[i]);
-    for (float v : lanes) sum += v;
-  }
-  return sum;
+  FASTBERT_PROBE(__m256, _mm256_set1_ps, _mm256_fmadd_ps(a, scale, shift), _mm256_store_ps, 8)
 }
 
-// vdpbf16ps: per fp32 lane, acc += a[2i] * b[2i] + a[2i+1] * b[2i+1], so 4 FLOP per lane per instruction.
+// vdpbf16ps: per fp32 lane, acc += x[2i] * y[2i] + x[2i+1] * y[2i+1], so 4 FLOP per lane per instruction.
 __attribute__((target("avx512f,avx512bf16"))) float dot_bf16_avx512(int64_t iters) {
-  __m512 acc[kChains];
-  const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3380);  // 1.0, ~6e-8
-  for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_ps(float(i));
-  for (int64_t k = 0; k < iters; ++k) {
-#pragma GCC unroll 12
-    for (int i = 0; i < kChains; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
-  }
-  alignas(64) float lanes[16];
-  float sum = 0.f;
-  for (int i = 0; i < kChains; ++i) {
-    _mm512_store_ps(lanes, acc[i]);  // not _mm512_reduce_add_ps: GCC 12 warns inside a target() function
-    for (float v : lanes) sum += v;
-  }
-  return sum;
+  const __m512bh x = (__m512bh)_mm512_set1_epi16(0x3f80), y = (__m512bh)_mm512_set1_epi16(0x3380);  // 1.0, ~6e-8
+  FASTBERT_PROBE(__m512, _mm512_set1_ps, _mm512_dpbf16_ps(a, x, y), _mm512_store_ps, 16)
 }
+#undef FASTBERT_PROBE
 #endif
 
 struct Probe {
