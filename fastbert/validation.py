@@ -2,7 +2,7 @@
 
 Out-of-range ids would be silent memory errors inside a fused gather on a GPU, so they are caught here. The range
 checks need their values on the host: `check_inputs` leaves them on the device as a `RangeCheck`, which the model reads
-in the same sync as the packing's lengths (one host sync per forward); `validate_inputs` reads them at once.
+in the same sync as the packing's lengths (one host sync per forward); `RangeCheck.read_and_check` reads them alone.
 """
 
 from __future__ import annotations
@@ -24,22 +24,6 @@ def _check_ids(name: str, t: torch.Tensor, shape: torch.Size) -> None:
         raise TypeError(f"{name} must be an integer tensor (int64 or int32), got {t.dtype}")
     if t.shape != shape:
         raise ValueError(f"{name} has shape {tuple(t.shape)} but input_ids has shape {tuple(shape)}")
-
-
-def validate_inputs(
-    config: BertConfig,
-    input_ids: torch.Tensor | None,
-    attention_mask: torch.Tensor | None,
-    token_type_ids: torch.Tensor | None,
-    position_ids: torch.Tensor | None,
-    inputs_embeds: torch.Tensor | None,
-) -> tuple[int, int]:
-    """Check every input against the config, id ranges included; returns (batch, seqlen). Raises TypeError /
-    ValueError."""
-    batch, seqlen, ranges = check_inputs(config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)
-    if ranges is not None:
-        ranges.raise_if_bad(ranges.values.tolist())
-    return batch, seqlen
 
 
 def check_inputs(
@@ -103,6 +87,10 @@ class RangeCheck:
     limits: tuple[tuple[str, str, int], ...]  # (input name, config field, bound) per id tensor
     has_mask_flag: bool
     values: torch.Tensor  # [2 * len(limits) + has_mask_flag] int64
+
+    def read_and_check(self) -> None:
+        """Read the values now (a host sync of its own) and raise if any input is out of range."""
+        self.raise_if_bad(self.values.tolist())
 
     def raise_if_bad(self, values: list[int]) -> None:
         """`values` = `self.values` on the host; raises ValueError naming the first input out of its range."""

@@ -16,7 +16,7 @@ import torch
 from fastbert.config import BertConfig
 from fastbert.onnx.graph import INPUTS, SPECS
 from fastbert.outputs import ModelOutput
-from fastbert.validation import validate_inputs
+from fastbert.validation import check_inputs
 
 _ORT_TO_NUMPY = {"tensor(int64)": np.int64, "tensor(int32)": np.int32}
 _UNSUPPORTED = ("position_ids", "inputs_embeds", "output_attentions", "output_hidden_states", "labels")
@@ -102,7 +102,9 @@ class Session:
         if choice and ids.dim() != 3:
             raise ValueError(f"{self.model_class} takes input_ids [batch, num_choices, seqlen], got {tuple(ids.shape)}")
         flat = [None if t is None else (t.reshape(-1, t.shape[-1]) if choice else t) for t in (ids, mask, types)]
-        validate_inputs(self.config, flat[0], flat[1], flat[2], None, None)
+        _, _, ranges = check_inputs(self.config, flat[0], flat[1], flat[2], None, None)
+        if ranges is not None:
+            ranges.read_and_check()
         mask = torch.ones_like(ids) if mask is None else mask
         types = torch.zeros_like(ids) if types is None else types
         return {
