@@ -17,7 +17,7 @@ from fastbert.distill import (
     student_config,
     uniform_layer_map,
 )
-from fastbert.distill.data import LengthGroupedBatches, TeacherCache, collate
+from fastbert.distill.data import TeacherCache, collate
 from fastbert.distill.models import load_teacher, teacher_targets
 from fastbert.tokenization import WordPieceTokenizer
 
@@ -84,17 +84,6 @@ def test_albert_and_narrow_students(teacher_dir):
 
 
 # ---------------------------------------------------------------------------------------------------- data pieces
-def test_length_grouped_batches_shard_disjointly():
-    lengths = torch.randint(3, 40, (103,)).tolist()
-    shards = [LengthGroupedBatches(lengths, 4, seed=1, rank=r, world=2, group=5) for r in range(2)]
-    b0, b1 = shards[0].batches(0), shards[1].batches(0)
-    assert len(b0) == len(b1) == len(shards[0])
-    seen = [i for b in b0 + b1 for i in b]
-    assert len(seen) == len(set(seen))
-    assert b0 != shards[0].batches(1)  # reshuffled every epoch
-    assert b0 == shards[0].batches(0)  # deterministic
-
-
 def test_teacher_cache_round_trip(teacher_dir, tmp_path):
     teacher = load_teacher(teacher_dir)
     tok = WordPieceTokenizer.from_pretrained(teacher_dir)
