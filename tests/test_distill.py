@@ -99,9 +99,14 @@ def test_teacher_cache_round_trip(teacher_dir, tmp_path):
 
 # ---------------------------------------------------------------------------------------------------- training
 def test_tiny_distillation_lowers_the_loss(teacher_dir, tmp_path):
-    obj = Objectives(kl=1.0, cosine=1.0, hidden_mse=1.0)  # soft targets + alignment, from a fresh student
-    result = distill(teacher_dir, corpus(96), tiny(tmp_path, max_steps=24, init="random", objectives=obj))
+    obj = Objectives(kl=1.0, cosine=2.0, hidden_mse=1.0)  # soft targets + alignment, from a fresh student
+    cfg = tiny(tmp_path, max_steps=24, init="random", objectives=obj, log_every=5, eval_every=6)
+    result = distill(teacher_dir, corpus(96), cfg)
     assert result.eval_after < 0.8 * result.eval_before
+    assert [r["step"] for r in result.history if "eval_loss" in r] == [0, 6, 12, 18, 24]  # not only at log steps
+    for r in (r for r in result.history if "loss" in r):  # each objective's loss is logged; their weighted sum too
+        assert r["loss"] == pytest.approx(r["loss_kl"] + 2 * r["loss_cosine"] + r["loss_hidden_mse"], rel=1e-5)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-18", "step-21"]  # keep_checkpoints=2
     assert os.path.isfile(os.path.join(result.student_dir, "model.safetensors"))
     assert os.path.isfile(os.path.join(result.student_dir, "tokenizer.json"))
 
