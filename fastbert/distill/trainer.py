@@ -70,6 +70,11 @@ class DistillConfig:
 
 @dataclass
 class DistillResult:
+    """Where the student went, the student itself, the logged history and the held-out loss before/after training.
+
+    `train_seconds` is the training loop's wall time (periodic and final held-out evaluations included).
+    """
+
     student_dir: str
     student: PreTrainedModel  # the trained student (this process's copy)
     history: list[dict]
