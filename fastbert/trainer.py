@@ -1,10 +1,12 @@
 """The one training loop behind `fastbert pretrain` and `fastbert finetune`.
 
 Every batch is a dict of tensors that the model turns into `.loss` (labels included), so one loop serves MLM+NSP,
-classification, tagging and QA. It does gradient accumulation (no DDP all-reduce until the last micro-batch),
+classification, tagging, QA and distillation (whose model computes the teacher's targets and the weighted losses,
+reported per part in `.losses`). It does gradient accumulation (no DDP all-reduce until the last micro-batch),
 mixed precision (bf16 autocast; fp16 with a grad scaler), clipping, periodic evaluation and atomic checkpoints, and
-resumes exactly: data order depends only on (seed, epoch) and RNG state is restored, so a resumed run repeats the
-uninterrupted one. A wall-time budget shortens the LR schedule once the step time is known, so decay still ends at 0.
+resumes exactly: data order depends only on (seed, epoch) and every rank's RNG state is restored, so a resumed run
+repeats the uninterrupted one. A wall-time budget shortens the LR schedule once the step time is known, so decay
+still ends at 0.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ from fastbert.training import (
     DistEnv,
     LengthGroupedBatchSampler,
     autocast,
+    gather_rng_states,
     latest_checkpoint,
     load_checkpoint,
     make_optimizer,
     progress,
+    prune_checkpoints,
     save_checkpoint,
     unwrap,
     wrap_model,
@@ -52,8 +56,10 @@ class LoopConfig:
     eval_every: int = 0  # optimizer steps; 0 = only at the end
     save_every: int = 0  # optimizer steps; 0 = only the final model
     log_every: int = 10
-    resume: bool = False
+    resume: bool | str = False  # True: the newest checkpoint in output_dir/checkpoints, if any; str: that step-N
     strategy: str = "ddp"
+    keep_checkpoints: int = 0  # the newest N resumable checkpoints are kept; 0 = all
+    final_dir: str = "final"  # where the trained model is written, under output_dir
 
 
 Evaluate = Callable[[nn.Module], dict[str, float]]
@@ -102,11 +108,15 @@ def fit(
     evaluate: Evaluate | None = None,
     desc: str = "train",
     finish: Callable[[nn.Module], None] | None = None,
+    state: dict[str, Any] | None = None,
+    on_step: Callable[[int, dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Train `model` (already seeded and built identically on every rank); returns the last metrics and history.
 
-    Writes `output_dir/checkpoints/step-N` every `save_every` steps, `output_dir/final` at the end (rank 0) and
-    `output_dir/history.json` (loss, lr, eval metrics, elapsed seconds per logged step).
+    Writes `output_dir/checkpoints/step-N` every `save_every` steps, `output_dir/<final_dir>` at the end (rank 0) and
+    `output_dir/history.json` (loss averaged over ranks with any `.losses` parts, lr, grad norm, eval metrics, elapsed
+    seconds per logged step). `state`: more objects with a state_dict that checkpoints hold (e.g. trainable modules
+    the saved model leaves out); `on_step(step, record)` runs after every optimizer step ({} if none was logged).
     """
     if cfg.strategy == "fsdp" and env.distributed and cfg.save_every:
         raise ValueError("resumable checkpoints (save_every) need --strategy ddp; FSDP runs save the final model only")
@@ -128,11 +138,12 @@ def fit(
     scaler = torch.amp.GradScaler(env.device.type) if cfg.precision == "fp16" else None
     ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
     step, history, elapsed_before = 0, [], 0.0
-    last = latest_checkpoint(ckpt_dir) if cfg.resume else None
+    stateful = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler, **(state or {})}
+    last = cfg.resume if isinstance(cfg.resume, str) else latest_checkpoint(ckpt_dir) if cfg.resume else None
     if last:
-        state = load_checkpoint(last, wrapped, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
-        step, history = state["step"], state["extra"].get("history", [])
-        elapsed_before = state["extra"].get("elapsed", 0.0)
+        saved = load_checkpoint(last, wrapped, env.rank, **stateful)
+        step, history = saved["step"], saved["extra"].get("history", [])
+        elapsed_before = saved["extra"].get("elapsed", 0.0)
         if env.is_main:
             print(f"resumed from {last} at step {step}", flush=True)
     micro = step * cfg.grad_accum
@@ -141,20 +152,25 @@ def fit(
     start = time.perf_counter() - elapsed_before
     bar = progress(schedule.total, desc, env.is_main, initial=step)
     metrics: dict[str, float] = {}
-    running, seen, eval_seconds = 0.0, 0, 0.0
+    sums: dict[str, float] = {}  # loss (and its parts) summed over the optimizer steps since the last record
+    seen, tokens, eval_seconds, grad_norm = 0, 0, 0.0, None
     wrapped.train()
     while step < schedule.total:
         sampler.set_epoch(epoch, offset)
         offset = 0
         for batch in loader:
+            tokens += int(batch["attention_mask"].sum()) if "attention_mask" in batch else 0
             batch = _to(batch, env.device)
             sync = (micro + 1) % cfg.grad_accum == 0
             no_sync = wrapped.no_sync() if env.distributed and not sync else contextlib.nullcontext()
             with no_sync:
                 with autocast(env.device, cfg.precision):
-                    loss = wrapped(**batch).loss / cfg.grad_accum
+                    out = wrapped(**batch)
+                loss = out.loss / cfg.grad_accum
                 (scaler.scale(loss) if scaler else loss).backward()
-            running += loss.item()
+            parts = {"loss": loss, **{f"loss_{k}": v / cfg.grad_accum for k, v in getattr(out, "losses", {}).items()}}
+            for name, value in parts.items():
+                sums[name] = sums.get(name, 0.0) + float(value.detach())
             micro += 1
             if not sync:
                 continue
@@ -162,9 +178,9 @@ def fit(
                 scaler.unscale_(optimizer)
             if cfg.max_grad_norm:  # FSDP's own clip sees every shard's norm; the plain one would see only local ones
                 if hasattr(wrapped, "clip_grad_norm_"):
-                    wrapped.clip_grad_norm_(cfg.max_grad_norm)
+                    grad_norm = wrapped.clip_grad_norm_(cfg.max_grad_norm)
                 else:
-                    torch.nn.utils.clip_grad_norm_(wrapped.parameters(), cfg.max_grad_norm)
+                    grad_norm = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), cfg.max_grad_norm)
             if scaler:
                 scaler.step(optimizer)
                 scaler.update()
@@ -174,18 +190,29 @@ def fit(
             optimizer.zero_grad(set_to_none=True)
             step, seen = step + 1, seen + 1
             bar.update(1)
-            if step % cfg.log_every == 0 or step == schedule.total:
-                lr = scheduler.get_last_lr()[0]
-                record = {"step": step, "epoch": round(micro / batches, 3), "loss": running / seen, "lr": lr}
-                running, seen = 0.0, 0
-                if evaluate and cfg.eval_every and step % cfg.eval_every == 0 and step < schedule.total:
+            record: dict[str, Any] = {}
+            evaluating = evaluate and cfg.eval_every and step % cfg.eval_every == 0 and step < schedule.total
+            if step % cfg.log_every == 0 or step == schedule.total or evaluating:
+                means = torch.tensor(list(sums.values()), dtype=torch.float64) / seen
+                if env.distributed:  # the loss over all ranks' batches, not rank 0's alone
+                    torch.distributed.all_reduce(means)
+                    means /= env.world_size
+                record = {"step": step, "epoch": round(micro / batches, 3)}
+                record.update(zip(sums, means.tolist(), strict=True))
+                record["lr"] = scheduler.get_last_lr()[0]
+                if grad_norm is not None:
+                    record["grad_norm"] = float(grad_norm)
+                sums, seen = {}, 0
+                if evaluating:
                     t_eval = time.perf_counter()
                     metrics = run_eval(wrapped, evaluate, env, cfg.precision)
                     eval_seconds = time.perf_counter() - t_eval
                     record.update(metrics)
                 record["elapsed_s"] = round(time.perf_counter() - start, 2)
                 history.append(record)
-                bar.set_postfix(loss=f"{record['loss']:.4f}", **{k: f"{v:.4g}" for k, v in metrics.items()})
+                tok_s = tokens / max(1e-9, time.perf_counter() - start - elapsed_before)  # this process's, this session
+                scores = {k: f"{v:.4g}" for k, v in metrics.items()}
+                bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{tok_s:.0f}", **scores)
             if budget and step >= 10:  # fit the schedule into the budget from the step time so far
                 per_step = (time.perf_counter() - start) / step
                 fit_steps = max(step, min(total, int((budget - eval_seconds) / per_step)))  # may grow back
@@ -197,12 +224,14 @@ def fit(
                 bar.total = schedule.total
             if cfg.save_every and step % cfg.save_every == 0 and step < schedule.total:
                 extra = {"history": history, "elapsed": time.perf_counter() - start}
+                rng = gather_rng_states(env)
                 if env.is_main:
-                    save_checkpoint(
-                        ckpt_dir, step, wrapped, extra, optimizer=optimizer, scheduler=scheduler, scaler=scaler
-                    )
+                    save_checkpoint(ckpt_dir, step, wrapped, extra, rng, **stateful)
+                    prune_checkpoints(ckpt_dir, cfg.keep_checkpoints)
                 if env.distributed:
                     torch.distributed.barrier()
+            if on_step is not None:
+                on_step(step, record)
             if step >= schedule.total:
                 break
         epoch += 1
@@ -211,7 +240,7 @@ def fit(
         metrics = run_eval(wrapped, evaluate, env, cfg.precision)
         elapsed = round(time.perf_counter() - start, 2)
         history.append({"step": step, "epoch": round(micro / batches, 3), **metrics, "elapsed_s": elapsed})
-    final = os.path.join(cfg.output_dir, "final")
+    final = os.path.join(cfg.output_dir, cfg.final_dir)
     save_final(wrapped, final, env, cfg.strategy, finish)
     result = {"step": step, "metrics": metrics, "history": history, "train_seconds": time.perf_counter() - start}
     if env.is_main:

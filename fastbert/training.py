@@ -7,6 +7,7 @@ Distributed runs are launched with `torchrun`; nothing here spawns processes.
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 import os
 import random
@@ -129,19 +130,37 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def gather_rng_states(env: DistEnv) -> list[dict[str, Any]] | None:
+    """Every rank's RNG state, on rank 0 (None elsewhere): a resumed rank must continue its own dropout/masking
+    stream, not rank 0's. A collective: every rank calls it."""
+    if not env.distributed:
+        return [rng_state()]
+    buffer = io.BytesIO()
+    torch.save(rng_state(), buffer)  # sent as bytes: gather_object cannot unpickle tensors itself
+    blobs: list[Any] | None = [None] * env.world_size if env.is_main else None
+    dist.gather_object(buffer.getvalue(), blobs, dst=0)
+    return [torch.load(io.BytesIO(blob), weights_only=True) for blob in blobs] if blobs is not None else None
+
+
 def save_checkpoint(
-    directory: str, step: int, model: nn.Module, extra: dict[str, Any] | None = None, **stateful
+    directory: str,
+    step: int,
+    model: nn.Module,
+    extra: dict[str, Any] | None = None,
+    rng: list[dict[str, Any]] | None = None,
+    **stateful,
 ) -> str:
     """Write `directory/step-{step}` atomically: the model (save_pretrained), then optimizer/scheduler/RNG state.
 
-    `stateful` objects (optimizer=..., scheduler=..., scaler=...) are saved by their `state_dict()`. The folder
-    appears under its final name only once complete, so a crash mid-write leaves the previous checkpoint intact.
+    `rng` holds one RNG state per rank (`gather_rng_states`; default: this process's). `stateful` objects
+    (optimizer=..., scheduler=..., scaler=...) are saved by their `state_dict()`. The folder appears under its final
+    name only once complete, so a crash mid-write leaves the previous checkpoint intact.
     """
     final = os.path.join(directory, f"step-{step}")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     unwrap(model).save_pretrained(tmp)
-    state = {"step": step, "rng": rng_state(), "extra": extra or {}}
+    state = {"step": step, "rng": rng if rng is not None else [rng_state()], "extra": extra or {}}
     state.update({name: obj.state_dict() for name, obj in stateful.items() if obj is not None})
     torch.save(state, os.path.join(tmp, STATE_FILE))
     shutil.rmtree(final, ignore_errors=True)
@@ -163,8 +182,16 @@ def latest_checkpoint(directory: str) -> str | None:
     return os.path.join(directory, f"step-{max(steps)}") if steps else None
 
 
-def load_checkpoint(path: str, model: nn.Module, **stateful) -> dict[str, Any]:
-    """Restore model weights, `stateful` objects and RNG from a `step-N` folder; returns the saved state dict."""
+def prune_checkpoints(directory: str, keep: int) -> None:
+    """Delete all but the newest `keep` complete `step-N` folders (keep <= 0: delete nothing)."""
+    steps = sorted(int(name[5:]) for name in os.listdir(directory) if name.startswith("step-") and name[5:].isdigit())
+    for step in steps[:-keep] if keep > 0 else []:
+        shutil.rmtree(os.path.join(directory, f"step-{step}"), ignore_errors=True)
+
+
+def load_checkpoint(path: str, model: nn.Module, rank: int = 0, **stateful) -> dict[str, Any]:
+    """Restore model weights, `stateful` objects and this rank's RNG state from a `step-N` folder; returns the saved
+    state dict. A rank the checkpoint has no RNG state for (the run had fewer processes) keeps its own."""
     from fastbert.checkpoint import load_checkpoint_dir
 
     if not os.path.isfile(os.path.join(path, STATE_FILE)):
@@ -174,7 +201,9 @@ def load_checkpoint(path: str, model: nn.Module, **stateful) -> dict[str, Any]:
     for name, obj in stateful.items():
         if obj is not None and name in state:
             obj.load_state_dict(state[name])
-    set_rng_state(state["rng"])
+    states = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]  # a dict: written before per-rank
+    if rank < len(states):
+        set_rng_state(states[rank])
     return state
 
 

@@ -17,7 +17,7 @@ from fastbert.distill import (
     student_config,
     uniform_layer_map,
 )
-from fastbert.distill.data import LengthGroupedBatches, TeacherCache, collate
+from fastbert.distill.data import TeacherCache, collate
 from fastbert.distill.models import load_teacher, teacher_targets
 from fastbert.tokenization import WordPieceTokenizer
 
@@ -84,17 +84,6 @@ def test_albert_and_narrow_students(teacher_dir):
 
 
 # ---------------------------------------------------------------------------------------------------- data pieces
-def test_length_grouped_batches_shard_disjointly():
-    lengths = torch.randint(3, 40, (103,)).tolist()
-    shards = [LengthGroupedBatches(lengths, 4, seed=1, rank=r, world=2, group=5) for r in range(2)]
-    b0, b1 = shards[0].batches(0), shards[1].batches(0)
-    assert len(b0) == len(b1) == len(shards[0])
-    seen = [i for b in b0 + b1 for i in b]
-    assert len(seen) == len(set(seen))
-    assert b0 != shards[0].batches(1)  # reshuffled every epoch
-    assert b0 == shards[0].batches(0)  # deterministic
-
-
 def test_teacher_cache_round_trip(teacher_dir, tmp_path):
     teacher = load_teacher(teacher_dir)
     tok = WordPieceTokenizer.from_pretrained(teacher_dir)
@@ -110,9 +99,14 @@ def test_teacher_cache_round_trip(teacher_dir, tmp_path):
 
 # ---------------------------------------------------------------------------------------------------- training
 def test_tiny_distillation_lowers_the_loss(teacher_dir, tmp_path):
-    obj = Objectives(kl=1.0, cosine=1.0, hidden_mse=1.0)  # soft targets + alignment, from a fresh student
-    result = distill(teacher_dir, corpus(96), tiny(tmp_path, max_steps=24, init="random", objectives=obj))
+    obj = Objectives(kl=1.0, cosine=2.0, hidden_mse=1.0)  # soft targets + alignment, from a fresh student
+    cfg = tiny(tmp_path, max_steps=24, init="random", objectives=obj, log_every=5, eval_every=6)
+    result = distill(teacher_dir, corpus(96), cfg)
     assert result.eval_after < 0.8 * result.eval_before
+    assert [r["step"] for r in result.history if "eval_loss" in r] == [0, 6, 12, 18, 24]  # not only at log steps
+    for r in (r for r in result.history if "loss" in r):  # each objective's loss is logged; their weighted sum too
+        assert r["loss"] == pytest.approx(r["loss_kl"] + 2 * r["loss_cosine"] + r["loss_hidden_mse"], rel=1e-5)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-18", "step-21"]  # keep_checkpoints=2
     assert os.path.isfile(os.path.join(result.student_dir, "model.safetensors"))
     assert os.path.isfile(os.path.join(result.student_dir, "tokenizer.json"))
 

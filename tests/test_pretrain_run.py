@@ -13,9 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fastbert import BertForPreTraining
+from fastbert import BertConfig, BertForPreTraining, BertModel
 from fastbert.pretrain import pretrain
 from fastbert.tokenization import WordPieceTokenizer
+from fastbert.training import load_checkpoint, prune_checkpoints, rng_state, save_checkpoint
 
 WORDS = "the a cat dog sat ran on under mat log house river big small red blue quickly slowly and then".split()
 TINY = {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}
@@ -81,6 +82,26 @@ def test_resume_equals_uninterrupted_run(tmp_path, corpus):
 
     assert logged(full) == logged(resumed)
     check_transformers_match(tmp_path / "full" / "final", corpus[1])
+
+
+def test_checkpoint_restores_each_ranks_own_rng_state(tmp_path):
+    """A checkpoint holds one RNG state per rank (dropout/masking streams differ per rank); rank r resumes its own."""
+    model = BertModel(BertConfig(vocab_size=50, max_position_embeddings=16, **TINY))
+    states = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        random.seed(seed)
+        states.append(rng_state())
+    for step in (1, 2, 3):
+        save_checkpoint(str(tmp_path), step, model, rng=states)
+    prune_checkpoints(str(tmp_path), keep=2)
+    assert sorted(os.listdir(tmp_path)) == ["step-2", "step-3"]
+    for rank, seed in ((1, 2), (0, 1)):
+        torch.manual_seed(99)
+        random.seed(99)
+        load_checkpoint(str(tmp_path / "step-3"), model, rank)
+        assert torch.equal(torch.rand(4), torch.rand(4, generator=torch.Generator().manual_seed(seed)))
+        assert random.random() == random.Random(seed).random()
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

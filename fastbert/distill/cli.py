@@ -41,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--grad-accum", type=int, default=1)
     t.add_argument("--epochs", type=float, default=1.0)
     t.add_argument("--max-steps", type=int)
+    t.add_argument("--max-minutes", type=float, help="wall-time budget; the LR schedule is fitted into it")
     t.add_argument("--lr", type=float, default=1e-4)
     t.add_argument("--warmup-ratio", type=float, default=0.05)
     t.add_argument("--weight-decay", type=float, default=0.01)
@@ -90,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
         grad_accum=args.grad_accum,
         epochs=args.epochs,
         max_steps=args.max_steps,
+        max_minutes=args.max_minutes,
         lr=args.lr,
         warmup_ratio=args.warmup_ratio,
         weight_decay=args.weight_decay,

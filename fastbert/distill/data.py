@@ -1,5 +1,6 @@
 """Distillation data: a corpus (text file or list of sentences) tokenised with the teacher's WordPiece vocabulary,
-length-grouped batches sharded over ranks, dynamic masking per batch, and an optional on-disk teacher-output cache.
+padded batches with dynamic masking, and an optional on-disk teacher-output cache. (Batches are length-grouped and
+sharded over ranks by the shared `fastbert.training.LengthGroupedBatchSampler`.)
 """
 
 from __future__ import annotations
@@ -7,7 +8,6 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from fastbert.masking import MLMMasker
@@ -37,40 +37,6 @@ def tokenize_corpus(texts: Sequence[str], tokenizer: WordPieceTokenizer, max_len
         lengths = enc["attention_mask"].sum(1).tolist()
         out.extend(row[:n] for row, n in zip(enc["input_ids"].tolist(), lengths, strict=True))
     return out
-
-
-class LengthGroupedBatches:
-    """Batches of similar length (little padding): shuffle, sort within chunks of `group` batches, shuffle the
-    batches; each rank takes every world-th batch of an equal share. Deterministic in (seed, epoch)."""
-
-    def __init__(
-        self, lengths: Sequence[int], batch_size: int, seed: int = 0, rank: int = 0, world: int = 1, group: int = 50
-    ) -> None:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.lengths = np.asarray(lengths)
-        self.batch_size, self.seed, self.rank, self.world, self.group = batch_size, seed, rank, world, group
-        if len(self) == 0:
-            raise ValueError(f"{len(self.lengths)} examples make fewer than one batch per rank ({world} ranks)")
-
-    def batches(self, epoch: int) -> list[list[int]]:
-        rng = np.random.default_rng((self.seed, epoch))
-        order = rng.permutation(len(self.lengths))
-        chunk = self.batch_size * self.group
-        out = []
-        for start in range(0, len(order), chunk):
-            part = order[start : start + chunk]
-            part = part[np.argsort(-self.lengths[part], kind="stable")]
-            out.extend(part[i : i + self.batch_size].tolist() for i in range(0, len(part), self.batch_size))
-        out = [out[i] for i in rng.permutation(len(out))]
-        usable = len(out) // self.world * self.world  # every rank gets the same number of batches (DDP)
-        return out[self.rank : usable : self.world]
-
-    def __len__(self) -> int:
-        chunk = self.batch_size * self.group
-        full, last = divmod(len(self.lengths), chunk)
-        total = full * self.group + -(-last // self.batch_size)
-        return total // self.world
 
 
 def collate(

@@ -1,17 +1,19 @@
 """Teacher loading (fastbert/transformers directory or live model), the trainable student module (student plus the
-learned projections to the teacher's width), and the teacher's targets for a batch."""
+learned projections to the teacher's width, computing the distillation loss), and the teacher's targets for a batch."""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from fastbert.checkpoint import PreTrainedModel
 from fastbert.distill.losses import mean_pool
-from fastbert.distill.objectives import Objectives
+from fastbert.distill.objectives import Objectives, weighted_losses
 from fastbert.heads import HEADS, BertForMaskedLM
 from fastbert.modeling import BertModel
 
@@ -45,23 +47,50 @@ def _encoder(model: nn.Module) -> BertModel:
     return model.bert if hasattr(model, "bert") else model
 
 
-class DistillStudent(nn.Module):
-    """The student and its projections (student width -> teacher width, one per projected hidden state).
+@dataclass
+class DistillOutput:
+    """What the shared training loop reads: the weighted total and each objective's loss."""
 
-    This is what DDP wraps; only `student` is saved as the result, the projections live in training checkpoints.
+    loss: torch.Tensor
+    losses: dict[str, torch.Tensor]
+
+
+Targets = Callable[[dict[str, torch.Tensor]], dict]
+
+
+class DistillStudent(nn.Module):
+    """The student, its projections (student width -> teacher width, one per projected hidden state) and the loss.
+
+    This is what the training loop runs and DDP wraps: `forward(**batch)` gets the teacher's targets from `targets`
+    (a frozen teacher, never a submodule: it stays out of DDP, the optimizer and train mode) and returns the weighted
+    objectives. It saves and loads as the bare student; the projections live in training checkpoints only.
     """
 
-    def __init__(self, student: PreTrainedModel, projections: dict[int, nn.Linear], obj: Objectives) -> None:
+    def __init__(
+        self,
+        student: PreTrainedModel,
+        projections: dict[int, nn.Linear],
+        obj: Objectives,
+        layer_map: dict[int, int],
+        targets: Targets,
+    ) -> None:
         super().__init__()
-        self.student, self.obj = student, obj
+        self.student, self.obj, self.layer_map, self.targets = student, obj, layer_map, targets
         self.projections = nn.ModuleDict({str(k): p for k, p in projections.items()})
-        self.layer_map: dict[int, int] = {}
 
     def project(self, index: int, hidden: torch.Tensor) -> torch.Tensor:
         proj = self.projections[str(index)] if str(index) in self.projections else None
         return proj(hidden) if proj is not None else hidden
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> dict:
+    def forward(self, **batch: torch.Tensor) -> DistillOutput:
+        """Batch: input_ids, attention_mask, token_type_ids [B, S], optional labels [B, S] and corpus index [B]."""
+        student = self.student_outputs(batch)
+        with torch.autocast(batch["input_ids"].device.type, enabled=False):  # teacher and losses at their own precision
+            parts = weighted_losses(self.obj, student, self.targets(batch), batch)
+        return DistillOutput(parts.pop("total"), parts)
+
+    def student_outputs(self, batch: dict[str, torch.Tensor]) -> dict:
+        """What the active objectives need from the student, projected to the teacher's width."""
         obj = self.obj
         want_hidden = bool(obj.hidden_mse) or has_mlm_head(self.student) and bool(obj.cosine or obj.embedding)
         out = self.student(
@@ -81,6 +110,12 @@ class DistillStudent(nn.Module):
         if obj.attention:
             result["attentions"] = {k: out.attentions[k - 1] for k in self.layer_map if k > 0}
         return result
+
+    def save_pretrained(self, directory: str) -> None:
+        self.student.save_pretrained(directory)
+
+    def load_checkpoint_state(self, state: dict[str, torch.Tensor], strict_heads: bool = False) -> None:
+        self.student.load_checkpoint_state(state, strict_heads=strict_heads)
 
 
 @torch.no_grad()

@@ -74,7 +74,7 @@ class Objectives:
 
 def weighted_losses(
     obj: Objectives,
-    student: dict,  # from DistillStudent.forward
+    student: dict,  # from DistillStudent.student_outputs
     teacher: dict,  # from teacher_targets
     batch: dict[str, torch.Tensor],
 ) -> dict[str, torch.Tensor]:

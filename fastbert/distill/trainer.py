@@ -1,18 +1,14 @@
-"""The distillation loop: one process or many under `torchrun` (DDP wraps only the student; the frozen teacher
-runs in every process), mixed precision, gradient accumulation, AdamW + warmup, clipping, resumable checkpoints,
-a progress bar with loss and throughput, and a held-out evaluation before and after training.
+"""Distillation runs: build the student (initialised from the teacher's layers), its projections and the objective,
+then train it with the shared loop of `fastbert.trainer.fit` (one process or many under `torchrun`: DDP wraps the
+student, the frozen teacher runs in every process; mixed precision, accumulation, AdamW + warmup, clipping,
+resumable checkpoints, a wall-time budget, a progress bar), with a held-out evaluation before and after training.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import logging
-import math
 import os
-import shutil
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -22,16 +18,15 @@ from torch import nn
 
 from fastbert import training
 from fastbert.checkpoint import PreTrainedModel
-from fastbert.distill.data import LengthGroupedBatches, TeacherCache, collate, read_corpus, tokenize_corpus
+from fastbert.distill.data import TeacherCache, collate, read_corpus, tokenize_corpus
 from fastbert.distill.models import DistillStudent, has_mlm_head, load_teacher, teacher_targets
-from fastbert.distill.objectives import Objectives, weighted_losses
+from fastbert.distill.objectives import Objectives
 from fastbert.distill.student import block_end_map, init_from_teacher, student_config, uniform_layer_map
 from fastbert.heads import BertForMaskedLM
 from fastbert.masking import MLMMasker
 from fastbert.modeling import BertModel
 from fastbert.tokenization import WordPieceTokenizer
-
-log = logging.getLogger("fastbert.distill")
+from fastbert.trainer import LoopConfig, fit, run_eval
 
 
 @dataclass
@@ -52,6 +47,7 @@ class DistillConfig:
     grad_accum: int = 1
     epochs: float = 1.0
     max_steps: int | None = None  # overrides epochs
+    max_minutes: float | None = None  # wall-time budget: the LR schedule is shortened to end inside it
     lr: float = 1e-4
     warmup_ratio: float = 0.05
     weight_decay: float = 0.01
@@ -61,7 +57,7 @@ class DistillConfig:
     mlm_probability: float = 0.15
     whole_word: bool = False
     cache_teacher: bool = False  # keep teacher targets on disk across epochs (unmasked inputs only)
-    checkpoint_every: int = 500
+    checkpoint_every: int = 500  # resumable checkpoints (not at the end: the student is the final result)
     keep_checkpoints: int = 2
     resume: str | None = None  # None | "latest" (in output_dir/checkpoints) | a step-N directory
     eval_fraction: float = 0.02
@@ -74,6 +70,11 @@ class DistillConfig:
 
 @dataclass
 class DistillResult:
+    """Where the student went, the student itself, the logged history and the held-out loss before/after training.
+
+    `train_seconds` is the training loop's wall time (periodic and final held-out evaluations included).
+    """
+
     student_dir: str
     student: PreTrainedModel  # the trained student (this process's copy)
     history: list[dict]
@@ -205,6 +206,7 @@ def distill(
     """Distil `teacher` into a smaller student on `corpus`; the student (+ tokenizer) lands in output_dir/student.
 
     `tokenizer` defaults to the teacher directory's own. Every bad input is reported before training starts.
+    `on_step(step, record)` runs after every optimizer step (record: that step's logged history entry, or {}).
     """
     cfg = config
     env = training.init_distributed(cfg.device)
@@ -240,191 +242,71 @@ def distill(
         (student.bert if hasattr(student, "bert") else student).embeddings.word_embeddings.requires_grad_(False)
     if getattr(student, "pooler", None) is not None:
         student.pooler.requires_grad_(False)  # no objective reaches it; frozen, it stays the teacher's (and DDP-safe)
-    module = DistillStudent(student, projections, obj).to(env.device)
-    module.layer_map = hidden_map
+    cache = TeacherCache(os.path.join(cfg.output_dir, "teacher_cache"), env.rank) if cfg.cache_teacher else None
 
+    def targets(batch: dict[str, torch.Tensor]) -> dict:
+        """The teacher's targets; training batches (they carry corpus indices) go through the cache if there is one."""
+        if cache is not None and "index" in batch:
+            return _cached_targets(cache, batch["index"].tolist(), batch, teacher_model, obj, hidden_map)
+        return teacher_targets(teacher_model, batch, obj, hidden_map)
+
+    module = DistillStudent(student, projections, obj, hidden_map, targets).to(env.device)
     ids = tokenize_corpus(texts, tokenizer, cfg.max_length)
     eval_ids = tokenize_corpus(eval_texts, tokenizer, cfg.max_length)
-    sampler = LengthGroupedBatches([len(r) for r in ids], cfg.batch_size, cfg.seed, env.rank, env.world_size)
-    per_epoch = len(sampler)
-    total_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * per_epoch / cfg.grad_accum))
     masker = (
         MLMMasker.from_tokenizer(tokenizer, whole_word=cfg.whole_word, probability=cfg.mlm_probability)
         if obj.masks_inputs
         else None
     )
-    optimizer, scheduler = training.make_optimizer(
-        module, cfg.lr, total_steps, int(cfg.warmup_ratio * total_steps), cfg.weight_decay
-    )
-    scaler = torch.amp.GradScaler(env.device.type, enabled=cfg.precision == "fp16")
-    ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
-    start_step = 0
-    torch.manual_seed(cfg.seed + env.rank)  # dropout differs across ranks; a resumed run restores its saved state
-    if resume_path is not None:
-        state = training.load_checkpoint(
-            resume_path,
-            student,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            scaler=scaler,
-            projections=module.projections,
-        )
-        start_step = int(state["step"])
-    wrapped = training.wrap_model(module, env)
-    cache = TeacherCache(os.path.join(cfg.output_dir, "teacher_cache"), env.rank) if cfg.cache_teacher else None
-    os.makedirs(cfg.output_dir, exist_ok=True)
-    history_path = os.path.join(cfg.output_dir, "history.jsonl")
-    history = _load_history(history_path, start_step) if env.is_main else []
 
-    def make_batch(rows: list[int], seed: int) -> dict[str, torch.Tensor]:
-        gen = torch.Generator().manual_seed(seed)
-        batch = collate([ids[i] for i in rows], tokenizer.pad_id, masker, gen)
-        return {k: v.to(env.device) for k, v in batch.items()}
+    def make_batch(rows: list[int]) -> dict[str, torch.Tensor]:
+        """Corpus rows padded (and masked from the RNG, which checkpoints restore per rank), with their indices."""
+        return {**collate([ids[i] for i in rows], tokenizer.pad_id, masker), "index": torch.tensor(rows)}
 
-    def evaluate() -> float:
-        module.eval()
-        total, count = 0.0, 0
-        with torch.no_grad():
-            for start in range(0, len(eval_ids), cfg.batch_size):
-                rows = eval_ids[start : start + cfg.batch_size]
-                gen = torch.Generator().manual_seed(cfg.seed + start)
-                batch = {k: v.to(env.device) for k, v in collate(rows, tokenizer.pad_id, masker, gen).items()}
-                with training.autocast(env.device, cfg.precision):
-                    s_out = module(batch)
-                t_out = teacher_targets(teacher_model, batch, obj, hidden_map)
-                total += float(weighted_losses(obj, s_out, t_out, batch)["total"]) * len(rows)
-                count += len(rows)
-        module.train()
-        return total / count
+    def evaluate(model: nn.Module) -> dict[str, float]:
+        """Mean held-out loss, each eval batch masked from its own fixed seed so every evaluation sees one input."""
+        total = 0.0
+        for start in range(0, len(eval_ids), cfg.batch_size):
+            gen = torch.Generator().manual_seed(cfg.seed + start)
+            batch = collate(eval_ids[start : start + cfg.batch_size], tokenizer.pad_id, masker, gen)
+            total += float(model(**{k: v.to(env.device) for k, v in batch.items()}).loss) * len(batch["input_ids"])
+        return {"eval_loss": total / len(eval_ids)}
 
-    if start_step and history and "eval_loss" in history[0]:
-        eval_before = history[0]["eval_loss"]
-    else:
-        eval_before = evaluate()
-        if env.is_main:
-            history.append({"step": 0, "eval_loss": eval_before})
-            _append(history_path, history[-1])
-    module.train()
-    bar = training.progress(total_steps, "distill", env.is_main, initial=start_step)
-    step, micro = start_step, start_step * cfg.grad_accum
-    epoch_batches: tuple[int, list[list[int]]] = (-1, [])
-    sums: dict[str, float] = {}
-    tokens, t0, train_start = 0, time.perf_counter(), time.perf_counter()
-    optimizer.zero_grad(set_to_none=True)
-    while step < total_steps:
-        epoch, pos = divmod(micro, per_epoch)
-        if epoch_batches[0] != epoch:
-            if cache is not None:
-                cache.flush()
-            epoch_batches = (epoch, sampler.batches(epoch))
-        rows = epoch_batches[1][pos]
-        batch = make_batch(rows, (((cfg.seed * 1_000_003 + epoch) * 1_000_003 + pos) * 257 + env.rank) % 2**63)
-        if cache is not None:
-            t_out = _cached_targets(cache, rows, batch, teacher_model, obj, hidden_map)
-        else:
-            t_out = teacher_targets(teacher_model, batch, obj, hidden_map)
-        micro += 1
-        sync = micro % cfg.grad_accum == 0
-        no_sync = wrapped.no_sync if env.distributed and not sync else contextlib.nullcontext
-        with no_sync():
-            with training.autocast(env.device, cfg.precision):
-                s_out = wrapped(batch)
-            parts = weighted_losses(obj, s_out, t_out, batch)
-            scaler.scale(parts["total"] / cfg.grad_accum).backward()
-        for name, value in parts.items():
-            sums[name] = sums.get(name, 0.0) + float(value.detach()) / cfg.grad_accum
-        tokens += int(batch["attention_mask"].sum())
-        if not sync:
-            continue
-        scaler.unscale_(optimizer)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.max_grad_norm))
-        scaler.step(optimizer)
-        scaler.update()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        record = _step_record(step, epoch, sums, env, scheduler, grad_norm, tokens, time.perf_counter() - t0)
-        sums = {}
-        if env.is_main:
-            bar.update(1)
-            bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
-            if step % cfg.log_every == 0 or step == total_steps:
-                history.append(record)
-                _append(history_path, record)
-        if step % cfg.checkpoint_every == 0 or step == total_steps:
-            if cache is not None:
-                cache.flush()
-            if env.is_main:
-                training.save_checkpoint(
-                    ckpt_dir,
-                    step,
-                    student,
-                    {"epoch": epoch},
-                    optimizer=optimizer,
-                    scheduler=scheduler,
-                    scaler=scaler,
-                    projections=module.projections,
-                )
-                _prune(ckpt_dir, cfg.keep_checkpoints)
-        if cfg.eval_every and step % cfg.eval_every == 0 and step < total_steps:
-            held_out = evaluate()
-            if env.is_main:
-                history.append({"step": step, "eval_loss": held_out})
-                _append(history_path, history[-1])
+    def after_step(step: int, record: dict) -> None:
+        if cache is not None and cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+            cache.flush()
         if on_step is not None:
             on_step(step, record)
-        tokens, t0 = 0, time.perf_counter()
-    bar.close()
-    train_seconds = time.perf_counter() - train_start
-    eval_after = evaluate()
+
+    eval_before = run_eval(module, evaluate, env, cfg.precision)["eval_loss"]  # the initial student: same on resume
+    sampler = training.LengthGroupedBatchSampler(
+        [len(r) for r in ids], cfg.batch_size, cfg.seed, rank=env.rank, world_size=env.world_size
+    )
+    names = ("lr", "epochs", "max_steps", "max_minutes", "warmup_ratio", "weight_decay", "grad_accum", "precision")
+    names += ("max_grad_norm", "eval_every", "log_every", "keep_checkpoints")
+    loop = LoopConfig(
+        cfg.output_dir,
+        **{name: getattr(cfg, name) for name in names},
+        save_every=cfg.checkpoint_every,
+        resume=resume_path or False,
+        final_dir="student",
+    )
+    torch.manual_seed(cfg.seed + env.rank)  # dropout and masking differ across ranks; resuming restores each rank's
+    kept = {"projections": module.projections}  # trained, checkpointed, but not part of the saved student
+    dataset = range(len(ids))  # corpus indices: make_batch turns a batch of them into tensors
+    result = fit(module, dataset, make_batch, sampler, loop, env, evaluate, "distill", state=kept, on_step=after_step)
+    if cache is not None:
+        cache.flush()
     student_dir = os.path.join(cfg.output_dir, "student")
     if env.is_main:
-        history.append({"step": step, "eval_loss": eval_after, "train_seconds": train_seconds})
-        _append(history_path, history[-1])
-        student.save_pretrained(student_dir)
         tokenizer.save(student_dir)
         with open(os.path.join(cfg.output_dir, "distill_config.json"), "w", encoding="utf-8") as f:
             json.dump(_jsonable(cfg, init_map, hidden_map), f, indent=2)
     if env.distributed:
         dist.barrier()
-    return DistillResult(student_dir, student, history, eval_before, eval_after, train_seconds)
-
-
-def _step_record(step, epoch, sums, env, scheduler, grad_norm, tokens, seconds) -> dict:
-    names = sorted(sums)
-    values = torch.tensor([sums[n] for n in names] + [float(tokens)], dtype=torch.float64)
-    if env.distributed:  # mean loss over ranks, total tokens
-        dist.all_reduce(values)
-        values[:-1] /= env.world_size
-    record = {"step": step, "epoch": epoch, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm}
-    record.update(
-        {("loss" if n == "total" else f"loss_{n}"): float(v) for n, v in zip(names, values[:-1].tolist(), strict=True)}
-    )
-    record["tokens_per_s"] = float(values[-1]) / max(seconds, 1e-9)
-    return record
-
-
-def _append(path: str, record: dict) -> None:
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def _load_history(path: str, upto: int) -> list[dict]:
-    """Records of a resumed run up to its checkpoint (later ones were lost with the crash and are rewritten)."""
-    if not os.path.isfile(path):
-        return []
-    with open(path, encoding="utf-8") as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    kept = [r for r in records if r["step"] <= upto] if upto else []
-    with open(path, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r) + "\n" for r in kept)
-    return kept
-
-
-def _prune(directory: str, keep: int) -> None:
-    steps = sorted(int(n.split("-")[1]) for n in os.listdir(directory) if n.startswith("step-") and n[5:].isdigit())
-    for s in steps[:-keep] if keep > 0 else []:
-        shutil.rmtree(os.path.join(directory, f"step-{s}"), ignore_errors=True)
+    history = [{"step": 0, "eval_loss": eval_before}, *result["history"]]
+    eval_after = result["metrics"]["eval_loss"]
+    return DistillResult(student_dir, student, history, eval_before, eval_after, result["train_seconds"])
 
 
 def _jsonable(cfg: DistillConfig, init_map: list[int], hidden_map: dict[int, int]) -> dict:

@@ -109,14 +109,13 @@ def throughput(models: dict[str, BertModel], vocab: int, batch: int = 8, seqlen:
     }
 
 
-def plot_curve(history_path: str, png: str) -> None:
+def plot_curve(records: list[dict], png: str) -> None:
+    """Training loss per logged step and held-out loss per evaluation (a distill run's history), log scale."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    with open(history_path, encoding="utf-8") as f:
-        records = [json.loads(line) for line in f if line.strip()]
     train = [r for r in records if "loss" in r]
     evals = [r for r in records if "eval_loss" in r]
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -206,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(results, f, indent=2)
     if args.docs:
         os.makedirs(args.docs, exist_ok=True)
-        plot_curve(os.path.join(args.output, "history.jsonl"), os.path.join(args.docs, "distill_curve.png"))
+        plot_curve(result.history, os.path.join(args.docs, "distill_curve.png"))
         with open(os.path.join(args.docs, "distill_results.json"), "w", encoding="utf-8") as f:
             json.dump(results, f, indent=2)
     print(json.dumps(results, indent=2))
