@@ -139,6 +139,8 @@ def fit(
     ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
     step, history, elapsed_before = 0, [], 0.0
     stateful = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler, **(state or {})}
+    if env.distributed:  # the model is built alike everywhere; from here each rank draws its own masks and dropout
+        torch.manual_seed(torch.initial_seed() + env.rank)
     last = cfg.resume if isinstance(cfg.resume, str) else latest_checkpoint(ckpt_dir) if cfg.resume else None
     if last:
         saved = load_checkpoint(last, wrapped, env.rank, **stateful)

@@ -36,6 +36,8 @@ def run(teacher: str, out: str, on_step=None, **options) -> None:
     save_file(state, os.path.join(out, f"rank{rank}.safetensors"))
     with open(os.path.join(out, f"rank{rank}.world"), "w") as f:
         f.write(os.environ["WORLD_SIZE"])
+    with open(os.path.join(out, f"rank{rank}.seed"), "w") as f:  # the stream this rank's masks and dropout came from
+        f.write(str(torch.initial_seed()))
     if rank == 0:
         with open(os.path.join(out, "losses.json"), "w") as f:
             json.dump([[r["step"], r["loss"]] for r in result.history if "loss" in r], f)

@@ -28,6 +28,7 @@ def test_two_process_torchrun_run_saves_rank0_student_and_resumes_exactly(tmp_pa
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     whole, resumed = out / "whole", out / "resumed"
     assert (whole / "rank0.world").read_text() == "2" and (whole / "rank1.world").read_text() == "2"
+    assert (whole / "rank0.seed").read_text() != (whole / "rank1.seed").read_text()  # no two ranks share masks
     rank0, rank1 = load_file(whole / "rank0.safetensors"), load_file(whole / "rank1.safetensors")
     saved = BertForMaskedLM.from_pretrained(whole / "student").unique_state_dict()
     initial = BertForMaskedLM.from_pretrained(teacher).state_dict()

@@ -291,7 +291,6 @@ def distill(
         resume=resume_path or False,
         final_dir="student",
     )
-    torch.manual_seed(cfg.seed + env.rank)  # dropout and masking differ across ranks; resuming restores each rank's
     kept = {"projections": module.projections}  # trained, checkpointed, but not part of the saved student
     dataset = range(len(ids))  # corpus indices: make_batch turns a batch of them into tensors
     result = fit(module, dataset, make_batch, sampler, loop, env, evaluate, "distill", state=kept, on_step=after_step)
