@@ -17,7 +17,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.plotting import pyplot
 from fastbert import reference
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -223,10 +223,9 @@ def to_markdown(meta: dict, rows: list[dict]) -> str:
 
 def plot(meta: dict, rows: list[dict], path: Path) -> None:
     """Bar chart of forward+backward % of the measured peak, one bar per (op, shape, variant)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     peaks = meta["peaks"]
     labels = [f"{r['op']} {r['shape']}\n{r['variant']}" for r in rows]
@@ -271,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     for case in tqdm(build_cases(dtype, args.batch), desc="kernels", unit="case"):
         rows.extend(time_case(case))
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"kernels-{args.dtype}-{time.strftime('%Y%m%d-%H%M%S')}"
+    stem = args.out / f"kernels_cuda_{args.dtype}"  # one file per dtype: the commit and date are in the JSON
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     table = to_markdown(meta, rows)
     stem.with_suffix(".md").write_text(table)

@@ -5,7 +5,7 @@ them the copy bandwidth measured in the same run and each side's max error vs an
 CPU timing: native and torch calls interleaved for --budget seconds, each keeping its fastest call (the least disturbed
 one on a machine shared with other jobs); --repeats such windows per op, spread over the run, reported as medians with
 the range of the per-window speedups. CUDA timing: CUDA events, L2 flushed before every call, median.
-Usage: python benchmarks/bench_native.py [--device cpu|cuda --batch 8 --seqlen 128 --hidden 768 --heads 12]
+Usage: python -m benchmarks.bench_native [--device cpu|cuda --batch 8 --seqlen 128 --hidden 768 --heads 12]
 Writes JSON, Markdown and a PNG plot to benchmarks/results/; fastbert.native.CPU_SLOWER_THAN_TORCH follows them.
 """
 
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.plotting import pyplot
 from fastbert import native, reference
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -141,10 +142,9 @@ def table(meta: dict, rows: list[dict]) -> str:
 
 def plot(meta: dict, rows: list[dict], path: Path) -> None:
     """Grouped bars, native vs torch GB/s per (op, dtype), the copy bandwidth as a line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     labels = [f"{r['op']}\n{r['dtype']}" for r in rows]
     xs = range(len(rows))

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.plotting import pyplot
+
 
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
@@ -106,7 +108,8 @@ def markdown(doc: dict[str, Any]) -> str:
                 f"| {r['seq_per_s']:,.1f} | {r['tok_per_s']:,.0f} | {_fmt(r['speedup_vs_sdpa'], '.2f')}x "
                 f"| {r['pct_peak']:.1f} | {r['max_abs_err']:.2e} |"
             )
-        lines += ["", _bound_line(rows, doc["peak_flops"][dtype]), ""]
+        bound = _bound_line(rows, doc["peak_flops"][dtype])
+        lines += ["", bound, ""] if bound else [""]
     return "\n".join(lines)
 
 
@@ -123,15 +126,14 @@ def _bound_line(rows: list[dict], peak: float) -> str:
         sdpa = next((r for r in timed if r["system"] == "transformers sdpa"), None)
         ratio = f" = {bound / sdpa['tok_per_s']:.2f}x sdpa" if sdpa else ""
         parts.append(f"{shape} {bound:,.0f} real tok/s{ratio}")
-    return "Bound at 100% of the measured peak on useful FLOPs only: " + "; ".join(parts) + "."
+    return "Bound at 100% of the measured peak on useful FLOPs only: " + "; ".join(parts) + "." if parts else ""
 
 
 def plot(doc: dict[str, Any], path: str) -> None:
     """Real tokens/s per system, one panel per (model, dtype), bars grouped by shape."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     groups: dict[tuple[str, str], list[dict]] = {}
     for row in doc["rows"]:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 import fastbert
+from fastbert import cuda_graphs
 from fastbert.ops import exclude_backends
 
 Runner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -181,7 +182,8 @@ def _build(name: str, hf: nn.Module, device: torch.device, dtype: torch.dtype, w
     if name == "fastbert + CUDA graphs":
         if device.type != "cuda":
             return System(name, "-", None, "CUDA only")
-        return System(name, "weights", fastbert_runner(hf, device, dtype, graphs=True))
+        limits = f"graphs up to {cuda_graphs.MAX_BATCH} seq / {cuda_graphs.MAX_TOKENS} tok, eager above"
+        return System(name, f"weights; {limits}", fastbert_runner(hf, device, dtype, graphs=True))
     raise ValueError(f"unknown system {name!r}")
 
 

@@ -105,7 +105,10 @@ def suite_for(device: torch.device, kind: str) -> Suite:
     if device.type == "cuda":  # ByteTransformer's shape (avg 0.6 x max), TensorRT's batch 128, batch-1 latency
         gpu = (Shape(16, 512, True, 0.2), Shape(128, 128, False), Shape(1, 128, False))
         shapes = full if kind == "full" else (gpu[:1] if kind == "quick" else gpu)
-        return Suite(models, ("fp32", "bf16", "fp16"), dict.fromkeys(models, shapes), GPU_SYSTEMS, rounds=20)
+        compiled = None if kind == "full" else {"bert-base": gpu[:1]}  # a compile is ~1 min: the headline shape only
+        return Suite(
+            models, ("fp32", "bf16", "fp16"), dict.fromkeys(models, shapes), GPU_SYSTEMS, 20, compiled
+        )
     if kind == "full":
         return Suite(models, ("fp32", "bf16"), dict.fromkeys(models, full), CPU_SYSTEMS)
     if kind == "quick":
@@ -230,20 +233,25 @@ def bench_shape(
     rounds: int,
     device: torch.device,
     progress: tqdm,
-) -> dict[str, tuple[list[float], float, float]]:
+) -> tuple[dict[str, tuple[list[float], float, float]], dict[str, str]]:
     """Warm every system up, then `rounds` interleaved timed calls each.
 
     Returns name -> (wall seconds per call, max abs error, median process CPU seconds per call: on a shared CPU
-    the work done, which a descheduled process's wall time hides)."""
+    the work done, which a descheduled process's wall time hides), and name -> why, for the systems whose first
+    calls failed (a compile or a graph capture): their rows say so and the suite goes on."""
     ids, mask, types = batch
     valid = mask.bool()
-    runnable = [s for s in systems if s.run is not None]
-    errors = {}
+    errors, failed = {}, {}
     with torch.inference_mode():
-        for system in runnable:
-            out = system.run(ids, mask, types)
-            system.run(ids, mask, types)
+        for system in (s for s in systems if s.run is not None):
+            try:
+                out = system.run(ids, mask, types)
+                system.run(ids, mask, types)
+            except Exception as exc:
+                failed[system.name] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                continue
             errors[system.name] = (out.float() - reference)[valid].abs().max().item()
+        runnable = [s for s in systems if s.name in errors]
         times: dict[str, list[float]] = {s.name: [] for s in runnable}
         cpu_times: dict[str, list[float]] = {s.name: [] for s in runnable}
         for _ in range(rounds):
@@ -253,45 +261,80 @@ def bench_shape(
                 cpu_times[system.name].append(time.process_time() - cpu_start)
                 progress.update(1 / rounds)
     progress.update(len(systems) - len(runnable))
-    return {name: (times[name], errors[name], statistics.median(cpu_times[name])) for name in times}
+    return {name: (times[name], errors[name], statistics.median(cpu_times[name])) for name in times}, failed
 
 
-def run_suite(suite: Suite, device: torch.device, log: Callable[[str], None] = print) -> dict:
-    """Run every (model, dtype, shape, system) of the suite; returns the results document (see model_report)."""
+def run_suite(suite: Suite, device: torch.device, save: Callable[[dict], object] | None = None) -> dict:
+    """Run every (model, dtype, shape, system) of the suite; returns the results document (see model_report).
+
+    `save(document)` gets the rows so far after each model, so a run cut short (a time limit) keeps what it measured.
+    A model whose checkpoint is not installed gives skipped rows, not a failed suite."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     rows: list[Row] = []
     peaks = {name: measure_peak(device, DTYPES[name]) for name in suite.dtypes}  # re-measured at the end too
+    ceilings = {name: measure_arithmetic_peak(device, name) for name in suite.dtypes}
     total = sum(len(suite.shapes[m]) for m in suite.models) * len(suite.dtypes) * len(suite.systems)
     started, load_at_start = time.time(), os.getloadavg() if hasattr(os, "getloadavg") else None
+
+    def document() -> dict:
+        for row in rows:
+            if row.flops_per_s is not None:
+                row.pct_peak = 100 * row.flops_per_s / peaks[row.dtype]
+        doc = model_report.document(rows, peaks, ceilings, device, time.time() - started)
+        doc["load_average_at_start"] = load_at_start
+        return doc
+
     with scratch_dir() as workdir, tqdm(total=total, desc="model suite", unit="row", file=sys.stderr) as progress:
         for model_name in suite.models:
-            hf = load_model(model_name).to(device)
-            ref_model = transformers_model(hf, "eager", device)
-            for dtype_name in suite.dtypes:
-                progress.set_postfix_str(f"{model_name} {dtype_name}: building systems")
-                systems = build_systems(hf, device, DTYPES[dtype_name], suite.systems, workdir)
-                for shape in suite.shapes[model_name]:
-                    progress.set_postfix_str(f"{model_name} {dtype_name} {shape.label()}")
-                    active = [_compile_filter(s, suite, model_name, shape) for s in systems]
-                    batch = make_batch(shape, hf.config.vocab_size, device)
-                    with torch.inference_mode():
-                        reference = ref_model(input_ids=batch[0], attention_mask=batch[1], token_type_ids=batch[2])
-                    lengths = batch[1].sum(1).cpu()
-                    results = bench_shape(
-                        active, batch, reference.last_hidden_state.float(), suite.rounds, device, progress
-                    )
-                    rows += _rows(model_name, dtype_name, shape, active, results, lengths, hf)
-            del hf, ref_model, systems
+            try:
+                hf = load_model(model_name).to(device)
+            except ImportError as exc:  # e.g. the MiniLM checkpoint package is not installed on this machine
+                rows += _model_skipped(suite, model_name, f"checkpoint not installed: {exc}")
+                progress.update(len(suite.shapes[model_name]) * len(suite.dtypes) * len(suite.systems))
+            else:
+                rows += _bench_model(suite, model_name, hf, device, workdir, progress)
+            if save is not None:
+                save(document())
     for name in suite.dtypes:  # the best of both: a neighbour's load during one measurement must not set the peak
         peaks[name] = max(peaks[name], measure_peak(device, DTYPES[name]))
-    for row in rows:
-        if row.flops_per_s is not None:
-            row.pct_peak = 100 * row.flops_per_s / peaks[row.dtype]
-    ceilings = {name: measure_arithmetic_peak(device, name) for name in suite.dtypes}
-    doc = model_report.document(rows, peaks, ceilings, device, time.time() - started)
-    doc["load_average_at_start"] = load_at_start
-    return doc
+    return document()
+
+
+def _bench_model(
+    suite: Suite, model_name: str, hf: nn.Module, device: torch.device, workdir: str, progress: tqdm
+) -> list[Row]:
+    """Every (dtype, shape, system) row of one model."""
+    rows: list[Row] = []
+    ref_model = transformers_model(hf, "eager", device)
+    for dtype_name in suite.dtypes:
+        progress.set_postfix_str(f"{model_name} {dtype_name}: building systems")
+        torch._dynamo.reset()  # each (model, dtype) compiles afresh: one compile per shape, none reused
+        limit = len(suite.shapes[model_name]) + 1  # past the recompile limit a compiled row would run eager
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+        systems = build_systems(hf, device, DTYPES[dtype_name], suite.systems, workdir)
+        for shape in suite.shapes[model_name]:
+            progress.set_postfix_str(f"{model_name} {dtype_name} {shape.label()}")
+            active = [_compile_filter(s, suite, model_name, shape) for s in systems]
+            batch = make_batch(shape, hf.config.vocab_size, device)
+            with torch.inference_mode():
+                reference = ref_model(input_ids=batch[0], attention_mask=batch[1], token_type_ids=batch[2])
+            lengths = batch[1].sum(1).cpu()
+            results, failed = bench_shape(
+                active, batch, reference.last_hidden_state.float(), suite.rounds, device, progress
+            )
+            active = [System(s.name, s.mode, None, failed[s.name]) if s.name in failed else s for s in active]
+            rows += _rows(model_name, dtype_name, shape, active, results, lengths, hf)
+    return rows
+
+
+def _model_skipped(suite: Suite, model: str, reason: str) -> list[Row]:
+    return [
+        Row(model, dtype, shape.label(), shape.batch, shape.seqlen, 0, system, "-", skipped=reason)
+        for dtype in suite.dtypes
+        for shape in suite.shapes[model]
+        for system in suite.systems
+    ]
 
 
 def _compile_filter(system: System, suite: Suite, model: str, shape: Shape) -> System:
@@ -367,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         suite.systems = tuple(args.systems)
     if args.rounds:
         suite.rounds = args.rounds
-    doc = run_suite(suite, device)
+    doc = run_suite(suite, device, save=lambda partial: model_report.write(partial, args.out))
     paths = model_report.write(doc, args.out)
     print(model_report.markdown(doc))
     print("\n" + "\n".join(f"wrote {p}" for p in paths))

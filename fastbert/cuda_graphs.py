@@ -21,6 +21,8 @@ from torch import nn
 
 from fastbert.padding import Packing
 
+MAX_TOKENS, MAX_BATCH = 4096, 64  # default bucket limits: larger calls run eagerly, where launches no longer dominate
+
 
 def _bucket_tokens(total: int) -> int:
     """Powers of two up to 256 tokens, then multiples of 256: at most ~2x waste on tiny batches, <25% above 1K."""
@@ -58,7 +60,9 @@ class _Graph:
 class CudaGraphs:
     """Per-bucket CUDA graphs of a BertModel's embeddings + encoder; `model.cuda_graphs = CudaGraphs(model)`."""
 
-    def __init__(self, model: nn.Module, max_tokens: int = 4096, max_batch: int = 64, max_graphs: int = 32) -> None:
+    def __init__(
+        self, model: nn.Module, max_tokens: int = MAX_TOKENS, max_batch: int = MAX_BATCH, max_graphs: int = 32
+    ) -> None:
         self.model, self.max_tokens, self.max_batch, self.max_graphs = model, max_tokens, max_batch, max_graphs
         self.graphs: dict[tuple[int, int, int], _Graph] = {}
         self.pool = None

@@ -26,18 +26,39 @@ def test_tiny_suite_writes_every_output(tmp_path, monkeypatch: pytest.MonkeyPatc
         if dtype == torch.float32
         else None
     )
+    broken = types.ModuleType("fake_broken_row")  # builds, then fails at its first call (a compile, a capture)
+    broken.NAME = "broken system"
+    broken.build = lambda hf, dtype, device: lambda ids, mask, tt: (_ for _ in ()).throw(RuntimeError("capture"))
     monkeypatch.setitem(sys.modules, "fake_extra_row", extra)
-    monkeypatch.setattr(model_systems, "EXTRA_SYSTEMS", ("fake_extra_row", "no_such_module_here"))
+    monkeypatch.setitem(sys.modules, "fake_broken_row", broken)
+    monkeypatch.setattr(model_systems, "EXTRA_SYSTEMS", ("fake_extra_row", "fake_broken_row", "no_such_module_here"))
+    load = run_model.load_model
+
+    def load_or_absent(name: str) -> torch.nn.Module:
+        if name == "absent":
+            raise ImportError("No module named 'absent_checkpoint'")
+        return load(name)
+
+    monkeypatch.setattr(run_model, "load_model", load_or_absent)
     suite = run_model.suite_for(torch.device("cpu"), "tiny")
     suite.systems = tuple(s for s in suite.systems if "compile" not in s)  # compile takes a minute on 2 cores
-    doc = run_model.run_suite(suite, torch.device("cpu"))
+    suite.models, suite.shapes["absent"] = ("absent", "tiny"), suite.shapes["tiny"]
+    saved_after_each_model = []
+    doc = run_model.run_suite(suite, torch.device("cpu"), save=lambda partial: saved_after_each_model.append(partial))
+    assert [len(partial["rows"]) for partial in saved_after_each_model] == [
+        len(suite.systems) * 2,  # the absent model: skipped rows only, kept all the same
+        len(doc["rows"]),
+    ]
+    absent = [r for r in doc["rows"] if r["model"] == "absent"]
+    assert absent and all("checkpoint not installed" in r["skipped"] for r in absent)
     paths = model_report.write(doc, str(tmp_path))
 
     saved = json.loads((tmp_path / "model_cpu.json").read_text())
     assert saved["commit"] and saved["versions"]["torch"] == torch.__version__
-    rows = {(r["dtype"], r["system"]): r for r in saved["rows"]}
-    expected = {*suite.systems, "extra system"}
+    rows = {(r["dtype"], r["system"]): r for r in saved["rows"] if r["model"] == "tiny"}
+    expected = {*suite.systems, "extra system", "broken system"}
     assert {system for _, system in rows} == expected
+    assert rows[("fp32", "broken system")]["skipped"] == "failed: RuntimeError: capture"
     fast = rows[("fp32", "fastbert")]
     assert fast["max_abs_err"] <= 1e-4 and fast["tok_per_s"] > 0 and fast["speedup_vs_sdpa"] > 0
     assert fast["real_tokens"] < fast["batch"] * fast["seqlen"]  # the tiny shape is ragged
