@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.model_report import git_commit
 from benchmarks.plotting import pyplot
 from fastbert import reference
 
@@ -194,13 +194,6 @@ def time_case(case: Case) -> list[dict]:
     return rows
 
 
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def to_markdown(meta: dict, rows: list[dict]) -> str:
     peaks = meta["peaks"]
     lines = [
@@ -263,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = DTYPES[args.dtype]
     meta = {
         "device": torch.cuda.get_device_name(), "dtype": args.dtype, "batch": args.batch, "torch": torch.__version__,
-        "triton": triton.__version__, "commit": _git_commit(), "peaks": measure_peaks(dtype),
+        "triton": triton.__version__, "commit": git_commit(), "peaks": measure_peaks(dtype),
         "timing": "triton.testing.do_bench median, L2 flushed before each run",
     }
     rows = []

@@ -15,13 +15,13 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from benchmarks.model_report import git_commit
 from benchmarks.plotting import pyplot
 from fastbert import native, reference
 
@@ -202,14 +202,13 @@ def main() -> int:
                          "max_err": (fn().double() - ref).abs().max().item()}  # fmt: skip
         row["speedup"] = row["torch"]["ms"] / row["native"]["ms"]
         rows.append(row)
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     meta = {
         **{k: v for k, v in vars(args).items() if k != "out"},
         "device_name": torch.cuda.get_device_name() if args.device == "cuda" else cpu_name(),
         "threads": torch.get_num_threads(),
         "isa": ext.isa() if args.device == "cpu" else "sm_90a / compute_80 PTX",
         "torch": torch.__version__,
-        "commit": git.stdout.strip(),
+        "commit": git_commit(),
         "copy_GB/s": copy_bandwidth(args.device, args.budget),
     }
     out = args.out or RESULTS / f"bench_native_{args.device}"

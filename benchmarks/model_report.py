@@ -37,10 +37,17 @@ def versions() -> dict[str, str]:
 
 
 def git_commit() -> str:
+    """HEAD, with "+dirty" when tracked files other than benchmarks/results/ differ from it (a suite that has already
+    written its results once is still measuring the committed code)."""
     try:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=root, capture_output=True, text=True)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "-uno", "--", ".", ":!benchmarks/results"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+        )
         return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
