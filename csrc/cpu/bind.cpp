@@ -17,9 +17,10 @@ bool cpu_has(const char* isa) {
 #if defined(__x86_64__)
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (std::string(isa) == "avx512")
-    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  if (std::string(isa) == "avx512bf16") return avx512 && __builtin_cpu_supports("avx512bf16");
+  if (std::string(isa) == "avx512") return avx512;
   if (std::string(isa) == "avx2") return avx2;
 #endif
   return std::string(isa) == "generic";
@@ -27,6 +28,7 @@ bool cpu_has(const char* isa) {
 
 const KernelTable* table_of(const std::string& isa) {
 #if defined(__x86_64__)
+  if (isa == "avx512bf16") return &kernels_avx512bf16();
   if (isa == "avx512") return &kernels_avx512();
   if (isa == "avx2") return &kernels_avx2();
 #endif
@@ -38,7 +40,7 @@ const KernelTable* active = nullptr;
 
 const KernelTable& kernels() {
   if (active == nullptr) {
-    for (const char* isa : {"avx512", "avx2", "generic"}) {
+    for (const char* isa : {"avx512bf16", "avx512", "avx2", "generic"}) {
       if (cpu_has(isa)) {
         active = table_of(isa);
         break;
@@ -58,7 +60,7 @@ bool set_isa(const std::string& isa) {
 
 std::vector<std::string> runnable_isas() {
   std::vector<std::string> out;
-  for (const char* isa : {"avx512", "avx2", "generic"})
+  for (const char* isa : {"avx512bf16", "avx512", "avx2", "generic"})
     if (cpu_has(isa) && table_of(isa) != nullptr) out.emplace_back(isa);
   return out;
 }

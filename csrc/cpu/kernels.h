@@ -60,6 +60,7 @@ struct KernelTable {
   void (*attention)(const AttentionArgs&, DType, int threads);
 };
 
+const KernelTable& kernels_avx512bf16();
 const KernelTable& kernels_avx512();
 const KernelTable& kernels_avx2();
 const KernelTable& kernels_generic();
