@@ -3,6 +3,8 @@ plain torch path, the prepacked-weight cache, `fastbert.optimize`, and the CUDA-
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -131,6 +133,27 @@ def test_gemm_calibration_is_reported_in_explain(monkeypatch: pytest.MonkeyPatch
     assert "ms CPU time for [5, 24] x [24, 12]" in verdict[1]
     assert fastbert.explain().count("linear: ") == 1
     assert ("linear: cpu" in fastbert.explain()) == verdict[0]
+
+
+def test_gemm_calibration_times_the_path_it_would_replace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a bias and an activation the fallback is F.linear then the bias_act op, so that is what oneDNN is timed
+    against (timing F.linear with its bias plus a bare activation would flatter the fallback)."""
+    monkeypatch.setenv("FASTBERT_CPU_GEMM", "auto")
+    calls = []
+    bias_act = ops.bias_act
+
+    @functools.wraps(bias_act)  # the dispatch reads op signatures
+    def counted(*args: object) -> torch.Tensor:
+        calls.append(args)
+        return bias_act(*args)
+
+    monkeypatch.setattr(ops, "bias_act", counted)
+    x, w, b = torch.randn(7, 40), torch.randn(20, 40), torch.randn(20)
+    with torch.no_grad():
+        ops.linear(x, w, b, "gelu")
+    verdict = cpu.verdicts()[(torch.float32, 20, 40, True, True)]
+    assert "than F.linear + bias_act" in verdict[1]
+    assert calls and torch.equal(calls[0][1], b) and calls[0][2] == "gelu"
 
 
 def test_training_uses_autograd_path_and_gets_gradients() -> None:
