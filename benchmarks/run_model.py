@@ -68,7 +68,7 @@ class Suite:
     dtypes: tuple[str, ...]
     shapes: dict[str, tuple[Shape, ...]]  # model -> shapes
     systems: tuple[str, ...]
-    rounds: int = 3
+    rounds: int = 5  # interleaved timed calls per system and shape; the median is reported
     # where the torch.compile row runs (compiling BERT on a 2-core CPU takes minutes); None: every shape
     compile_shapes: dict[str, tuple[Shape, ...]] | None = None
 
@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", help="subset of the suite's models (bert-base, minilm, minilm-l3)")
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), help="subset of the suite's dtypes")
     parser.add_argument("--systems", nargs="+", help="subset of the suite's systems (quote names with spaces)")
-    parser.add_argument("--rounds", type=int, help="timed calls per system and shape (default 3)")
+    parser.add_argument("--rounds", type=int, help="timed calls per system and shape (default 5; 20 on a GPU)")
     parser.add_argument("--out", default=RESULTS, help="directory for model_<device>.{json,md,png}")
     parser.add_argument(
         "--threads", type=int, help="CPU threads for every system (torch and onnxruntime); default: torch's default"
