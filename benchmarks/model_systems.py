@@ -132,6 +132,12 @@ def onnxruntime_runner(hf: nn.Module, workdir: str) -> Runner:
     return run
 
 
+def failure(exc: BaseException) -> str:
+    """A row's one-line reason for an exception (its first line, bounded; some exceptions carry no message)."""
+    first_line = str(exc).partition("\n")[0][:160]
+    return f"{type(exc).__name__}: {first_line or 'no message'}"
+
+
 def build_systems(
     hf: nn.Module, device: torch.device, dtype: torch.dtype, names: tuple[str, ...], workdir: str
 ) -> list[System]:
@@ -141,7 +147,7 @@ def build_systems(
         try:
             out.append(_build(name, hf, device, dtype, workdir))
         except Exception as exc:  # an export or compile failure is a row's outcome, not the suite's
-            out.append(System(name, "-", None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"))
+            out.append(System(name, "-", None, failure(exc)))
     for module_name in EXTRA_SYSTEMS:
         try:
             module = importlib.import_module(module_name)
@@ -150,7 +156,7 @@ def build_systems(
         try:
             run = module.build(hf, dtype, device)
         except Exception as exc:  # the extra row's failure is its row's outcome
-            out.append(System(module.NAME, "extra", None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"))
+            out.append(System(module.NAME, "extra", None, failure(exc)))
             continue
         out.append(System(module.NAME, "extra", run, None if run is not None else "not at this dtype/device"))
     return out

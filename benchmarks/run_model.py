@@ -25,7 +25,7 @@ from torch import nn
 from tqdm import tqdm
 
 from benchmarks import model_report
-from benchmarks.model_systems import System, build_systems, scratch_dir, transformers_model
+from benchmarks.model_systems import System, build_systems, failure, scratch_dir, transformers_model
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -248,7 +248,7 @@ def bench_shape(
                 out = system.run(ids, mask, types)
                 system.run(ids, mask, types)
             except Exception as exc:
-                failed[system.name] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                failed[system.name] = f"failed: {failure(exc)}"
                 continue
             errors[system.name] = (out.float() - reference)[valid].abs().max().item()
         runnable = [s for s in systems if s.name in errors]

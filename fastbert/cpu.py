@@ -34,7 +34,7 @@ _TIE_MARGIN = 1.1
 
 # (id(weight), dtype) -> (weakref to weight, version stamp, packed weight, bias in that dtype)
 _packs: dict[tuple[int, torch.dtype], tuple[weakref.ref, tuple, torch.Tensor, torch.Tensor | None]] = {}
-# (dtype, N, K, fused act, small M) -> (oneDNN wins, why)
+# (dtype, N, K, fused act, bias, small M) -> (oneDNN wins, why)
 _verdicts: dict[tuple, tuple[bool, str]] = {}
 
 
@@ -148,7 +148,7 @@ def _verdict(
     from fastbert import ops
 
     rows = x.numel() // x.shape[-1]
-    key = (dtype, *weight.shape, act is not None, rows < _SMALL_M)
+    key = (dtype, *weight.shape, act is not None, bias is not None, rows < _SMALL_M)
     if key not in _verdicts:
         with torch.no_grad(), torch.autocast("cpu", enabled=False):
             xs = x.reshape(rows, -1).to(dtype)
@@ -186,7 +186,7 @@ def _best_times(*fns: Callable[[], object], repeats: int = 9) -> list[float]:
 
 
 def verdicts() -> dict[tuple, tuple[bool, str]]:
-    """Every calibration made so far: (dtype, N, K, fused act, small M) -> (oneDNN wins, timings)."""
+    """Every calibration made so far: (dtype, N, K, fused act, bias, small M) -> (oneDNN wins, timings)."""
     return dict(_verdicts)
 
 

@@ -154,7 +154,7 @@ def fit(
     start = time.perf_counter() - elapsed_before
     bar = progress(schedule.total, desc, env.is_main, initial=step)
     metrics: dict[str, float] = {}
-    sums: dict[str, float] = {}  # loss (and its parts) summed over the optimizer steps since the last record
+    sums: dict[str, torch.Tensor] = {}  # loss (and its parts) summed over the optimizer steps since the last record
     seen, tokens, eval_seconds, grad_norm = 0, 0, 0.0, None
     wrapped.train()
     while step < schedule.total:
@@ -171,8 +171,8 @@ def fit(
                 loss = out.loss / cfg.grad_accum
                 (scaler.scale(loss) if scaler else loss).backward()
             parts = {"loss": loss, **{f"loss_{k}": v / cfg.grad_accum for k, v in getattr(out, "losses", {}).items()}}
-            for name, value in parts.items():
-                sums[name] = sums.get(name, 0.0) + float(value.detach())
+            for name, value in parts.items():  # summed on the device: no host sync until a step is logged
+                sums[name] = sums.get(name, 0.0) + value.detach().float()
             micro += 1
             if not sync:
                 continue
@@ -195,7 +195,7 @@ def fit(
             record: dict[str, Any] = {}
             evaluating = evaluate and cfg.eval_every and step % cfg.eval_every == 0 and step < schedule.total
             if step % cfg.log_every == 0 or step == schedule.total or evaluating:
-                means = torch.tensor(list(sums.values()), dtype=torch.float64) / seen
+                means = torch.stack(list(sums.values())) / seen  # on env.device: NCCL reduces no CPU tensor
                 if env.distributed:  # the loss over all ranks' batches, not rank 0's alone
                     torch.distributed.all_reduce(means)
                     means /= env.world_size
@@ -229,7 +229,7 @@ def fit(
                 rng = gather_rng_states(env)
                 if env.is_main:
                     save_checkpoint(ckpt_dir, step, wrapped, extra, rng, **stateful)
-                    prune_checkpoints(ckpt_dir, cfg.keep_checkpoints)
+                    prune_checkpoints(ckpt_dir, cfg.keep_checkpoints, step)
                 if env.distributed:
                     torch.distributed.barrier()
             if on_step is not None:

@@ -182,9 +182,11 @@ def latest_checkpoint(directory: str) -> str | None:
     return os.path.join(directory, f"step-{max(steps)}") if steps else None
 
 
-def prune_checkpoints(directory: str, keep: int) -> None:
-    """Delete all but the newest `keep` complete `step-N` folders (keep <= 0: delete nothing)."""
-    steps = sorted(int(name[5:]) for name in os.listdir(directory) if name.startswith("step-") and name[5:].isdigit())
+def prune_checkpoints(directory: str, keep: int, upto: int) -> None:
+    """Delete all but the newest `keep` complete `step-N` folders with N <= `upto` (the step just saved): folders
+    past it, left by another run in the same directory, are not this run's to delete (keep <= 0: delete nothing)."""
+    names = os.listdir(directory)
+    steps = sorted(int(n[5:]) for n in names if n.startswith("step-") and n[5:].isdigit() and int(n[5:]) <= upto)
     for step in steps[:-keep] if keep > 0 else []:
         shutil.rmtree(os.path.join(directory, f"step-{step}"), ignore_errors=True)
 

@@ -28,7 +28,9 @@ def test_tiny_suite_writes_every_output(tmp_path, monkeypatch: pytest.MonkeyPatc
     )
     broken = types.ModuleType("fake_broken_row")  # builds, then fails at its first call (a compile, a capture)
     broken.NAME = "broken system"
-    broken.build = lambda hf, dtype, device: lambda ids, mask, tt: (_ for _ in ()).throw(RuntimeError("capture"))
+    broken.build = lambda hf, dtype, device: lambda ids, mask, tt: (_ for _ in ()).throw(
+        RuntimeError("capture") if dtype == torch.float32 else AssertionError()  # a message, and none
+    )
     monkeypatch.setitem(sys.modules, "fake_extra_row", extra)
     monkeypatch.setitem(sys.modules, "fake_broken_row", broken)
     monkeypatch.setattr(model_systems, "EXTRA_SYSTEMS", ("fake_extra_row", "fake_broken_row", "no_such_module_here"))
@@ -59,6 +61,7 @@ def test_tiny_suite_writes_every_output(tmp_path, monkeypatch: pytest.MonkeyPatc
     expected = {*suite.systems, "extra system", "broken system"}
     assert {system for _, system in rows} == expected
     assert rows[("fp32", "broken system")]["skipped"] == "failed: RuntimeError: capture"
+    assert rows[("bf16", "broken system")]["skipped"] == "failed: AssertionError: no message"
     fast = rows[("fp32", "fastbert")]
     assert fast["max_abs_err"] <= 1e-4 and fast["tok_per_s"] > 0 and fast["speedup_vs_sdpa"] > 0
     assert fast["real_tokens"] < fast["batch"] * fast["seqlen"]  # the tiny shape is ragged

@@ -117,6 +117,20 @@ def test_attention(ext, dtype: torch.dtype, dim: int, lengths: list[int]) -> Non
     check(out, reference.attention(qkv.double(), cu, max_seqlen), reference.attention(qkv, cu, max_seqlen))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_weights_sum_to_one(ext, dtype: torch.dtype) -> None:
+    """Every output row is a convex combination of V rows: a constant V comes back (in bf16 exactly: the kernel
+    normalises by the sum of the bf16-rounded weights it multiplies V with; fp32 within its 1e-5)."""
+    qkv, cu = packed_qkv([500, 3, 64], 2, 32, dtype)
+    qkv[:, :2] = 0.0
+    qkv[:, 0, :, 0] = 1.0  # every query e_0; key j scores -0.6875 except each sequence's first (0): exp(-0.6875)
+    qkv[:, 1, :, 0] = -0.6875  # = 0.5028 becomes 0.5039 in bf16, so the rounded weights of a row sum to 1.002
+    qkv[cu[:-1].long(), 1, :, 0] = 0.0
+    qkv[:, 2] = 1.9921875  # the largest bf16 below 2: weights summing to 1.002 round it to 2.0
+    out = ext.attention(qkv, cu, 500, 1.0)
+    assert (out.double() - 1.9921875).abs().max().item() <= (0.0 if dtype == torch.bfloat16 else 1e-5)
+
+
 def test_attention_custom_scale_matches_public_wrapper(ext) -> None:
     qkv, cu = packed_qkv([7, 12], 2, 32, torch.float32)
     out = native.attention(qkv, cu, 12, scale=0.3)

@@ -92,10 +92,10 @@ def test_checkpoint_restores_each_ranks_own_rng_state(tmp_path):
         torch.manual_seed(seed)
         random.seed(seed)
         states.append(rng_state())
-    for step in (1, 2, 3):
+    for step in (1, 2, 3, 50):  # step-50: left by an earlier run in the same directory
         save_checkpoint(str(tmp_path), step, model, rng=states)
-    prune_checkpoints(str(tmp_path), keep=2)
-    assert sorted(os.listdir(tmp_path)) == ["step-2", "step-3"]
+    prune_checkpoints(str(tmp_path), keep=2, upto=3)
+    assert sorted(os.listdir(tmp_path)) == ["step-2", "step-3", "step-50"]
     for rank, seed in ((1, 2), (0, 1)):
         torch.manual_seed(99)
         random.seed(99)

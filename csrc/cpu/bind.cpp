@@ -209,9 +209,11 @@ at::Tensor attention(const at::Tensor& qkv_in, const at::Tensor& cu_seqlens, int
   const int64_t batch = cu.numel() - 1;
   TORCH_CHECK_VALUE(c[0] == 0 && c[batch] == total, "cu_seqlens must run from 0 to T = ", total, ", got ", c[0],
                     " .. ", c[batch]);
+  int64_t longest = 0;  // sizes the kernels' scratch: a generous max_seqlen must not allocate for it
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK_VALUE(c[b + 1] >= c[b] && c[b + 1] - c[b] <= max_seqlen, "sequence ", b, " has length ",
                       c[b + 1] - c[b], ": lengths must be in [0, max_seqlen = ", max_seqlen, "]");
+    longest = std::max<int64_t>(longest, c[b + 1] - c[b]);
   }
   at::Tensor out = output(out_opt, {total, heads, dim}, qkv_in);
   if (total == 0 || heads == 0 || dim == 0) return out;
@@ -225,7 +227,7 @@ at::Tensor attention(const at::Tensor& qkv_in, const at::Tensor& cu_seqlens, int
   a.batch = batch;
   a.heads = heads;
   a.dim = dim;
-  a.max_seqlen = max_seqlen;
+  a.max_seqlen = longest;
   a.scale = float(scale);
   a.out = out.data_ptr();
   kernels().attention(a, dtype, int(std::min<int64_t>(at::get_num_threads(), batch * heads)));

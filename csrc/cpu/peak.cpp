@@ -73,13 +73,22 @@ std::optional<Probe> probe_for(const std::string& dtype) {
   return std::nullopt;
 }
 
-double seconds_for(const Probe& probe, int64_t iters, int threads, float* sink) {
+struct Timing {
+  double seconds;
+  int team;  // threads OpenMP actually ran (it may start fewer than asked)
+};
+
+Timing time_probe(const Probe& probe, int64_t iters, int threads, float* sink) {
   const auto start = std::chrono::steady_clock::now();
   float total = 0.f;
-#pragma omp parallel num_threads(threads) reduction(+ : total)
-  total += probe.run(iters);
+  int team = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : total, team)
+  {
+    total += probe.run(iters);
+    team += 1;
+  }
   *sink += total;
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return {std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), team};
 }
 
 }  // namespace
@@ -89,17 +98,20 @@ std::optional<double> arithmetic_peak(const std::string& dtype, int threads, dou
   if (!probe) return std::nullopt;
   float sink = 0.f;
   int64_t iters = 1 << 12;
-  double took = seconds_for(*probe, iters, threads, &sink);
-  while (took < seconds / 32) {  // grow until one run is long enough to time
+  Timing run = time_probe(*probe, iters, threads, &sink);
+  while (run.seconds < seconds / 32) {  // grow until one run is long enough to time
     iters *= 4;
-    took = seconds_for(*probe, iters, threads, &sink);
+    run = time_probe(*probe, iters, threads, &sink);
   }
-  iters = int64_t(double(iters) * seconds / 4 / took) + 1;
-  double best = took * 1e9;
-  for (int rep = 0; rep < 4; ++rep) best = std::min(best, seconds_for(*probe, iters, threads, &sink));  // a busy
-  volatile float keep = sink;  // neighbour only slows a run: the fastest is the ceiling. `keep`: loops stay live
+  iters = int64_t(double(iters) * seconds / 4 / run.seconds) + 1;
+  double best = 0.0;  // FLOP/s; a busy neighbour only slows a run, so the fastest is the ceiling
+  for (int rep = 0; rep < 4; ++rep) {
+    run = time_probe(*probe, iters, threads, &sink);
+    best = std::max(best, probe->flops_per_iter * double(iters) * run.team / run.seconds);
+  }
+  volatile float keep = sink;  // the accumulators' sum is observable: the loops stay live
   (void)keep;
-  return probe->flops_per_iter * double(iters) * threads / best;
+  return best;
 }
 
 }  // namespace fastbert::cpu
