@@ -50,8 +50,15 @@ $(CUDA_CHECK)/bind.o: csrc/cuda/bind.cpp csrc/cuda/launch.h csrc/bind_utils.h $(
 	$(NVCC) -std=c++20 -x c++ -c $< -o $@ $(TORCH_INC) $(PY_INC) \
 		-Xcompiler -idirafter,$(CUDA_CHECK)/stub -DTORCH_EXTENSION_NAME=_native_cuda
 
+# The weaker CPU's paths on any machine: no bf16 instructions (fastbert's capability probe), oneDNN and ATen limited
+# to AVX2, the native kernels' AVX2 build. `make test` runs the CPU-dependent tests this way too, every time.
+AVX2_ENV   := FASTBERT_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
+AVX2_TESTS := tests/test_capabilities.py tests/test_fastpath.py tests/test_precision.py tests/test_native.py \
+              tests/test_bench_model.py tests/test_model_equivalence.py tests/test_kernel_dispatch.py
+
 test: venv lint native cuda-check
 	$(PY) -m pytest -q tests benchmarks --benchmark-disable
+	$(AVX2_ENV) $(PY) -m pytest -q $(AVX2_TESTS) --benchmark-disable
 
 # The native CPU kernels are part of the fast path: built here too, but a machine without a compiler still benchmarks.
 bench: venv

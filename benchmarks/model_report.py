@@ -102,8 +102,12 @@ def markdown(doc: dict[str, Any]) -> str:
     groups: dict[tuple[str, str], list[dict]] = {}
     for row in doc["rows"]:
         groups.setdefault((row["model"], row["dtype"]), []).append(row)
+    if doc.get("capabilities"):
+        lines += ["What this CPU was found to do (`fastbert explain`):", ""]
+        lines += [*(f"- {c}" for c in doc["capabilities"]), ""]
+    labels = doc.get("dtype_labels") or {}
     for (model, dtype), rows in groups.items():
-        lines += [f"## {model} {dtype}", ""]
+        lines += [f"## {model} {labels.get(dtype, dtype)}", ""]
         lines.append("| shape | system | mode | ms | cpu ms | seq/s | real tok/s | vs sdpa | % peak | max abs err |")
         lines.append("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
         for r in rows:
@@ -158,7 +162,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
             ax.bar(xs, [values.get(s, 0) for s in shapes], width, label=system, color=palette[system])
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes)
         ax.set_ylabel("real tokens/s")
-        ax.set_title(f"{model} {dtype}")
+        ax.set_title(f"{model} {(doc.get('dtype_labels') or {}).get(dtype, dtype)}")
         ax.legend(fontsize=7, ncols=3)
     fig.suptitle(f"{doc['device']} - commit {doc['commit'][:12]}", fontsize=9)
     fig.tight_layout()

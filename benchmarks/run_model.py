@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from benchmarks import model_report
 from benchmarks.model_systems import System, build_systems, failure, scratch_dir, transformers_model
+from fastbert import capabilities
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -173,17 +174,24 @@ def flops_per_batch(hf: nn.Module, lengths: torch.Tensor) -> float:
 
 
 def measure_peak(device: torch.device, dtype: torch.dtype) -> float:
-    """FLOP/s of a large matmul at `dtype` on this device now: the best of torch.matmul and (CPU) oneDNN prepacked."""
+    """FLOP/s of a large matmul at `dtype` on this device now: the best of torch.matmul and (CPU) oneDNN prepacked.
+    bf16 on a CPU without bf16 dot products is measured as fastbert runs it (fp32 GEMMs on upcast operands): torch's
+    emulated bf16 matmul would take minutes and set no ceiling anyone should aim at."""
     n = 2048 if device.type == "cpu" else 8192
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    candidates: list[Callable[[], object]] = [lambda: torch.matmul(a, b)]
+    candidates: list[Callable[[], object]] = []
+    if not (dtype == torch.bfloat16 and capabilities.bf16_via_fp32(device)):
+        candidates.append(lambda: torch.matmul(a, b))
     if device.type == "cpu":
         from fastbert import cpu
 
         if cpu.unavailable_reason() is None and dtype in (torch.float32, torch.bfloat16):
             bt = b.t().contiguous()
             candidates.append(lambda: cpu.linear(a, bt))
+        elif not candidates:  # no oneDNN: the rule on torch's fp32 matmul
+            a32, b32 = a.float(), b.float()
+            candidates.append(lambda: torch.matmul(a32, b32).to(dtype))
     best = float("inf")
     with torch.inference_mode():
         for fn in candidates:
@@ -199,8 +207,17 @@ def measure_arithmetic_peak(device: torch.device, dtype_name: str) -> float | No
         return None
     from fastbert import native
 
+    if dtype_name == "bf16" and capabilities.bf16_via_fp32(device):
+        dtype_name = "fp32"  # bf16 runs on fp32 FMAs here
     module, _ = native.load("_native_cpu")
     return module.arithmetic_peak(dtype_name) if module is not None else None
+
+
+def dtype_label(device: torch.device, dtype_name: str) -> str:
+    """The dtype as run here: bf16 on a CPU without bf16 dot products says that its GEMMs are fp32."""
+    if dtype_name == "bf16" and capabilities.bf16_via_fp32(device):
+        return "bf16 (fp32 GEMMs: no bf16 instructions)"
+    return dtype_name
 
 
 def _time_once(fn: Callable[[], object], device: torch.device) -> float:
@@ -283,6 +300,8 @@ def run_suite(suite: Suite, device: torch.device, save: Callable[[dict], object]
                 row.pct_peak = 100 * row.flops_per_s / peaks[row.dtype]
         doc = model_report.document(rows, peaks, ceilings, device, time.time() - started)
         doc["load_average_at_start"] = load_at_start
+        doc["dtype_labels"] = {name: dtype_label(device, name) for name in suite.dtypes}
+        doc["capabilities"] = capabilities.report() if device.type == "cpu" else []
         return doc
 
     with scratch_dir() as workdir, tqdm(total=total, desc="model suite", unit="row", file=sys.stderr) as progress:
@@ -290,7 +309,8 @@ def run_suite(suite: Suite, device: torch.device, save: Callable[[dict], object]
             try:
                 hf = load_model(model_name).to(device)
             except ImportError as exc:  # e.g. the MiniLM checkpoint package is not installed on this machine
-                rows += _model_skipped(suite, model_name, f"checkpoint not installed: {exc}")
+                reason = f"checkpoint not installed: {exc}"
+                rows += _skipped(model_name, suite.dtypes, suite.shapes[model_name], suite.systems, reason)
                 progress.update(len(suite.shapes[model_name]) * len(suite.dtypes) * len(suite.systems))
             else:
                 rows += _bench_model(suite, model_name, hf, device, workdir, progress)
@@ -312,28 +332,41 @@ def _bench_model(
         torch._dynamo.reset()  # each (model, dtype) compiles afresh: one compile per shape, none reused
         limit = len(suite.shapes[model_name]) + 1  # past the recompile limit a compiled row would run eager
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-        systems = build_systems(hf, device, DTYPES[dtype_name], suite.systems, workdir)
+        try:
+            systems = build_systems(hf, device, DTYPES[dtype_name], suite.systems, workdir)
+        except Exception as exc:  # a row with its reason, never a crashed suite
+            reason = f"failed: {failure(exc)}"
+            rows += _skipped(model_name, (dtype_name,), suite.shapes[model_name], suite.systems, reason)
+            progress.update(len(suite.shapes[model_name]) * len(suite.systems))
+            continue
         for shape in suite.shapes[model_name]:
             progress.set_postfix_str(f"{model_name} {dtype_name} {shape.label()}")
             active = [_compile_filter(s, suite, model_name, shape) for s in systems]
-            batch = make_batch(shape, hf.config.vocab_size, device)
-            with torch.inference_mode():
-                reference = ref_model(input_ids=batch[0], attention_mask=batch[1], token_type_ids=batch[2])
-            lengths = batch[1].sum(1).cpu()
-            results, failed = bench_shape(
-                active, batch, reference.last_hidden_state.float(), suite.rounds, device, progress
-            )
+            try:
+                batch = make_batch(shape, hf.config.vocab_size, device)
+                with torch.inference_mode():
+                    reference = ref_model(input_ids=batch[0], attention_mask=batch[1], token_type_ids=batch[2])
+                lengths = batch[1].sum(1).cpu()
+                results, failed = bench_shape(
+                    active, batch, reference.last_hidden_state.float(), suite.rounds, device, progress
+                )
+            except Exception as exc:
+                rows += _skipped(model_name, (dtype_name,), (shape,), suite.systems, f"failed: {failure(exc)}")
+                continue
             active = [System(s.name, s.mode, None, failed[s.name]) if s.name in failed else s for s in active]
             rows += _rows(model_name, dtype_name, shape, active, results, lengths, hf)
     return rows
 
 
-def _model_skipped(suite: Suite, model: str, reason: str) -> list[Row]:
+def _skipped(
+    model: str, dtypes: tuple[str, ...], shapes: tuple[Shape, ...], systems: tuple[str, ...], reason: str
+) -> list[Row]:
+    """Rows that say why they were not measured."""
     return [
         Row(model, dtype, shape.label(), shape.batch, shape.seqlen, 0, system, "-", skipped=reason)
-        for dtype in suite.dtypes
-        for shape in suite.shapes[model]
-        for system in suite.systems
+        for dtype in dtypes
+        for shape in shapes
+        for system in systems
     ]
 
 

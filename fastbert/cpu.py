@@ -7,7 +7,9 @@ class) both paths are timed on the actual input, and the verdict (with its timin
 `fastbert.explain()`. `FASTBERT_CPU_GEMM=onednn|torch` skips the measurement. Inference only (the prepacked op has no
 autograd). Under CPU autocast the GEMM runs in the autocast dtype on a cached copy of the weight in that dtype, where
 autocast itself would recast the fp32 weight on every call. Packs are cached per weight tensor and rebuilt when it
-changes (in-place update, new storage) or dies.
+changes (in-place update, new storage) or dies. On a CPU without bf16 dot products (`fastbert.capabilities`), a bf16
+GEMM runs as an fp32 GEMM on a cached fp32 pack of the bf16-rounded weight, rounded once to bf16 on store: the same
+arithmetic at fp32 speed, where oneDNN's bf16 would be emulated or refused.
 
 `attention`: on a CPU reading `cu_seqlens` costs nothing, so each sequence gets its own unmasked SDPA call (torch's
 flash CPU kernel) straight on the packed tensor: no padded copy, no mask, no work on padding.
@@ -23,7 +25,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from fastbert import reference
+from fastbert import capabilities, reference
 
 # activation kind -> (oneDNN post-op, algorithm)
 _POST_OPS = {None: ("none", ""), "gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh"), "relu": ("relu", "")}
@@ -32,9 +34,9 @@ _SMALL_M = 128  # calibration size classes: latency-sized (M < 128 rows) and thr
 # timed GEMM does not show decide
 _TIE_MARGIN = 1.1
 
-# (id(weight), dtype) -> (weakref to weight, version stamp, packed weight, bias in that dtype)
-_packs: dict[tuple[int, torch.dtype], tuple[weakref.ref, tuple, torch.Tensor, torch.Tensor | None]] = {}
-# (dtype, N, K, fused act, bias, small M) -> (oneDNN wins, why)
+# (id(weight), dtype, GEMM dtype) -> (weakref to weight, version stamp, packed weight, bias in the GEMM dtype)
+_packs: dict[tuple[int, torch.dtype, torch.dtype], tuple[weakref.ref, tuple, torch.Tensor, torch.Tensor | None]] = {}
+# (GEMM dtype, N, K, fused act, bias, small M) -> (oneDNN wins, why)
 _verdicts: dict[tuple, tuple[bool, str]] = {}
 
 
@@ -48,10 +50,15 @@ def unavailable_reason() -> str | None:
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype the GEMM runs in: autocast's when CPU autocast is on and x is fp32, else x's."""
+    """The dtype the GEMM's operands and output have: autocast's when CPU autocast is on and x is fp32, else x's."""
     if x.dtype == torch.float32 and torch.is_autocast_enabled("cpu"):
         return torch.get_autocast_dtype("cpu")
     return x.dtype
+
+
+def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype oneDNN multiplies in: fp32 for bf16 on a CPU without bf16 dot products (fastbert.capabilities)."""
+    return torch.float32 if dtype == torch.bfloat16 and capabilities.bf16_via_fp32(torch.device("cpu")) else dtype
 
 
 def refuses_linear(
@@ -67,8 +74,8 @@ def refuses_linear(
     dtype = compute_dtype(x)
     if dtype not in (torch.float32, torch.bfloat16):
         return f"does not take {dtype}"
-    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return "this CPU has no bf16 GEMM in oneDNN"
+    if gemm_dtype(dtype) == torch.bfloat16 and not capabilities.onednn_bf16_prepack().ok:
+        return f"oneDNN bf16 prepack unavailable ({capabilities.onednn_bf16_prepack().why})"
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1] or weight.device.type != "cpu":
         return "not a CPU [N, K] weight matching x"
     mode = os.environ.get("FASTBERT_CPU_GEMM", "auto")
@@ -88,13 +95,14 @@ def linear(
 ) -> torch.Tensor:  # [*, N] in compute_dtype(x)
     """act(x @ weight^T + bias) with the prepacked weight; bias and activation fused into the GEMM."""
     dtype = compute_dtype(x)
-    packed, b = _packed(weight, bias, dtype)
-    rows = x.reshape(-1, x.shape[-1]).to(dtype).contiguous()
+    run = gemm_dtype(dtype)
+    packed, b = _packed(weight, bias, dtype, run)
+    rows = x.reshape(-1, x.shape[-1]).to(dtype).to(run).contiguous()  # bf16 semantics: operands rounded to dtype
     if rows.shape[0] == 0:
-        return rows.new_empty(*x.shape[:-1], weight.shape[0])
+        return rows.new_empty(*x.shape[:-1], weight.shape[0], dtype=dtype)
     attr, algorithm = _POST_OPS[act]
     out = torch.ops.mkldnn._linear_pointwise(rows, packed, b, attr, [], algorithm)
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return out.view(*x.shape[:-1], weight.shape[0]).to(dtype)
 
 
 def linear_residual_layernorm(
@@ -110,22 +118,26 @@ def linear_residual_layernorm(
     after (torch's CPU LayerNorm accumulates bf16 input in fp32, so statistics stay fp32 without an upcast copy)."""
     if x.shape[0] == 0:
         return residual.new_empty(residual.shape)
-    packed, b = _packed(weight, bias, x.dtype)
-    h = torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), residual.contiguous(), packed, b, "add")
-    return F.layer_norm(h, h.shape[-1:], ln_weight, ln_bias, eps)
+    dtype = x.dtype
+    run = gemm_dtype(dtype)
+    packed, b = _packed(weight, bias, dtype, run)
+    x, residual = x.to(run).contiguous(), residual.to(run).contiguous()
+    h = torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, b, "add")
+    return F.layer_norm(h, h.shape[-1:], ln_weight.to(run), ln_bias.to(run), eps).to(dtype)
 
 
 def _packed(
-    weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+    weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, run: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The cached oneDNN layout of `weight` in `dtype` (and bias cast to it), rebuilt when either changes."""
-    key = (id(weight), dtype)
+    """The cached oneDNN layout of `weight` rounded to `dtype` and held in `run` (and bias likewise), rebuilt when
+    either changes."""
+    key = (id(weight), dtype, run)
     stamp = tuple(_stamp(t) for t in (weight, bias))
     entry = _packs.get(key)
     if entry is None or entry[0]() is not weight or entry[1] != stamp:
         with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous())
-            b = bias.detach().to(dtype).contiguous() if bias is not None else None
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).to(run).contiguous())
+            b = bias.detach().to(dtype).to(run).contiguous() if bias is not None else None
         if entry is None:
             weakref.finalize(weight, _packs.pop, key, None)
         _packs[key] = (weakref.ref(weight), stamp, packed, b)
@@ -144,20 +156,21 @@ def _verdict(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str | None, dtype: torch.dtype
 ) -> tuple[bool, str]:
     """Time oneDNN against what would run without it, on this very input, once per size class: F.linear, then
-    (with a bias and an activation) the `bias_act` op, as `fastbert.ops.linear` falls back."""
+    (with a bias and an activation) the `bias_act` op, as `fastbert.ops.linear` falls back; both in the GEMM dtype."""
     from fastbert import ops
 
-    rows = x.numel() // x.shape[-1]
-    key = (dtype, *weight.shape, act is not None, bias is not None, rows < _SMALL_M)
+    rows, run = x.numel() // x.shape[-1], gemm_dtype(dtype)
+    key = (run, *weight.shape, act is not None, bias is not None, rows < _SMALL_M)  # bf16 via fp32 is fp32's case
     if key not in _verdicts:
         with torch.no_grad(), torch.autocast("cpu", enabled=False):
             xs = x.reshape(rows, -1).to(dtype)
-            w, b = weight.to(dtype), bias.to(dtype) if bias is not None else None
+            w, b = weight.to(dtype).to(run), bias.to(dtype).to(run) if bias is not None else None
 
             def fallback() -> torch.Tensor:
+                xr = xs.to(run)
                 if act is not None and b is not None:
-                    return ops.bias_act(F.linear(xs, w), b, act)
-                return reference.linear(xs, w, b, act)
+                    return ops.bias_act(F.linear(xr, w), b, act).to(dtype)
+                return reference.linear(xr, w, b, act).to(dtype)
 
             fast, plain = _best_times(lambda: linear(xs, weight, bias, act), fallback)
         wins = fast < plain * _TIE_MARGIN
@@ -166,7 +179,7 @@ def _verdict(
             wins,
             f"measured {'slower' if not wins else 'faster'} than {other} here "
             f"({fast * 1e3:.2f} vs {plain * 1e3:.2f} ms CPU time for [{rows}, {weight.shape[1]}] x "
-            f"[{weight.shape[1]}, {weight.shape[0]}] {str(dtype).removeprefix('torch.')})",
+            f"[{weight.shape[1]}, {weight.shape[0]}] {str(run).removeprefix('torch.')})",
         )
     return _verdicts[key]
 
@@ -186,7 +199,7 @@ def _best_times(*fns: Callable[[], object], repeats: int = 9) -> list[float]:
 
 
 def verdicts() -> dict[tuple, tuple[bool, str]]:
-    """Every calibration made so far: (dtype, N, K, fused act, bias, small M) -> (oneDNN wins, timings)."""
+    """Every calibration made so far: (GEMM dtype, N, K, fused act, bias, small M) -> (oneDNN wins, timings)."""
     return dict(_verdicts)
 
 

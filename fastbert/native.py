@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from fastbert import ops, reference
+from fastbert import capabilities, ops, reference
 
 BUILD_HINTS = {
     "_native_cpu": "FASTBERT_BUILD_NATIVE=1 python setup.py build_ext --inplace (or `make native`)",
@@ -70,10 +70,22 @@ def load(name: str) -> tuple[ModuleType | None, str | None]:
             )
         else:
             try:
-                _loaded[name] = importlib.import_module(f"fastbert.{name}"), None
+                module = importlib.import_module(f"fastbert.{name}")
             except Exception as exc:  # undefined symbols, a missing libgomp or CUDA runtime: a reason, not a crash
                 _loaded[name] = None, f"load error: {type(exc).__name__}: {exc} ({_describe(info, name)})"
+            else:
+                if name == "_native_cpu" and (isa := capabilities.forced_isa()) in module.runnable_isas():
+                    module.set_isa(isa)  # FASTBERT_CPU_ISA: run the weaker CPU's kernels (a weaker CPU keeps its own)
+                _loaded[name] = module, None
     return _loaded[name]
+
+
+def describe() -> str | None:
+    """The native CPU kernels' instruction set, for explain()."""
+    cpu, reason = load("_native_cpu")
+    if cpu is None:
+        return f"CPU kernels unavailable ({reason})"
+    return f"CPU kernels for {', '.join(cpu.runnable_isas())} run here; using {cpu.isa()}"
 
 
 def unavailable_reason() -> str | None:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fastbert import reference
+from fastbert import capabilities, reference
 
 log = logging.getLogger("fastbert.ops")
 
@@ -282,11 +282,23 @@ def _record(op: str, decision: str) -> None:
         log.debug("%s -> %s", op, decision)
 
 
+def decisions() -> dict[str, str]:
+    """op -> the backend it last ran on and why the ones before it were skipped (explain()'s last part, as data)."""
+    return dict(_decisions)
+
+
 def explain() -> str:
-    """The backend each op last ran on, and why the ones before it were skipped."""
+    """What this machine can do (probed once), what each loaded backend runs, the backend each op last ran on, and
+    why the ones before it were skipped."""
+    lines = capabilities.report()
+    for backend in _BACKENDS.values():
+        describe = getattr(backend._loaded, "describe", None)
+        if callable(describe) and (said := describe()):
+            lines.append(f"{backend.name}: {said}")
+    lines.append("")
     if not _decisions:
-        return "no fused op has run yet"
-    return "\n".join(f"{op}: {decision}" for op, decision in sorted(_decisions.items()))
+        return "\n".join(lines + ["no fused op has run yet"])
+    return "\n".join(lines + [f"{op}: {decision}" for op, decision in sorted(_decisions.items())])
 
 
 def _dispatch(op: str, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -301,9 +313,27 @@ def linear(
     """act(x @ weight^T + bias). A backend that fuses the whole layer (the cpu backend's oneDNN) takes it in one
     call; on the torch backend the GEMM is F.linear and the bias + activation epilogue goes to the `bias_act` op."""
     fn, name = select("linear", (x, weight, bias, act), {})
-    if name == "torch" and act is not None and bias is not None:
+    return (_torch_linear if name == "torch" else fn)(x, weight, bias, act)
+
+
+def _torch_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act: str | None = None
+) -> torch.Tensor:
+    """The torch backend's GEMM: F.linear with the bias + activation epilogue on the `bias_act` op. A bf16 GEMM on a
+    CPU without bf16 dot products runs as an fp32 GEMM on the bf16 operands upcast, rounded once to bf16: the same
+    arithmetic (fastbert.capabilities), at fp32 speed instead of emulated bf16's."""
+    dtype = torch.get_autocast_dtype("cpu") if x.dtype == torch.float32 and _cpu_autocast(x) else x.dtype
+    if dtype == torch.bfloat16 and capabilities.bf16_via_fp32(x.device):
+        with reference.no_autocast(x.device):
+            x32, w32, b32 = (t.to(dtype).float() if t is not None else None for t in (x, weight, bias))
+            return reference.linear(x32, w32, b32, act).to(dtype)
+    if act is not None and bias is not None:
         return bias_act(F.linear(x, weight), bias, act)
-    return fn(x, weight, bias, act)
+    return reference.linear(x, weight, bias, act)
+
+
+def _cpu_autocast(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
 
 
 def dense_residual_layernorm(
@@ -327,9 +357,8 @@ def dense_residual_layernorm(
         return importlib.import_module("fastbert.cpu").linear_residual_layernorm(
             x, weight, bias, residual, ln_weight, ln_bias, eps
         )
-    return bias_residual_layernorm(
-        fn(x, weight, None, None), bias, residual, ln_weight, ln_bias, eps, dropout_p, training
-    )
+    gemm = _torch_linear if name == "torch" else fn
+    return bias_residual_layernorm(gemm(x, weight), bias, residual, ln_weight, ln_bias, eps, dropout_p, training)
 
 
 def embedding_layernorm(

@@ -17,13 +17,14 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from fastbert.training import (
+    PRECISION_CHOICES,
     DistEnv,
     LengthGroupedBatchSampler,
     autocast,
@@ -33,6 +34,7 @@ from fastbert.training import (
     make_optimizer,
     progress,
     prune_checkpoints,
+    resolve_precision,
     save_checkpoint,
     unwrap,
     wrap_model,
@@ -51,7 +53,7 @@ class LoopConfig:
     warmup_ratio: float = 0.1
     weight_decay: float = 0.01
     grad_accum: int = 1
-    precision: str = "fp32"
+    precision: str = "auto"  # fp32 | bf16 | fp16 | auto: bf16 where it is fast here, else fp32
     max_grad_norm: float = 1.0
     eval_every: int = 0  # optimizer steps; 0 = only at the end
     save_every: int = 0  # optimizer steps; 0 = only the final model
@@ -98,6 +100,14 @@ def save_final(
             unwrap(model).save_pretrained(directory)
 
 
+def _with_precision(cfg: LoopConfig, env: DistEnv) -> LoopConfig:
+    """cfg with 'auto' precision resolved for this device; the run says what it picked and why (rank 0)."""
+    precision, why = resolve_precision(cfg.precision, env.device)
+    if env.is_main and (cfg.precision != precision or why.startswith("warning")):
+        print(why, flush=True)
+    return replace(cfg, precision=precision)
+
+
 def fit(
     model: nn.Module,
     dataset: Any,
@@ -118,6 +128,7 @@ def fit(
     seconds per logged step). `state`: more objects with a state_dict that checkpoints hold (e.g. trainable modules
     the saved model leaves out); `on_step(step, record)` runs after every optimizer step ({} if none was logged).
     """
+    cfg = _with_precision(cfg, env)
     if cfg.strategy == "fsdp" and env.distributed and cfg.save_every:
         raise ValueError("resumable checkpoints (save_every) need --strategy ddp; FSDP runs save the final model only")
     model.to(env.device)
@@ -260,7 +271,9 @@ def add_loop_arguments(parser: Any, lr: float, epochs: float) -> None:
     parser.add_argument("--warmup-ratio", type=float, default=0.1)
     parser.add_argument("--weight-decay", type=float, default=0.01)
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
+    parser.add_argument(
+        "--precision", choices=PRECISION_CHOICES, default="auto", help="auto: bf16 where it is fast here, else fp32"
+    )
     parser.add_argument("--eval-every", type=int, default=0, help="optimizer steps between evaluations")
     parser.add_argument("--save-every", type=int, default=0, help="optimizer steps between resumable checkpoints")
     parser.add_argument("--log-every", type=int, default=10)

@@ -71,7 +71,28 @@ def test_tiny_suite_writes_every_output(tmp_path, monkeypatch: pytest.MonkeyPatc
     assert 0 < rows[("bf16", "fastbert")]["max_abs_err"] < 0.5
     table = (tmp_path / "model_cpu.md").read_text()
     assert "| fastbert |" in table and "onnxruntime" in table
+    assert f"## tiny {run_model.dtype_label(torch.device('cpu'), 'bf16')}" in table and "bf16 GEMMs:" in table
     assert (tmp_path / "model_cpu.png").stat().st_size > 0 and len(paths) == 3
+
+
+def test_a_failing_dtype_or_shape_is_a_row_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Never a crashed suite: a system set that cannot be built, or a reference that fails, leaves rows saying why."""
+    monkeypatch.setattr(run_model, "measure_peak", lambda device, dtype: 1e9)
+    real_build = run_model.build_systems
+
+    def build_or_fail(hf, device, dtype, names, workdir):  # noqa: ANN001, ANN202
+        if dtype == torch.bfloat16:
+            raise RuntimeError("no bf16 here")
+        return real_build(hf, device, dtype, names, workdir)
+
+    monkeypatch.setattr(run_model, "build_systems", build_or_fail)
+    monkeypatch.setattr(run_model, "make_batch", lambda *a, **k: (_ for _ in ()).throw(MemoryError("too big")))
+    suite = run_model.suite_for(torch.device("cpu"), "tiny")
+    suite.systems = ("fastbert",)
+    doc = run_model.run_suite(suite, torch.device("cpu"))
+    reasons = {r["dtype"]: r["skipped"] for r in doc["rows"]}
+    assert reasons == {"fp32": "failed: MemoryError: too big", "bf16": "failed: RuntimeError: no bf16 here"}
+    assert doc["dtype_labels"]["bf16"].startswith("bf16")
 
 
 def test_flops_formula_matches_the_published_bert_base_figure() -> None:

@@ -36,7 +36,7 @@ def test_bert_model_on_triton_matches_transformers(act: str, monkeypatch: pytest
         theirs = hf(ids, attention_mask=mask, token_type_ids=types)
         with fastbert.use_backend("triton"):
             ours = fb(ids, attention_mask=mask, token_type_ids=types)
-    decisions = dict(line.split(": ", 1) for line in fastbert.explain().splitlines())
+    decisions = fastbert.ops.decisions()
     assert all(decisions[op].startswith("triton") for op in fastbert.ops.KERNEL_OPS)  # `linear` stays automatic
     valid = mask.bool()
     err = (ours.last_hidden_state[valid] - theirs.last_hidden_state[valid]).abs().max().item()
@@ -95,7 +95,7 @@ def test_bert_model_on_cuda_dispatches_to_triton_and_matches_transformers() -> N
     with torch.no_grad():
         theirs = hf(ids, attention_mask=mask).last_hidden_state
         ours = fb(ids, attention_mask=mask).last_hidden_state
-    decisions = dict(line.split(": ", 1) for line in fastbert.explain().splitlines())
+    decisions = fastbert.ops.decisions()
     assert all(decisions[op].startswith("triton") for op in fastbert.ops.KERNEL_OPS)  # `linear` stays automatic
     err = (ours - theirs)[mask.bool()].abs().max().item()
     assert err <= ATOL, f"max error at valid positions {err:.3g} > {ATOL}"

@@ -9,6 +9,7 @@ import argparse
 import os
 
 from fastbert.distill.objectives import WEIGHTS, Objectives
+from fastbert.training import PRECISION_CHOICES
 
 PRESETS = {"distilbert": Objectives.distilbert, "sentence": Objectives.sentence_embedding}
 
@@ -46,8 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--warmup-ratio", type=float, default=0.05)
     t.add_argument("--weight-decay", type=float, default=0.01)
     t.add_argument("--max-grad-norm", type=float, default=1.0)
-    t.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
-    t.add_argument("--teacher-precision", choices=["fp32", "bf16", "fp16"], default="fp32")
+    t.add_argument(
+        "--precision", choices=PRECISION_CHOICES, default="auto", help="auto: bf16 where it is fast here, else fp32"
+    )
+    t.add_argument("--teacher-precision", choices=PRECISION_CHOICES, default="fp32")
     t.add_argument("--mlm-probability", type=float, default=0.15)
     t.add_argument("--whole-word", action="store_true")
     t.add_argument("--cache-teacher", action="store_true", help="keep teacher targets on disk across epochs")

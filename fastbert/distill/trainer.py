@@ -52,8 +52,8 @@ class DistillConfig:
     warmup_ratio: float = 0.05
     weight_decay: float = 0.01
     max_grad_norm: float = 1.0
-    precision: str = "fp32"  # student compute: fp32 | bf16 | fp16
-    teacher_precision: str = "fp32"  # fp32 | bf16 (teacher weights cast)
+    precision: str = "auto"  # student compute: fp32 | bf16 | fp16 | auto (bf16 where it is fast here, else fp32)
+    teacher_precision: str = "fp32"  # fp32 | bf16 | auto (teacher weights cast)
     mlm_probability: float = 0.15
     whole_word: bool = False
     cache_teacher: bool = False  # keep teacher targets on disk across epochs (unmasked inputs only)
@@ -189,10 +189,19 @@ def _check(cfg: DistillConfig, teacher: PreTrainedModel, tokenizer: WordPieceTok
             "logits_mse and attention, or cache_teacher"
         )
     for name in ("precision", "teacher_precision"):
-        if getattr(cfg, name) not in training.PRECISIONS:
-            raise ValueError(f"{name} must be one of {sorted(training.PRECISIONS)}, got {getattr(cfg, name)!r}")
+        if getattr(cfg, name) not in training.PRECISION_CHOICES:
+            raise ValueError(f"{name} must be one of {training.PRECISION_CHOICES}, got {getattr(cfg, name)!r}")
     if cfg.batch_size < 1 or cfg.grad_accum < 1 or cfg.max_length < 2:
         raise ValueError("batch_size and grad_accum must be >= 1 and max_length >= 2")
+
+
+def _resolve_precisions(cfg: DistillConfig, env: training.DistEnv) -> DistillConfig:
+    """'auto' resolved for this device, for the student and the teacher; the run says what it picked (rank 0)."""
+    student, why = training.resolve_precision(cfg.precision, env.device)
+    teacher, _ = training.resolve_precision(cfg.teacher_precision, env.device)
+    if env.is_main and (student != cfg.precision or why.startswith("warning")):
+        print(why, flush=True)
+    return dataclasses.replace(cfg, precision=student, teacher_precision=teacher)
 
 
 def distill(
@@ -226,6 +235,7 @@ def distill(
         n_eval = min(cfg.max_eval, int(len(texts) * cfg.eval_fraction))
         eval_texts, texts = (texts[-n_eval:], texts[:-n_eval]) if n_eval else (texts[: min(64, len(texts))], texts)
 
+    cfg = _resolve_precisions(cfg, env)
     torch.manual_seed(cfg.seed)
     teacher_model.requires_grad_(False)
     teacher_model = teacher_model.to(env.device).eval()

@@ -23,6 +23,7 @@ from fastbert import BertModel
 from fastbert.distill import DistillConfig, Objectives, distill, init_from_teacher
 from fastbert.distill.losses import mean_pool
 from fastbert.tokenization import WordPieceTokenizer
+from fastbert.training import PRECISION_CHOICES
 
 
 def _detokenise(text: str) -> str:
@@ -142,7 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-length", type=int, default=128)
     p.add_argument("--max-sentences", type=int, default=None)
     p.add_argument("--eval-every", type=int, default=0, help="held-out loss every N steps (0: before/after only)")
-    p.add_argument("--precision", default="bf16", help="student compute during training (eval is fp32)")
+    p.add_argument(
+        "--precision",
+        choices=PRECISION_CHOICES,
+        default="auto",
+        help="student and teacher compute during training (eval is fp32); auto: bf16 where it is fast here, else fp32",
+    )
     p.add_argument("--resume", default=None)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a busy shared CPU)")
     p.add_argument("--skip-eval", action="store_true", help="train only (timing probes)")

@@ -1,0 +1,154 @@
+"""What this CPU can do, learned by trying once per process (cached), never guessed from one cpuinfo flag.
+
+The answers steer the dispatch and are reported by `fastbert.explain()`:
+- `bf16_gemm()`: are bf16 GEMMs at least as fast as fp32 ones here? Timed once on a small GEMM, bf16 against fp32.
+  Where they are not (no bf16 dot-product instructions: AVX2-only x86, AVX-512 without AVX512-BF16 where oneDNN
+  emulates), bf16 GEMMs run by the rule below.
+- `onednn_bf16_prepack()`: does oneDNN's prepacked bf16 linear run here? (torch's `_is_mkldnn_bf16_supported()` can
+  say yes on a CPU where the prepack then refuses: only a try tells.)
+
+The rule for bf16 without bf16 instructions: a bf16 GEMM accumulating in fp32 is the same arithmetic as an fp32 GEMM
+on the bf16 operands upcast (a product of two bf16 values is exact in fp32; only the summation order may differ),
+rounded once to bf16 on store. So such a CPU runs bf16 on its fast fp32 GEMM and keeps bf16 semantics.
+
+`FASTBERT_CPU_ISA=avx2` makes any machine behave like an AVX2-only one: no bf16 instructions, and the native kernels
+run their AVX2 build. Tests and benchmarks use it to run, on an AVX-512 machine, what every machine runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+FORCE_ENV = "FASTBERT_CPU_ISA"
+FORCEABLE = ("avx2",)
+# the probe GEMM: [M, K] x [K, N], small enough to cost about a millisecond in fp32, big enough to be GEMM-bound
+_PROBE_M, _PROBE_K, _PROBE_N = 256, 512, 512
+_PROBE_REPEATS = 5
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One capability: whether it holds here, and what was tried to find out."""
+
+    ok: bool
+    why: str
+
+
+def forced_isa() -> str | None:
+    """The weaker CPU this process is told to behave as (`FASTBERT_CPU_ISA`), or None."""
+    value = os.environ.get(FORCE_ENV, "").strip().lower()
+    if not value or value == "auto":
+        return None
+    if value not in FORCEABLE:
+        raise ValueError(f"{FORCE_ENV}={value!r}: expected one of {FORCEABLE} or 'auto'")
+    return value
+
+
+@functools.cache
+def cpu_model() -> str:
+    """The CPU's model name and its vector extensions (informational: decisions come from trying, not from this)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown CPU"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
+    return f"{name or 'unknown CPU'} ({', '.join(f for f in wanted if f in flags) or 'no AVX2'})"
+
+
+def onednn_bf16_prepack() -> Finding:
+    """Does oneDNN's prepacked bf16 linear run here? (tried once; `FASTBERT_CPU_ISA=avx2` says no without trying)"""
+    if forced_isa():
+        return Finding(False, f"not used: {FORCE_ENV}={forced_isa()}")
+    return _try_onednn_bf16_prepack()
+
+
+@functools.cache
+def _try_onednn_bf16_prepack() -> Finding:
+    """Try oneDNN's prepacked bf16 linear on a tiny GEMM and check its result against fp32."""
+    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight") or not torch.backends.mkldnn.is_available():
+        return Finding(False, "this torch has no oneDNN prepacked linear")
+    x, w = torch.randn(4, 32), torch.randn(16, 32)
+    try:
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+            packed = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16())
+            out = torch.ops.mkldnn._linear_pointwise(x.bfloat16(), packed, None, "none", [], "")
+    except RuntimeError as exc:
+        return Finding(False, f"refused: {str(exc).splitlines()[0][:160]}")
+    expected = F.linear(x.bfloat16().float(), w.bfloat16().float())
+    if not torch.allclose(out.float(), expected, rtol=2e-2, atol=1e-1):
+        return Finding(False, "ran, but its result is wrong")
+    return Finding(True, "a prepacked bf16 GEMM ran and matched fp32")
+
+
+def bf16_gemm() -> Finding:
+    """Are bf16 GEMMs at least as fast as fp32 GEMMs here? (timed once; `FASTBERT_CPU_ISA=avx2` says no)"""
+    if forced_isa():
+        return Finding(False, f"{FORCE_ENV}={forced_isa()}: behaving as a CPU without bf16 instructions")
+    return _time_bf16_gemm()
+
+
+@functools.cache
+def _time_bf16_gemm() -> Finding:
+    """The best bf16 GEMM path here (oneDNN prepacked where it runs, else torch's) timed against torch's fp32."""
+    a, b = torch.randn(_PROBE_M, _PROBE_K), torch.randn(_PROBE_N, _PROBE_K)
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    runs = {"fp32": lambda: F.linear(a, b), "bf16": lambda: F.linear(a16, b16)}
+    if onednn_bf16_prepack().ok:
+        packed = torch.ops.mkldnn._reorder_linear_weight(b16)
+        runs["bf16"] = lambda: torch.ops.mkldnn._linear_pointwise(a16, packed, None, "none", [], "")
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        best = _best_seconds(runs)
+    fp32, bf16 = best["fp32"], best["bf16"]
+    ratio = fp32 / bf16
+    shape = f"[{_PROBE_M}, {_PROBE_K}] x [{_PROBE_K}, {_PROBE_N}]"
+    verdict = "native bf16 dot products" if ratio >= 1 else "emulated: no bf16 dot-product instructions"
+    return Finding(ratio >= 1, f"{verdict} (bf16 GEMM {ratio:.2f}x fp32's speed on {shape})")
+
+
+def _best_seconds(runs: dict) -> dict[str, float]:
+    """Best-of-N wall seconds per run, interleaved so that a noisy moment hits every run alike."""
+    for fn in runs.values():
+        fn()
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(_PROBE_REPEATS):
+        for name, fn in runs.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def bf16_via_fp32(device: torch.device) -> bool:
+    """Should bf16 GEMMs on `device` run as fp32 GEMMs on upcast operands (the rule above)? CPU without bf16 only."""
+    return device.type == "cpu" and not bf16_gemm().ok
+
+
+def fast_dtype(device: torch.device) -> torch.dtype:
+    """The training/benchmark default for `device`: bf16 where it is fast (a CUDA GPU that has it, a CPU with bf16
+    dot products), else fp32."""
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    return torch.bfloat16 if device.type == "cpu" and bf16_gemm().ok else torch.float32
+
+
+def report() -> list[str]:
+    """What was found, one line each, for explain(). Runs the probes if they have not run yet."""
+    lines = [f"CPU: {cpu_model()}"]
+    if forced_isa():
+        lines.append(f"{FORCE_ENV}={forced_isa()}: behaving as an {forced_isa().upper()}-only CPU")
+    bf16 = bf16_gemm()
+    lines.append(f"bf16 GEMMs: {'fast' if bf16.ok else 'slow'}: {bf16.why}")
+    if not bf16.ok:
+        lines.append("  so bf16 runs as fp32 GEMMs on the upcast bf16 operands, rounded once to bf16 (same arithmetic)")
+    lines.append(f"oneDNN bf16 prepack: {'yes' if onednn_bf16_prepack().ok else 'no'}: {onednn_bf16_prepack().why}")
+    lines.append(f"fast precision here: {str(fast_dtype(torch.device('cpu'))).removeprefix('torch.')}")
+    return lines
