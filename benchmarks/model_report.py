@@ -171,9 +171,11 @@ def plot(doc: dict[str, Any], path: str) -> None:
 
 
 def write(doc: dict[str, Any], out_dir: str) -> list[str]:
-    """model_<cpu|cuda>.json / .md / .png under out_dir; returns the paths."""
+    """model_cuda.{json,md,png} or model_cpu-<kind>.* (kind: avx512-bf16, avx512, avx2: results from different CPU
+    classes sit side by side) under out_dir; returns the paths."""
     os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, f"model_{doc['device_type']}")
+    kind = f"-{doc['cpu_kind']}" if doc.get("cpu_kind") else ""
+    stem = os.path.join(out_dir, f"model_{doc['device_type']}{kind}")
     with open(stem + ".json", "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=1)
     with open(stem + ".md", "w", encoding="utf-8") as f:

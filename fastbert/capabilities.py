@@ -52,16 +52,33 @@ def forced_isa() -> str | None:
 
 
 @functools.cache
+def _cpuinfo() -> tuple[str, frozenset[str]]:
+    """(model name, flags) from /proc/cpuinfo, or ('', {}) where there is none."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "", frozenset()
+    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    return name, frozenset(flags)
+
+
 def cpu_model() -> str:
     """The CPU's model name and its vector extensions (informational: decisions come from trying, not from this)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown CPU"
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    name, flags = _cpuinfo()
     wanted = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
     return f"{name or 'unknown CPU'} ({', '.join(f for f in wanted if f in flags) or 'no AVX2'})"
+
+
+def cpu_kind() -> str:
+    """A short name for the class of CPU, to label results: 'avx512-bf16', 'avx512', 'avx2' (also when forced) or
+    'other'. A label only: what runs is decided by the probes."""
+    flags = _cpuinfo()[1]
+    if forced_isa():
+        return forced_isa()
+    if "avx512f" in flags:
+        return "avx512-bf16" if "avx512_bf16" in flags else "avx512"
+    return "avx2" if "avx2" in flags else "other"
 
 
 def onednn_bf16_prepack() -> Finding:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from fastbert import capabilities, reference
+from fastbert.weight_stamp import stamp
 
 # activation kind -> (oneDNN post-op, algorithm)
 _POST_OPS = {None: ("none", ""), "gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh"), "relu": ("relu", "")}
@@ -62,9 +63,14 @@ def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def refuses_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act: str | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    act: str | None = None,
+    forced: bool = False,
 ) -> str | None:
-    """The dispatch limit check: why oneDNN should not take this call, or None."""
+    """The dispatch limit check: why oneDNN should not take this call, or None. Forced by name, it takes every call
+    it can run, without the first-use timing."""
     if torch.compiler.is_compiling():
         return "under torch.compile/export tracing"
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
@@ -81,7 +87,7 @@ def refuses_linear(
     mode = os.environ.get("FASTBERT_CPU_GEMM", "auto")
     if mode == "torch":
         return "FASTBERT_CPU_GEMM=torch"
-    if mode == "onednn" or x.numel() == 0:
+    if mode == "onednn" or forced or x.numel() == 0:
         return None
     wins, why = _verdict(x, weight, bias, act, dtype)
     return None if wins else why
@@ -132,24 +138,17 @@ def _packed(
     """The cached oneDNN layout of `weight` rounded to `dtype` and held in `run` (and bias likewise), rebuilt when
     either changes."""
     key = (id(weight), dtype, run)
-    stamp = tuple(_stamp(t) for t in (weight, bias))
+    now = stamp(weight, bias)
     entry = _packs.get(key)
-    if entry is None or entry[0]() is not weight or entry[1] != stamp:
+    if entry is None or entry[0]() is not weight or entry[1] != now:
         with torch.no_grad():
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).to(run).contiguous())
             b = bias.detach().to(dtype).to(run).contiguous() if bias is not None else None
         if entry is None:
             weakref.finalize(weight, _packs.pop, key, None)
-        _packs[key] = (weakref.ref(weight), stamp, packed, b)
+        _packs[key] = (weakref.ref(weight), now, packed, b)
         entry = _packs[key]
     return entry[2], entry[3]
-
-
-def _stamp(t: torch.Tensor | None) -> tuple[int, int] | None:
-    """What identifies a tensor's contents cheaply: (version, address); inference tensors have no version counter."""
-    if t is None:
-        return None
-    return (-1 if t.is_inference() else t._version, t.data_ptr())
 
 
 def _verdict(

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from fastbert.padding import Packing
+from fastbert.weight_stamp import stamp
 
 MAX_TOKENS, MAX_BATCH = 4096, 64  # default bucket limits: larger calls run eagerly, where launches no longer dominate
 
@@ -133,7 +134,7 @@ class CudaGraphs:
         return any(p.requires_grad for p in self._params)
 
     def _weights_stamp(self) -> tuple:
-        return tuple((p._version, p.data_ptr()) for p in self._params)
+        return stamp(*self._params)
 
 
 def enable(model: nn.Module, **limits: int) -> nn.Module:

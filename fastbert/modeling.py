@@ -20,6 +20,7 @@ from fastbert.cuda_graphs import CudaGraphs
 from fastbert.outputs import BaseModelOutputWithPooling
 from fastbert.padding import Packing, unpad_and_read
 from fastbert.validation import check_inputs
+from fastbert.weight_stamp import stamp
 
 ACT_OF_CONFIG = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 
@@ -77,7 +78,7 @@ class BertSelfAttention(nn.Module):
         parts = (self.query, self.key, self.value)
         if torch.is_grad_enabled() and any(p.weight.requires_grad for p in parts):
             return torch.cat([p.weight for p in parts]), torch.cat([p.bias for p in parts])
-        key = tuple((p.weight._version, p.weight.data_ptr(), p.bias._version, p.bias.data_ptr()) for p in parts)
+        key = stamp(*(t for p in parts for t in (p.weight, p.bias)))
         if self._fused is None or self._fused[0] != key:
             with torch.no_grad():
                 fused = torch.cat([p.weight for p in parts]), torch.cat([p.bias for p in parts])
@@ -247,8 +248,14 @@ class BertModel(PreTrainedModel):
         output_hidden_states: bool = False,
         return_dict: bool = True,
         packed_output: bool = False,
+        head_mask: torch.Tensor | None = None,  # transformers 4's argument (5 dropped it): None or all ones only
     ) -> BaseModelOutputWithPooling | tuple:
         """Encode a batch; `packed_output=True` gives `last_hidden_state` as `[total_tokens, H]` (valid tokens only)."""
+        if head_mask is not None and not bool((torch.as_tensor(head_mask) == 1).all()):
+            raise ValueError(
+                "head_mask: fastbert's fused attention has no per-head mask (transformers 5 dropped the argument "
+                "too); pass None, or prune the heads from the weights"
+            )
         with self._backend_scope():
             return self._forward(
                 input_ids,

@@ -2,15 +2,14 @@
 
 Optional: built only on request (FASTBERT_BUILD_NATIVE=1 for `_native_cpu`, FASTBERT_BUILD_CUDA=1 for `_native_cuda`
 as well). Importing this module never fails; `unavailable_reason()` says why the backend cannot run (not built, stale:
-built for another torch, load error with the build info), and `refuses(op, ...)`, called by the dispatch's limits,
-says why one call is not taken, so the dispatch falls back with that reason.
+built for another torch, load error with the build info), and `refuses(op, call, forced)`, called by the dispatch's
+limits, says why one call is not taken, so the dispatch falls back with that reason.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import inspect
 import json
 import math
 from pathlib import Path
@@ -101,12 +100,8 @@ def unavailable_reason() -> str | None:
     return f"{cpu_reason}; CUDA: {cuda_reason}"
 
 
-_SIGNATURES = {op: inspect.signature(getattr(ops, op)) for op in ops.OPS}  # to read any call by parameter name
-
-
-def refuses(op: str, *args: Any, **kwargs: Any) -> str | None:
-    """Why the native backend will not take this call (dispatch limits), or None if it will."""
-    call = _SIGNATURES[op].bind(*args, **kwargs).arguments
+def refuses(op: str, call: dict[str, Any], forced: bool = False) -> str | None:
+    """Why the native backend will not take this call (`call`: its arguments by name), or None if it will."""
     tensors = [v for v in call.values() if isinstance(v, torch.Tensor)]
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return "forward only: inputs require grad"
@@ -127,7 +122,7 @@ def refuses(op: str, *args: Any, **kwargs: Any) -> str | None:
     if (shape_reason := _layout_refusal(op, call, big, device)) is not None:
         return shape_reason
     dtype = big[0].dtype
-    if (op, dtype) in CPU_SLOWER_THAN_TORCH and device.type == "cpu" and ops.forced_backend() != "native":
+    if (op, dtype) in CPU_SLOWER_THAN_TORCH and device.type == "cpu" and not forced:
         return f"not faster than torch for {dtype} on CPU (benchmarks/bench_native.py); used when forced"
     return None
 

@@ -2,8 +2,9 @@
 
 What a backend supports is data (`Backend`: devices, dtypes, a loader, per-op limits), so a fallback can say why
 it happened: `fastbert.explain()` lists the last decision per op, and the `fastbert.ops` logger records each new
-one at DEBUG. `FASTBERT_BACKEND=triton|native|torch` (or `use_backend(...)`, or `BertConfig.backend`) forces one
-backend; a forced backend that cannot take a call raises `BackendUnavailable`, it never silently degrades.
+one at DEBUG. `FASTBERT_BACKEND=triton|native|cpu|torch` (or `use_backend(...)`, or `BertConfig.backend`) forces one
+backend for the ops it implements (the others keep the automatic choice, and explain() says so); a forced backend
+that cannot take a call raises `BackendUnavailable`, it never silently degrades.
 Triton takes CUDA tensors automatically, CPU tensors (its interpreter, TRITON_INTERPRET=1) only when forced.
 
 Importing this module never needs a GPU, Triton or the native extension: backends load lazily, and a failed load
@@ -13,7 +14,9 @@ is recorded as the reason to fall back.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import inspect
 import logging
 import os
 import threading
@@ -30,9 +33,7 @@ from fastbert import capabilities, reference
 log = logging.getLogger("fastbert.ops")
 
 KERNEL_OPS = ("embedding_layernorm", "bias_act", "bias_residual_layernorm", "attention")
-# Ops a backend may leave out: forcing a backend that does not implement one leaves that op to the automatic choice.
-OPTIONAL_OPS = ("linear",)
-OPS = KERNEL_OPS + OPTIONAL_OPS
+OPS = KERNEL_OPS + ("linear",)
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
@@ -40,7 +41,8 @@ class BackendUnavailable(RuntimeError):
     """A forced backend cannot run this call (the message says why)."""
 
 
-LimitCheck = Callable[..., "str | None"]
+# A per-op limit check: (the call's arguments by parameter name, forced by name?) -> why not, or None.
+LimitCheck = Callable[[dict[str, Any], bool], "str | None"]
 
 
 @dataclass
@@ -87,7 +89,7 @@ class Backend:
         if module is None:
             return f"unavailable ({error})"
         check = self.limits.get(op)
-        return check(*args, **kwargs) if check is not None else None
+        return check(_SIGNATURES[op].bind(*args, **kwargs).arguments, forced) if check is not None else None
 
 
 def _triton_device_check(device_type: str) -> str | None:
@@ -105,54 +107,32 @@ def _feature_limit(n: int) -> str | None:
     return f"feature dim {n} > {TRITON_MAX_FEATURE}" if n > TRITON_MAX_FEATURE else None
 
 
-def _triton_embedding_limit(*args: Any, **kwargs: Any) -> str | None:
-    return _feature_limit(args[3].shape[-1])  # word_weight [V, E]
-
-
-def _triton_brln_limit(x: torch.Tensor, *args: Any, **kwargs: Any) -> str | None:
-    return _feature_limit(x.shape[-1])
-
-
-def _triton_attention_limit(
-    qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, dropout_p: float = 0.0, training: bool = False,
-    *args: Any,
-) -> str | None:
+def _triton_attention_limit(call: dict[str, Any], forced: bool) -> str | None:
+    qkv, max_seqlen = call["qkv"], call["max_seqlen"]
     if qkv.shape[-1] > TRITON_MAX_HEAD_DIM:
         return f"head dim {qkv.shape[-1]} > {TRITON_MAX_HEAD_DIM}"
-    if training and dropout_p > 0 and max_seqlen > TRITON_MAX_SEQLEN_DROPOUT:
+    if call.get("training") and call.get("dropout_p", 0.0) > 0 and max_seqlen > TRITON_MAX_SEQLEN_DROPOUT:
         return f"attention dropout with max_seqlen {max_seqlen} > {TRITON_MAX_SEQLEN_DROPOUT}"
     return None
 
 
 _TRITON_LIMITS: dict[str, LimitCheck] = {
-    "embedding_layernorm": _triton_embedding_limit,
-    "bias_residual_layernorm": _triton_brln_limit,
+    "embedding_layernorm": lambda call, forced: _feature_limit(call["word_weight"].shape[-1]),
+    "bias_residual_layernorm": lambda call, forced: _feature_limit(call["x"].shape[-1]),
     "attention": _triton_attention_limit,
 }
 
 
-def _native_no_grad(*args: Any, **kwargs: Any) -> str | None:
-    if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-        return "forward only: inputs require grad"
-    return None
+def _native_limits(call: dict[str, Any], forced: bool, op: str) -> str | None:
+    # fastbert.native is already imported here: Backend.refuses loads the module before it checks limits.
+    return importlib.import_module("fastbert.native").refuses(op, call, forced)
 
 
-def _native_limits(op: str) -> LimitCheck:
-    """The grad check, then fastbert.native's own per-call limits (dropout, dtypes per device, ops it lacks)."""
-
-    def check(*args: Any, **kwargs: Any) -> str | None:
-        # fastbert.native is already imported here: Backend.refuses loads the module before it checks limits.
-        native = importlib.import_module("fastbert.native")
-        return _native_no_grad(*args, **kwargs) or native.refuses(op, *args, **kwargs)
-
-    return check
+def _cpu_linear_limits(call: dict[str, Any], forced: bool) -> str | None:
+    return importlib.import_module("fastbert.cpu").refuses_linear(**call, forced=forced)
 
 
-def _cpu_linear_limits(*args: Any, **kwargs: Any) -> str | None:
-    return importlib.import_module("fastbert.cpu").refuses_linear(*args, **kwargs)
-
-
-def _cpu_attention_limits(*args: Any, **kwargs: Any) -> str | None:
+def _cpu_attention_limits(call: dict[str, Any], forced: bool) -> str | None:
     # a loop over cu_seqlens read on the host: torch.compile/export trace the reference instead
     return "under torch.compile/export tracing" if torch.compiler.is_compiling() else None
 
@@ -174,7 +154,7 @@ _BACKENDS: dict[str, Backend] = {
         dtypes=(torch.float32, torch.bfloat16, torch.float16),
         module="fastbert.native",
         ops=KERNEL_OPS,
-        limits={op: _native_limits(op) for op in KERNEL_OPS},
+        limits={op: functools.partial(_native_limits, op=op) for op in KERNEL_OPS},
     ),
     "cpu": Backend(
         "cpu",
@@ -250,9 +230,9 @@ def select(op: str, args: tuple, kwargs: dict) -> tuple[Callable, str]:
     """Pick the implementation for one call; returns (function, backend name)."""
     lead = _first_tensor(args)
     device, dtype = lead.device, (lead.dtype if lead.is_floating_point() else _first_float(args))
-    forced = forced_backend()
-    if forced is not None and op in OPTIONAL_OPS and op not in _BACKENDS[forced].ops:
-        forced = None
+    forced, note = forced_backend(), ""
+    if forced is not None and op not in _BACKENDS[forced].ops:  # forcing covers the ops a backend implements
+        forced, note = None, f" (forced {forced} implements no {op}: automatic choice)"
     if forced is not None:
         backend = _BACKENDS[forced]
         reason = backend.refuses(op, device, dtype, args, kwargs, forced=True)
@@ -266,7 +246,7 @@ def select(op: str, args: tuple, kwargs: dict) -> tuple[Callable, str]:
         backend = _BACKENDS[name]
         reason = "excluded" if name in excluded else backend.refuses(op, device, dtype, args, kwargs)
         if reason is None:
-            _record(op, name + (f" (skipped {'; '.join(why)})" if why else ""))
+            _record(op, name + note + (f" (skipped {'; '.join(why)})" if why else ""))
             return getattr(backend.load()[0], op), name
         why.append(f"{name}: {reason}")
     raise BackendUnavailable(f"{op}: no backend takes {device.type}/{dtype}: {'; '.join(why)}")
@@ -427,3 +407,7 @@ def attention(
 ) -> torch.Tensor:
     """Varlen bidirectional attention over packed QKV `[T, 3, nH, D]` -> `[T, nH, D]`."""
     return _dispatch("attention", qkv, cu_seqlens, max_seqlen, dropout_p, training, scale)
+
+
+# Every op's parameters by name, so that limit checks read a call by name whatever mix of positions and keywords it used
+_SIGNATURES = {op: inspect.signature(globals()[op]) for op in OPS}

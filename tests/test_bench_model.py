@@ -55,7 +55,8 @@ def test_tiny_suite_writes_every_output(tmp_path, monkeypatch: pytest.MonkeyPatc
     assert absent and all("checkpoint not installed" in r["skipped"] for r in absent)
     paths = model_report.write(doc, str(tmp_path))
 
-    saved = json.loads((tmp_path / "model_cpu.json").read_text())
+    stem = f"model_cpu-{doc['cpu_kind']}"
+    saved = json.loads((tmp_path / f"{stem}.json").read_text())
     assert saved["commit"] and saved["versions"]["torch"] == torch.__version__
     rows = {(r["dtype"], r["system"]): r for r in saved["rows"] if r["model"] == "tiny"}
     expected = {*suite.systems, "extra system", "broken system"}
@@ -69,10 +70,10 @@ def test_tiny_suite_writes_every_output(tmp_path, monkeypatch: pytest.MonkeyPatc
     assert rows[("bf16", "onnxruntime")]["skipped"]
     assert rows[("bf16", "extra system")]["skipped"]
     assert 0 < rows[("bf16", "fastbert")]["max_abs_err"] < 0.5
-    table = (tmp_path / "model_cpu.md").read_text()
+    table = (tmp_path / f"{stem}.md").read_text()
     assert "| fastbert |" in table and "onnxruntime" in table
     assert f"## tiny {run_model.dtype_label(torch.device('cpu'), 'bf16')}" in table and "bf16 GEMMs:" in table
-    assert (tmp_path / "model_cpu.png").stat().st_size > 0 and len(paths) == 3
+    assert (tmp_path / f"{stem}.png").stat().st_size > 0 and len(paths) == 3
 
 
 def test_a_failing_dtype_or_shape_is_a_row_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -99,4 +99,5 @@ def test_dispatch_runs_native_on_cuda_when_forced(ext) -> None:
     qkv = randn(6, 3, 2, 16, dtype=torch.float16)
     cu = torch.tensor([0, 6], dtype=torch.int32, device="cuda")
     reference.attention(qkv, cu, 6)  # the reference runs; native has no CUDA attention and says so
-    assert native.refuses("attention", qkv, cu, 6) == "no native CUDA kernel for attention"
+    call = {"qkv": qkv, "cu_seqlens": cu, "max_seqlen": 6}
+    assert native.refuses("attention", call) == "no native CUDA kernel for attention"
