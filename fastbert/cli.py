@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import sys
+from collections.abc import Callable
+from typing import NoReturn
+
+from fastbert.errors import exit_code
 
 # subcommand -> (module defining `add_arguments(parser)` and `run(args) -> int`, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -16,6 +21,31 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def ranged(
+    kind: type, low: float | None = None, high: float | None = None, low_open: bool = False, high_open: bool = False
+) -> Callable[[str], float]:
+    """An argparse type: a `kind` number in [low, high] (open ends where asked), so nonsense is a usage error
+    (exit code 2, naming the option) before any work starts."""
+    bounds = [f"{'>' if low_open else '>='} {low}"] if low is not None else []
+    bounds += [f"{'<' if high_open else '<='} {high}"] if high is not None else []
+    span = " and ".join(bounds)
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            expected = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        too_low = low is not None and (value <= low if low_open else value < low)
+        too_high = high is not None and (value >= high if high_open else value > high)
+        if not math.isfinite(value) or too_low or too_high:
+            raise argparse.ArgumentTypeError(f"must be {span}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="device to probe (cpu, cuda)")
 
@@ -25,25 +55,44 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from fastbert import BertConfig, BertModel, explain
+    from fastbert.training import resolve_device
 
+    device = resolve_device(args.device)
     config = BertConfig(vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
-    model = BertModel(config).to(args.device).eval()
+    model = BertModel(config).to(device).eval()
     with torch.no_grad():
-        model(torch.randint(0, 32, (2, 8), device=args.device))
+        model(torch.randint(0, 32, (2, 8), device=device))
     print(explain())
     return 0
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line usage error (and where help is), not the whole usage block: exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fastbert", description=__doc__)
+    """Run one subcommand; an error the user can fix is one line on stderr and exit code 2 (usage) or 1 (data),
+    a bug keeps its traceback (as does every error under --debug)."""
+    parser = Parser(prog="fastbert", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     argv = sys.argv[1:] if argv is None else argv
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text)
+        p.add_argument("--debug", action="store_true", help="show the full traceback of any error")
         if argv and argv[0] == name:  # import only the subsystem actually asked for
             importlib.import_module(module).add_arguments(p)
     args = parser.parse_args(argv)
-    return importlib.import_module(COMMANDS[args.command][0]).run(args)
+    try:
+        return importlib.import_module(COMMANDS[args.command][0]).run(args)
+    except Exception as exc:
+        code = exit_code(exc)
+        if code is None or args.debug:
+            raise
+        print(f"fastbert {args.command}: error: {exc}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

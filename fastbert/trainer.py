@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastbert.cli import ranged
+from fastbert.errors import UsageError
 from fastbert.training import (
     PRECISION_CHOICES,
     DistEnv,
@@ -62,6 +64,25 @@ class LoopConfig:
     strategy: str = "ddp"
     keep_checkpoints: int = 0  # the newest N resumable checkpoints are kept; 0 = all
     final_dir: str = "final"  # where the trained model is written, under output_dir
+
+    def __post_init__(self) -> None:
+        """Reject values no run can use, naming the field, before any work (max_steps=-5 would train 0 steps)."""
+        rules = (
+            ("lr", self.lr >= 0, ">= 0"),
+            ("epochs", self.epochs > 0, "> 0"),
+            ("max_steps", self.max_steps is None or self.max_steps >= 1, ">= 1"),
+            ("max_minutes", self.max_minutes is None or self.max_minutes > 0, "> 0"),
+            ("warmup_ratio", 0 <= self.warmup_ratio < 1, "in [0, 1)"),
+            ("weight_decay", self.weight_decay >= 0, ">= 0"),
+            ("grad_accum", self.grad_accum >= 1, ">= 1"),
+            ("max_grad_norm", self.max_grad_norm >= 0, ">= 0"),
+            ("eval_every", self.eval_every >= 0, ">= 0"),
+            ("save_every", self.save_every >= 0, ">= 0"),
+            ("log_every", self.log_every >= 1, ">= 1"),
+        )
+        for name, ok, rule in rules:
+            if not ok:
+                raise UsageError(f"{name} must be {rule}, got {getattr(self, name)!r}")
 
 
 Evaluate = Callable[[nn.Module], dict[str, float]]
@@ -264,23 +285,31 @@ def fit(
 
 def add_loop_arguments(parser: Any, lr: float, epochs: float) -> None:
     """The LoopConfig options as command-line flags (shared by `fastbert pretrain` and `fastbert finetune`)."""
-    parser.add_argument("--lr", type=float, default=lr)
-    parser.add_argument("--epochs", type=float, default=epochs)
-    parser.add_argument("--max-steps", type=int, help="optimizer steps (overrides --epochs)")
-    parser.add_argument("--max-minutes", type=float, help="wall-time budget; the LR schedule is fitted into it")
-    parser.add_argument("--warmup-ratio", type=float, default=0.1)
-    parser.add_argument("--weight-decay", type=float, default=0.01)
-    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--lr", type=ranged(float, 0, low_open=True), default=lr)
+    parser.add_argument("--epochs", type=ranged(float, 0, low_open=True), default=epochs)
+    parser.add_argument("--max-steps", type=ranged(int, 1), help="optimizer steps (overrides --epochs)")
+    parser.add_argument(
+        "--max-minutes",
+        type=ranged(float, 0, low_open=True),
+        help="wall-time budget; the LR schedule is fitted into it",
+    )
+    parser.add_argument("--warmup-ratio", type=ranged(float, 0, 1, high_open=True), default=0.1)
+    parser.add_argument("--weight-decay", type=ranged(float, 0), default=0.01)
+    parser.add_argument("--grad-accum", type=ranged(int, 1), default=1, help="micro-batches per optimizer step")
     parser.add_argument(
         "--precision", choices=PRECISION_CHOICES, default="auto", help="auto: bf16 where it is fast here, else fp32"
     )
-    parser.add_argument("--eval-every", type=int, default=0, help="optimizer steps between evaluations")
-    parser.add_argument("--save-every", type=int, default=0, help="optimizer steps between resumable checkpoints")
-    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--eval-every", type=ranged(int, 0), default=0, help="optimizer steps between evaluations")
+    parser.add_argument(
+        "--save-every", type=ranged(int, 0), default=0, help="optimizer steps between resumable checkpoints"
+    )
+    parser.add_argument("--log-every", type=ranged(int, 1), default=10)
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
     parser.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp", help="under torchrun")
     parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--threads", type=int, help="CPU threads per process (1 is far faster on a busy machine)")
+    parser.add_argument(
+        "--threads", type=ranged(int, 1), help="CPU threads per process (1 is far faster on a busy machine)"
+    )
 
 
 def loop_options(args: Any) -> dict[str, Any]:

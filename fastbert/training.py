@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fastbert import capabilities
+from fastbert.errors import UsageError
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 PRECISION_CHOICES = ("auto", *PRECISIONS)  # what the CLIs and configs accept; 'auto' follows the machine
@@ -52,12 +53,29 @@ def init_distributed(device: str | None = None) -> DistEnv:
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(f"cuda:{local}" if device == "cuda" else device)
+    dev = resolve_device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", local)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     return DistEnv(rank, world, local, dev)
+
+
+def resolve_device(name: str) -> torch.device:
+    """`name` as a torch.device this machine has; a UsageError naming --device otherwise (not torch's own error)."""
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError) as exc:
+        raise UsageError(f"--device {name!r} is not a device name (cpu, cuda, cuda:N)") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: CUDA is not available here (use --device cpu)")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise UsageError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if dev.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {name}: fastbert trains on cpu or cuda")
+    return dev
 
 
 def wrap_model(model: nn.Module, env: DistEnv, strategy: str = "ddp") -> nn.Module:

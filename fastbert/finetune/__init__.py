@@ -14,6 +14,7 @@ import torch
 
 from fastbert.checkpoint import load_checkpoint_dir
 from fastbert.config import BertConfig
+from fastbert.errors import UsageError
 from fastbert.finetune.tasks import QATask, SequenceTask, TokenTask
 from fastbert.tokenization import WordPieceTokenizer
 from fastbert.trainer import LoopConfig, fit
@@ -43,7 +44,10 @@ def make_task(kind: str, tokenizer: WordPieceTokenizer, options: dict[str, Any])
     if kind == "token":
         return TokenTask(tokenizer, options.get("labels"), max_length)
     if kind == "qa":
-        return QATask(tokenizer, max_length, options.get("stride", 128))
+        stride = options.get("stride", 128)
+        if stride >= max_length:
+            raise UsageError(f"qa: --stride ({stride}) must be smaller than --max-length ({max_length})")
+        return QATask(tokenizer, max_length, stride)
     raise ValueError(f"task must be one of {TASKS}, got {kind!r}")
 
 
