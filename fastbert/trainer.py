@@ -40,6 +40,7 @@ from fastbert.training import (
     save_checkpoint,
     unwrap,
     wrap_model,
+    write_atomically,
 )
 
 
@@ -118,7 +119,21 @@ def save_final(
         if finish is not None:
             finish(unwrap(model))
         if env.is_main:
-            unwrap(model).save_pretrained(directory)
+            write_atomically(directory, unwrap(model).save_pretrained)
+
+
+def save_resumable(
+    directory: str, step: int, model: nn.Module, extra: dict, rng: Any, keep: int, stateful: dict[str, Any]
+) -> None:
+    """A resumable checkpoint, then pruning; a failed write (disk full, folder gone) is a warning that says where the
+    last good checkpoint is, and training goes on: the run is not lost, and nothing older is pruned."""
+    try:
+        save_checkpoint(directory, step, model, extra, rng, **stateful)
+    except OSError as exc:
+        last = latest_checkpoint(directory)
+        print(f"warning: checkpoint step-{step} not written ({exc}); the last good checkpoint is {last}", flush=True)
+        return
+    prune_checkpoints(directory, keep, step)
 
 
 def _with_precision(cfg: LoopConfig, env: DistEnv) -> LoopConfig:
@@ -260,8 +275,7 @@ def fit(
                 extra = {"history": history, "elapsed": time.perf_counter() - start}
                 rng = gather_rng_states(env)
                 if env.is_main:
-                    save_checkpoint(ckpt_dir, step, wrapped, extra, rng, **stateful)
-                    prune_checkpoints(ckpt_dir, cfg.keep_checkpoints, step)
+                    save_resumable(ckpt_dir, step, wrapped, extra, rng, cfg.keep_checkpoints, stateful)
                 if env.distributed:
                     torch.distributed.barrier()
             if on_step is not None:
@@ -275,7 +289,12 @@ def fit(
         elapsed = round(time.perf_counter() - start, 2)
         history.append({"step": step, "epoch": round(micro / batches, 3), **metrics, "elapsed_s": elapsed})
     final = os.path.join(cfg.output_dir, cfg.final_dir)
-    save_final(wrapped, final, env, cfg.strategy, finish)
+    try:
+        save_final(wrapped, final, env, cfg.strategy, finish)
+    except OSError as exc:  # the trained weights are lost with this process: say what survives on disk
+        last = latest_checkpoint(ckpt_dir)
+        kept = f"the last good checkpoint is {last}" if last else "no resumable checkpoint was written (--save-every)"
+        raise OSError(f"the trained model could not be written to {final} ({exc}); {kept}") from exc
     result = {"step": step, "metrics": metrics, "history": history, "train_seconds": time.perf_counter() - start}
     if env.is_main:
         with open(os.path.join(cfg.output_dir, "history.json"), "w", encoding="utf-8") as f:

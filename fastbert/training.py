@@ -12,7 +12,8 @@ import math
 import os
 import random
 import shutil
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,6 +154,34 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
+def check_writable(directory: str) -> None:
+    """Create `directory` and write a probe file in it now, so that a read-only, missing or full output folder is an
+    OSError naming it before training starts, not at the first save."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-probe-") as probe:
+            probe.write(bytes(1 << 16))
+            probe.flush()
+            os.fsync(probe.fileno())
+    except OSError as exc:
+        raise OSError(f"output folder {directory} is not writable: {exc}") from None
+
+
+def write_atomically(directory: str, write: Callable[[str], None]) -> str:
+    """`write(tmp)` fills a temporary folder beside `directory`, which then replaces it: a failed write (disk full)
+    leaves no half-written folder and whatever `directory` held before intact. Returns `directory`."""
+    tmp = directory.rstrip(os.sep) + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(directory, ignore_errors=True)
+    os.replace(tmp, directory)
+    return directory
+
+
 def rng_state() -> dict[str, Any]:
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     numpy_state = (kind, torch.from_numpy(keys.copy()), pos, has_gauss, gauss)  # tensors: loadable with weights_only
@@ -197,16 +226,14 @@ def save_checkpoint(
     (optimizer=..., scheduler=..., scaler=...) are saved by their `state_dict()`. The folder appears under its final
     name only once complete, so a crash mid-write leaves the previous checkpoint intact.
     """
-    final = os.path.join(directory, f"step-{step}")
-    tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    unwrap(model).save_pretrained(tmp)
     state = {"step": step, "rng": rng if rng is not None else [rng_state()], "extra": extra or {}}
     state.update({name: obj.state_dict() for name, obj in stateful.items() if obj is not None})
-    torch.save(state, os.path.join(tmp, STATE_FILE))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    return final
+
+    def write(tmp: str) -> None:
+        unwrap(model).save_pretrained(tmp)
+        torch.save(state, os.path.join(tmp, STATE_FILE))
+
+    return write_atomically(os.path.join(directory, f"step-{step}"), write)
 
 
 def latest_checkpoint(directory: str) -> str | None:

@@ -128,3 +128,18 @@ def test_loop_and_distill_configs_reject_nonsense_before_any_work(tmp_path: Path
         DistillConfig(str(tmp_path), num_layers=0)
     with pytest.raises(UsageError, match="max_steps must be >= 1, got -5"):
         DistillConfig(str(tmp_path), max_steps=-5)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [*PRETRAIN[:-1], "{d}/corpus.txt/out"],
+        ["finetune", "sequence", "--model", "{d}", "--train", "{d}/scores.csv", "--output-dir", "{d}/corpus.txt/out"],
+        ["distill", "{d}/teacher", "{d}/corpus.txt", "--output", "{d}/corpus.txt/out"],
+    ],
+    ids=["pretrain", "finetune", "distill"],
+)
+def test_unwritable_output_folder_fails_before_any_work(files: Path, capsys, argv: list[str]) -> None:
+    """The output folder is checked first: before the model, the tokenizer or the data are read (or trained on)."""
+    code, err = run_cli([a.format(d=files) for a in argv], capsys)
+    assert code == 1 and re.search(r"output folder .*corpus.txt/out is not writable", err), err

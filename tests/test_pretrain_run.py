@@ -4,6 +4,7 @@ saved models that load in transformers with the same outputs."""
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -169,3 +170,35 @@ def test_torchrun_two_processes_ddp_and_fsdp(tmp_path, corpus):
     assert ddp.keys() == fsdp.keys()
     for key in ddp:
         assert torch.allclose(ddp[key], fsdp[key], atol=1e-5), (key, (ddp[key] - fsdp[key]).abs().max())
+
+
+def test_failed_checkpoint_write_keeps_the_last_good_one_and_training_goes_on(tmp_path, corpus, monkeypatch, capsys):
+    real_save, calls = torch.save, []
+
+    def disk_full_once(obj, path, *args, **kwargs):  # the second checkpoint's state file hits a full disk
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", disk_full_once)
+    result = run_api(corpus, tmp_path, max_steps=4, save_every=1, keep_checkpoints=1)
+    assert result["step"] == 4 and (tmp_path / "final" / "model.safetensors").is_file()
+    # step-1 survived the failed step-2 (nothing is pruned for a write that failed), no half-written folder is left
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-3"]
+    out = capsys.readouterr().out
+    assert re.search(r"warning: checkpoint step-2 not written .*No space left.*last good checkpoint is .*step-1", out)
+
+
+def test_failed_final_save_says_where_the_last_checkpoint_is(tmp_path, corpus, monkeypatch):
+    real = BertForPreTraining.save_pretrained
+
+    def fail_final(self, directory):
+        if os.path.basename(directory) == "final.tmp":
+            raise OSError(28, "No space left on device")
+        real(self, directory)
+
+    monkeypatch.setattr(BertForPreTraining, "save_pretrained", fail_final)
+    with pytest.raises(OSError, match=r"could not be written to .*final .*last good checkpoint is .*step-2"):
+        run_api(corpus, tmp_path, max_steps=3, save_every=1)
+    assert not (tmp_path / "final").exists() and not (tmp_path / "final.tmp").exists()

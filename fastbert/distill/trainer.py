@@ -241,6 +241,7 @@ def distill(
     env = training.init_distributed(cfg.device)
     resume_path = _resolve_resume(cfg)
     loop = _loop_config(cfg, resume_path)
+    training.check_writable(cfg.output_dir)
     teacher_model = load_teacher(teacher)
     if tokenizer is None:
         if not isinstance(teacher, (str, os.PathLike)):

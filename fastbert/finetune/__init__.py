@@ -18,7 +18,7 @@ from fastbert.errors import UsageError
 from fastbert.finetune.tasks import QATask, SequenceTask, TokenTask
 from fastbert.tokenization import WordPieceTokenizer
 from fastbert.trainer import LoopConfig, fit
-from fastbert.training import LengthGroupedBatchSampler, init_distributed
+from fastbert.training import LengthGroupedBatchSampler, check_writable, init_distributed
 
 TASKS = ("sequence", "regression", "token", "qa")
 
@@ -72,6 +72,8 @@ def finetune(
     labels (token), stride (qa), max_length (all).
     """
     env = init_distributed(device)
+    cfg = LoopConfig(output_dir=output_dir, **{"lr": 3e-5, **(loop or {})})
+    check_writable(output_dir)
     tok = WordPieceTokenizer.from_pretrained(tokenizer or model)
     job = make_task(task, tok, task_options)
     train_examples = job.read(train, train=True)
@@ -86,7 +88,6 @@ def finetune(
     torch.manual_seed(seed)
     net = job.model_class(config)
     net.load_checkpoint_state(load_checkpoint_dir(model))
-    cfg = LoopConfig(output_dir=output_dir, **{"lr": 3e-5, **(loop or {})})
     sampler = LengthGroupedBatchSampler(
         [len(f["input_ids"]) for f in train_feats], batch_size, seed, rank=env.rank, world_size=env.world_size
     )

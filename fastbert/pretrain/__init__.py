@@ -22,7 +22,7 @@ from fastbert.pretrain.data import encode_pairs, make_pairs, read_documents, tok
 from fastbert.pretrain.objective import HeldOutEval, PretrainCollator, PretrainingObjective, most_frequent_token
 from fastbert.tokenization import WordPieceTokenizer
 from fastbert.trainer import LoopConfig, fit
-from fastbert.training import LengthGroupedBatchSampler, init_distributed
+from fastbert.training import LengthGroupedBatchSampler, check_writable, init_distributed
 
 __all__ = ["build_model", "load_corpus", "pretrain"]
 
@@ -95,6 +95,7 @@ def pretrain(
         raise UsageError(
             f"max_length {max_length} > the model's max_position_embeddings {shape.max_position_embeddings}"
         )
+    check_writable(output_dir)
     train_docs, held_docs = load_corpus(train, heldout, heldout_fraction, seed)
     if tokenizer or init_from:
         tok = WordPieceTokenizer.from_pretrained(tokenizer or init_from)
@@ -113,7 +114,6 @@ def pretrain(
         [len(f["input_ids"]) for f in feats], batch_size, seed, rank=env.rank, world_size=env.world_size
     )
     if env.is_main:
-        os.makedirs(output_dir, exist_ok=True)
         n_tokens = sum(len(f["input_ids"]) for f in feats)
         print(f"{len(train_docs)} documents -> {len(feats)} pairs ({n_tokens} tokens); {len(held)} held-out pairs")
     result = fit(model, feats, collate, sampler, cfg, env, evaluate, desc=f"pretrain mlm+{objective}")
