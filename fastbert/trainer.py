@@ -136,6 +136,13 @@ def save_resumable(
     prune_checkpoints(directory, keep, step)
 
 
+def resume_checkpoint(cfg: LoopConfig) -> str | None:
+    """The checkpoint a run with these settings continues from: `resume` itself, the newest one, or None."""
+    if isinstance(cfg.resume, str):
+        return cfg.resume
+    return latest_checkpoint(os.path.join(cfg.output_dir, "checkpoints")) if cfg.resume else None
+
+
 def _with_precision(cfg: LoopConfig, env: DistEnv) -> LoopConfig:
     """cfg with 'auto' precision resolved for this device; the run says what it picked and why (rank 0)."""
     precision, why = resolve_precision(cfg.precision, env.device)
@@ -188,7 +195,7 @@ def fit(
     stateful = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler, **(state or {})}
     if env.distributed:  # the model is built alike everywhere; from here each rank draws its own masks and dropout
         torch.manual_seed(torch.initial_seed() + env.rank)
-    last = cfg.resume if isinstance(cfg.resume, str) else latest_checkpoint(ckpt_dir) if cfg.resume else None
+    last = resume_checkpoint(cfg)
     if last:
         saved = load_checkpoint(last, wrapped, env.rank, **stateful)
         step, history = saved["step"], saved["extra"].get("history", [])
