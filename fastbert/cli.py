@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import math
 import sys
-from collections.abc import Callable
 from typing import NoReturn
 
 from fastbert.errors import exit_code
@@ -19,31 +17,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export-onnx": ("fastbert.onnx.cli", "export a checkpoint to ONNX, check it in onnxruntime, optionally optimize"),
     "distill": ("fastbert.distill.cli", "train a smaller student from a BERT teacher (torchrun for many processes)"),
 }
-
-
-def ranged(
-    kind: type, low: float | None = None, high: float | None = None, low_open: bool = False, high_open: bool = False
-) -> Callable[[str], float]:
-    """An argparse type: a `kind` number in [low, high] (open ends where asked), so nonsense is a usage error
-    (exit code 2, naming the option) before any work starts."""
-    bounds = [f"{'>' if low_open else '>='} {low}"] if low is not None else []
-    bounds += [f"{'<' if high_open else '<='} {high}"] if high is not None else []
-    span = " and ".join(bounds)
-
-    def parse(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            expected = "an integer" if kind is int else "a number"
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-        too_low = low is not None and (value <= low if low_open else value < low)
-        too_high = high is not None and (value >= high if high_open else value > high)
-        if not math.isfinite(value) or too_low or too_high:
-            raise argparse.ArgumentTypeError(f"must be {span}, got {text}")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in its messages
-    return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,5 +1,5 @@
-"""The errors a `fastbert` command reports in one line (no traceback), their exit codes, and a text reader that
-names the file and line of a bad byte.
+"""The errors a `fastbert` command reports in one line (no traceback), their exit codes, and the checks that raise
+them: numeric option ranges (an argparse type) and a text reader that names the file and line of a bad byte.
 
 Exit code 2: a usage error (an option out of range or inconsistent with another, a device this machine lacks).
 Exit code 1: a data error (a missing, empty or undecodable file, a bad column or label, a bad checkpoint or config),
@@ -8,7 +8,10 @@ an unwritable output folder, or a result that failed its own check. Anything els
 
 from __future__ import annotations
 
+import argparse
+import math
 import os
+from collections.abc import Callable
 
 
 class UsageError(ValueError):
@@ -30,6 +33,30 @@ def exit_code(exc: BaseException) -> int | None:
     if isinstance(exc, (ValueError, OSError, CheckError)):  # ValueError: DataError, CheckpointError, config errors
         return 1
     return None
+
+
+def ranged(
+    kind: type, low: float | None = None, high: float | None = None, low_open: bool = False, high_open: bool = False
+) -> Callable[[str], float]:
+    """An argparse type: a `kind` number in [low, high] (open ends where asked), so nonsense is a usage error
+    (exit code 2, naming the option) before any work starts."""
+    bounds = [f"{'>' if low_open else '>='} {low}"] if low is not None else []
+    bounds += [f"{'<' if high_open else '<='} {high}"] if high is not None else []
+    span = " and ".join(bounds)
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            expected = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        too_low = low is not None and (value <= low if low_open else value < low)
+        too_high = high is not None and (value >= high if high_open else value > high)
+        if not math.isfinite(value) or too_low or too_high:
+            raise argparse.ArgumentTypeError(f"must be {span}, got {text}")
+        return value
+
+    return parse
 
 
 def read_text(path: str | os.PathLike) -> str:

@@ -23,8 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastbert.cli import ranged
-from fastbert.errors import UsageError
+from fastbert.errors import UsageError, ranged
 from fastbert.training import (
     PRECISION_CHOICES,
     DistEnv,

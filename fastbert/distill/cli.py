@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from fastbert.cli import ranged
 from fastbert.distill.objectives import WEIGHTS, Objectives
+from fastbert.errors import ranged
 from fastbert.training import PRECISION_CHOICES
 
 PRESETS = {"distilbert": Objectives.distilbert, "sentence": Objectives.sentence_embedding}

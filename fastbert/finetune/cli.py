@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from fastbert.cli import ranged
+from fastbert.errors import ranged
 from fastbert.trainer import add_loop_arguments, loop_options, print_summary
 
 

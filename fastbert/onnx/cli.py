@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 
-from fastbert.errors import DataError
+from fastbert.errors import DataError, ranged
 from fastbert.onnx.exporter import DTYPES, OPSET
 from fastbert.onnx.graph import SPECS
 
@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("output", help="where to write the .onnx file")
     parser.add_argument("--head", choices=sorted(SPECS), help="model class (default: the config's architectures)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    parser.add_argument("--opset", type=int, default=OPSET)
+    parser.add_argument("--opset", type=ranged(int, OPSET), default=OPSET)
     parser.add_argument("--optimize", action="store_true", help="also write onnxruntime's fused graph")
     parser.add_argument("--optimized-output", help="path of the fused graph (default: OUTPUT with .opt.onnx)")
     parser.add_argument("--no-check", action="store_true", help="skip the onnxruntime vs PyTorch parity check")

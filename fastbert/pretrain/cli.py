@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from fastbert.cli import ranged
+from fastbert.errors import ranged
 from fastbert.pretrain.data import MIN_LENGTH
 from fastbert.tokenization import SPECIAL_TOKENS
 from fastbert.trainer import add_loop_arguments, loop_options, print_summary
