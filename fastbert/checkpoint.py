@@ -53,9 +53,13 @@ def load_state_dict_file(path: str | os.PathLike, allow_pickle: bool = False) ->
     """Read one weights file; safetensors always, pickle only with `allow_pickle=True`."""
     kind = sniff_format(path)
     if kind == "safetensors":
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        return load_file(str(path))
+        try:
+            return load_file(str(path))
+        except SafetensorError as exc:  # truncated or corrupted: say which file, not only what safetensors saw
+            raise CheckpointError(f"{path} is a damaged safetensors file (truncated or corrupted?): {exc}") from None
     if kind == "pickle":
         if not allow_pickle:
             raise CheckpointError(

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
+
+from fastbert.errors import exit_code
 
 # subcommand -> (module defining `add_arguments(parser)` and `run(args) -> int`, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -25,25 +28,44 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from fastbert import BertConfig, BertModel, explain
+    from fastbert.training import resolve_device
 
+    device = resolve_device(args.device)
     config = BertConfig(vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
-    model = BertModel(config).to(args.device).eval()
+    model = BertModel(config).to(device).eval()
     with torch.no_grad():
-        model(torch.randint(0, 32, (2, 8), device=args.device))
+        model(torch.randint(0, 32, (2, 8), device=device))
     print(explain())
     return 0
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line usage error (and where help is), not the whole usage block: exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fastbert", description=__doc__)
+    """Run one subcommand; an error the user can fix is one line on stderr and exit code 2 (usage) or 1 (data),
+    a bug keeps its traceback (as does every error under --debug)."""
+    parser = Parser(prog="fastbert", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     argv = sys.argv[1:] if argv is None else argv
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text)
+        p.add_argument("--debug", action="store_true", help="show the full traceback of any error")
         if argv and argv[0] == name:  # import only the subsystem actually asked for
             importlib.import_module(module).add_arguments(p)
     args = parser.parse_args(argv)
-    return importlib.import_module(COMMANDS[args.command][0]).run(args)
+    try:
+        return importlib.import_module(COMMANDS[args.command][0]).run(args)
+    except Exception as exc:
+        code = exit_code(exc)
+        if code is None or args.debug:
+            raise
+        print(f"fastbert {args.command}: error: {exc}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 from typing import Any
 
@@ -44,6 +45,36 @@ _DEFAULTS: dict[str, Any] = {
 }
 
 _FASTBERT_FIELDS = ("embedding_size", "layer_sharing", "num_hidden_groups", "backend")
+_SIZES = (  # positive integers
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "max_position_embeddings",
+    "type_vocab_size",
+    "num_hidden_groups",
+)
+_PROBABILITIES = ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout")  # None: not set
+PROBLEM_TYPES = (None, "regression", "single_label_classification", "multi_label_classification")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _label_map(id2label: Any) -> dict[int, Any]:
+    """id2label with integer keys (JSON writes them as strings); anything else is a ValueError naming the field."""
+    if not isinstance(id2label, dict):
+        raise ValueError(f"id2label must be a mapping of label ids to names, got {id2label!r:.60}")
+    try:
+        return {int(k): v for k, v in id2label.items()}
+    except (TypeError, ValueError):
+        raise ValueError(f"id2label keys must be integers, got {list(id2label)[:10]}") from None
 
 
 class BertConfig:
@@ -55,8 +86,10 @@ class BertConfig:
         values = copy.deepcopy(_DEFAULTS)
         values.update(kwargs)
         if values.get("id2label") is None:
+            if not _is_int(values["num_labels"]) or values["num_labels"] < 0:
+                raise ValueError(f"num_labels must be a non-negative integer, got {values['num_labels']!r}")
             values["id2label"] = {i: f"LABEL_{i}" for i in range(values["num_labels"])}
-        values["id2label"] = {int(k): v for k, v in values["id2label"].items()}
+        values["id2label"] = _label_map(values["id2label"])
         values["num_labels"] = len(values["id2label"])
         if values.get("label2id") is None:
             values["label2id"] = {v: k for k, v in values["id2label"].items()}
@@ -66,7 +99,30 @@ class BertConfig:
 
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
-        """Raise ValueError for combinations no model can be built from."""
+        """Raise ValueError, naming the field, for any value or combination no model can be built from or run."""
+        for name in _SIZES:
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.embedding_size is not None and (not _is_int(self.embedding_size) or self.embedding_size < 1):
+            raise ValueError(f"embedding_size must be a positive integer or null, got {self.embedding_size!r}")
+        for name in _PROBABILITIES:
+            value = getattr(self, name)
+            if not (value is None and name == "classifier_dropout") and not (_is_number(value) and 0 <= value <= 1):
+                raise ValueError(f"{name} must be a probability in [0, 1], got {value!r}")
+        if not _is_number(self.layer_norm_eps) or self.layer_norm_eps <= 0:
+            raise ValueError(f"layer_norm_eps must be a positive number, got {self.layer_norm_eps!r}")
+        if not _is_number(self.initializer_range) or self.initializer_range < 0:
+            raise ValueError(f"initializer_range must be a number >= 0, got {self.initializer_range!r}")
+        if self.pad_token_id is not None and not (
+            _is_int(self.pad_token_id) and 0 <= self.pad_token_id < self.vocab_size
+        ):
+            raise ValueError(
+                f"pad_token_id must be null or in [0, vocab_size={self.vocab_size}), got {self.pad_token_id!r}"
+            )
+        if self.problem_type not in PROBLEM_TYPES:
+            raise ValueError(f"problem_type must be one of {PROBLEM_TYPES}, got {self.problem_type!r}")
+        _label_map(self.id2label)
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be divisible by "
@@ -76,7 +132,7 @@ class BertConfig:
             raise ValueError(f"hidden_act must be one of {ACTIVATIONS}, got {self.hidden_act!r}")
         if self.layer_sharing not in SHARING:
             raise ValueError(f"layer_sharing must be one of {SHARING}, got {self.layer_sharing!r}")
-        if not 1 <= self.num_hidden_groups <= max(1, self.num_hidden_layers):
+        if self.num_hidden_groups > self.num_hidden_layers:
             raise ValueError(
                 f"num_hidden_groups ({self.num_hidden_groups}) must be in "
                 f"[1, num_hidden_layers={self.num_hidden_layers}]"
@@ -85,15 +141,6 @@ class BertConfig:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.position_embedding_type != "absolute":
             raise ValueError(f"only absolute position embeddings are supported, got {self.position_embedding_type!r}")
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "num_attention_heads",
-            "intermediate_size",
-            "max_position_embeddings",
-        ):
-            if int(getattr(self, name)) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
     # ---------------------------------------------------------- derived values
     @property
@@ -133,8 +180,12 @@ class BertConfig:
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> BertConfig:
+        """A config.json; a file that is not JSON or holds a bad field is a ValueError naming the file."""
         with open(path, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
+            try:
+                return cls.from_dict(json.load(f))
+            except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors too
+                raise ValueError(f"{os.fspath(path)}: {exc}") from None
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike) -> BertConfig:

@@ -289,7 +289,13 @@ class BertModel(PreTrainedModel):
         packed_output: bool,
     ) -> BaseModelOutputWithPooling | tuple:
         batch, seqlen, ranges = check_inputs(
-            self.config, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds
+            self.config,
+            input_ids,
+            attention_mask,
+            token_type_ids,
+            position_ids,
+            inputs_embeds,
+            self.embeddings.word_embeddings.weight.dtype,
         )
         lead = input_ids if input_ids is not None else inputs_embeds
         device = lead.device

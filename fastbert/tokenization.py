@@ -66,20 +66,27 @@ class WordPieceTokenizer:
     def train(
         cls, texts: Iterable[str], vocab_size: int = 8000, min_frequency: int = 2, lowercase: bool = True
     ) -> WordPieceTokenizer:
-        """Learn a new WordPiece vocabulary from an iterable of texts."""
-        tokenizers = _require_tokenizers()
+        """Learn a new WordPiece vocabulary from an iterable of texts; the same texts give the same vocabulary, ids
+        included, in every process (every DDP rank, a resumed run).
+
+        The `tokenizers` trainer numbers the word-internal pieces ('##x') in hash-map order, which varies from one
+        training to the next and changes how merge ties break. Here they are numbered first, sorted, as reserved
+        tokens after BERT's special ones; the learnt vocabulary then backs a plain WordPiece tokenizer.
+        """
+        _require_tokenizers()
         from tokenizers.implementations import BertWordPieceTokenizer
 
+        texts = list(texts)
         tok = BertWordPieceTokenizer(lowercase=lowercase)
-        tok.train_from_iterator(
-            texts, vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(SPECIAL_TOKENS)
-        )
-        # a freshly trained BertWordPieceTokenizer has no post-processor: without one it adds no [CLS]/[SEP]
-        vocab = tok.get_vocab()
-        tok._tokenizer.post_processor = tokenizers.processors.BertProcessing(
-            ("[SEP]", vocab["[SEP]"]), ("[CLS]", vocab["[CLS]"])
-        )
-        return cls(tok._tokenizer)
+        backend = tok._tokenizer
+        inner: set[str] = set()  # characters seen inside a word, after BERT's normalisation and pre-tokenisation
+        for text in texts:
+            for word, _ in backend.pre_tokenizer.pre_tokenize_str(backend.normalizer.normalize_str(text)):
+                inner.update(word[1:])
+        reserved = [*SPECIAL_TOKENS, *sorted("##" + c for c in inner)]
+        tok.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=reserved)
+        # rebuilt from the vocabulary: the '##x' are ordinary pieces again, and BERT's [CLS]/[SEP] processor is set
+        return cls(BertWordPieceTokenizer(tok.get_vocab(), lowercase=lowercase)._tokenizer)
 
     def save(self, directory: str | os.PathLike) -> None:
         """Write tokenizer.json and vocab.txt (what transformers' BertTokenizerFast reads)."""

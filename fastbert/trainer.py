@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastbert.errors import UsageError, ranged
 from fastbert.training import (
     PRECISION_CHOICES,
     DistEnv,
@@ -38,6 +39,7 @@ from fastbert.training import (
     save_checkpoint,
     unwrap,
     wrap_model,
+    write_atomically,
 )
 
 
@@ -62,6 +64,25 @@ class LoopConfig:
     strategy: str = "ddp"
     keep_checkpoints: int = 0  # the newest N resumable checkpoints are kept; 0 = all
     final_dir: str = "final"  # where the trained model is written, under output_dir
+
+    def __post_init__(self) -> None:
+        """Reject values no run can use, naming the field, before any work (max_steps=-5 would train 0 steps)."""
+        rules = (
+            ("lr", self.lr >= 0, ">= 0"),
+            ("epochs", self.epochs > 0, "> 0"),
+            ("max_steps", self.max_steps is None or self.max_steps >= 1, ">= 1"),
+            ("max_minutes", self.max_minutes is None or self.max_minutes > 0, "> 0"),
+            ("warmup_ratio", 0 <= self.warmup_ratio < 1, "in [0, 1)"),
+            ("weight_decay", self.weight_decay >= 0, ">= 0"),
+            ("grad_accum", self.grad_accum >= 1, ">= 1"),
+            ("max_grad_norm", self.max_grad_norm >= 0, ">= 0"),
+            ("eval_every", self.eval_every >= 0, ">= 0"),
+            ("save_every", self.save_every >= 0, ">= 0"),
+            ("log_every", self.log_every >= 1, ">= 1"),
+        )
+        for name, ok, rule in rules:
+            if not ok:
+                raise UsageError(f"{name} must be {rule}, got {getattr(self, name)!r}")
 
 
 Evaluate = Callable[[nn.Module], dict[str, float]]
@@ -97,7 +118,28 @@ def save_final(
         if finish is not None:
             finish(unwrap(model))
         if env.is_main:
-            unwrap(model).save_pretrained(directory)
+            write_atomically(directory, unwrap(model).save_pretrained)
+
+
+def save_resumable(
+    directory: str, step: int, model: nn.Module, extra: dict, rng: Any, keep: int, stateful: dict[str, Any]
+) -> None:
+    """A resumable checkpoint, then pruning; a failed write (disk full, folder gone) is a warning that says where the
+    last good checkpoint is, and training goes on: the run is not lost, and nothing older is pruned."""
+    try:
+        save_checkpoint(directory, step, model, extra, rng, **stateful)
+    except OSError as exc:
+        last = latest_checkpoint(directory)
+        print(f"warning: checkpoint step-{step} not written ({exc}); the last good checkpoint is {last}", flush=True)
+        return
+    prune_checkpoints(directory, keep, step)
+
+
+def resume_checkpoint(cfg: LoopConfig) -> str | None:
+    """The checkpoint a run with these settings continues from: `resume` itself, the newest one, or None."""
+    if isinstance(cfg.resume, str):
+        return cfg.resume
+    return latest_checkpoint(os.path.join(cfg.output_dir, "checkpoints")) if cfg.resume else None
 
 
 def _with_precision(cfg: LoopConfig, env: DistEnv) -> LoopConfig:
@@ -152,7 +194,7 @@ def fit(
     stateful = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler, **(state or {})}
     if env.distributed:  # the model is built alike everywhere; from here each rank draws its own masks and dropout
         torch.manual_seed(torch.initial_seed() + env.rank)
-    last = cfg.resume if isinstance(cfg.resume, str) else latest_checkpoint(ckpt_dir) if cfg.resume else None
+    last = resume_checkpoint(cfg)
     if last:
         saved = load_checkpoint(last, wrapped, env.rank, **stateful)
         step, history = saved["step"], saved["extra"].get("history", [])
@@ -239,8 +281,7 @@ def fit(
                 extra = {"history": history, "elapsed": time.perf_counter() - start}
                 rng = gather_rng_states(env)
                 if env.is_main:
-                    save_checkpoint(ckpt_dir, step, wrapped, extra, rng, **stateful)
-                    prune_checkpoints(ckpt_dir, cfg.keep_checkpoints, step)
+                    save_resumable(ckpt_dir, step, wrapped, extra, rng, cfg.keep_checkpoints, stateful)
                 if env.distributed:
                     torch.distributed.barrier()
             if on_step is not None:
@@ -254,7 +295,12 @@ def fit(
         elapsed = round(time.perf_counter() - start, 2)
         history.append({"step": step, "epoch": round(micro / batches, 3), **metrics, "elapsed_s": elapsed})
     final = os.path.join(cfg.output_dir, cfg.final_dir)
-    save_final(wrapped, final, env, cfg.strategy, finish)
+    try:
+        save_final(wrapped, final, env, cfg.strategy, finish)
+    except OSError as exc:  # the trained weights are lost with this process: say what survives on disk
+        last = latest_checkpoint(ckpt_dir)
+        kept = f"the last good checkpoint is {last}" if last else "no resumable checkpoint was written (--save-every)"
+        raise OSError(f"the trained model could not be written to {final} ({exc}); {kept}") from exc
     result = {"step": step, "metrics": metrics, "history": history, "train_seconds": time.perf_counter() - start}
     if env.is_main:
         with open(os.path.join(cfg.output_dir, "history.json"), "w", encoding="utf-8") as f:
@@ -264,23 +310,31 @@ def fit(
 
 def add_loop_arguments(parser: Any, lr: float, epochs: float) -> None:
     """The LoopConfig options as command-line flags (shared by `fastbert pretrain` and `fastbert finetune`)."""
-    parser.add_argument("--lr", type=float, default=lr)
-    parser.add_argument("--epochs", type=float, default=epochs)
-    parser.add_argument("--max-steps", type=int, help="optimizer steps (overrides --epochs)")
-    parser.add_argument("--max-minutes", type=float, help="wall-time budget; the LR schedule is fitted into it")
-    parser.add_argument("--warmup-ratio", type=float, default=0.1)
-    parser.add_argument("--weight-decay", type=float, default=0.01)
-    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--lr", type=ranged(float, 0, low_open=True), default=lr)
+    parser.add_argument("--epochs", type=ranged(float, 0, low_open=True), default=epochs)
+    parser.add_argument("--max-steps", type=ranged(int, 1), help="optimizer steps (overrides --epochs)")
+    parser.add_argument(
+        "--max-minutes",
+        type=ranged(float, 0, low_open=True),
+        help="wall-time budget; the LR schedule is fitted into it",
+    )
+    parser.add_argument("--warmup-ratio", type=ranged(float, 0, 1, high_open=True), default=0.1)
+    parser.add_argument("--weight-decay", type=ranged(float, 0), default=0.01)
+    parser.add_argument("--grad-accum", type=ranged(int, 1), default=1, help="micro-batches per optimizer step")
     parser.add_argument(
         "--precision", choices=PRECISION_CHOICES, default="auto", help="auto: bf16 where it is fast here, else fp32"
     )
-    parser.add_argument("--eval-every", type=int, default=0, help="optimizer steps between evaluations")
-    parser.add_argument("--save-every", type=int, default=0, help="optimizer steps between resumable checkpoints")
-    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--eval-every", type=ranged(int, 0), default=0, help="optimizer steps between evaluations")
+    parser.add_argument(
+        "--save-every", type=ranged(int, 0), default=0, help="optimizer steps between resumable checkpoints"
+    )
+    parser.add_argument("--log-every", type=ranged(int, 1), default=10)
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
     parser.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp", help="under torchrun")
     parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--threads", type=int, help="CPU threads per process (1 is far faster on a busy machine)")
+    parser.add_argument(
+        "--threads", type=ranged(int, 1), help="CPU threads per process (1 is far faster on a busy machine)"
+    )
 
 
 def loop_options(args: Any) -> dict[str, Any]:

@@ -12,7 +12,8 @@ import math
 import os
 import random
 import shutil
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fastbert import capabilities
+from fastbert.errors import UsageError
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 PRECISION_CHOICES = ("auto", *PRECISIONS)  # what the CLIs and configs accept; 'auto' follows the machine
@@ -52,12 +54,29 @@ def init_distributed(device: str | None = None) -> DistEnv:
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(f"cuda:{local}" if device == "cuda" else device)
+    dev = resolve_device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", local)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     return DistEnv(rank, world, local, dev)
+
+
+def resolve_device(name: str) -> torch.device:
+    """`name` as a torch.device this machine has; a UsageError naming --device otherwise (not torch's own error)."""
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError) as exc:
+        raise UsageError(f"--device {name!r} is not a device name (cpu, cuda, cuda:N)") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: CUDA is not available here (use --device cpu)")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise UsageError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if dev.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {name}: fastbert trains on cpu or cuda")
+    return dev
 
 
 def wrap_model(model: nn.Module, env: DistEnv, strategy: str = "ddp") -> nn.Module:
@@ -135,6 +154,34 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
+def check_writable(directory: str) -> None:
+    """Create `directory` and write a probe file in it now, so that a read-only, missing or full output folder is an
+    OSError naming it before training starts, not at the first save."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-probe-") as probe:
+            probe.write(bytes(1 << 16))
+            probe.flush()
+            os.fsync(probe.fileno())
+    except OSError as exc:
+        raise OSError(f"output folder {directory} is not writable: {exc}") from None
+
+
+def write_atomically(directory: str, write: Callable[[str], None]) -> str:
+    """`write(tmp)` fills a temporary folder beside `directory`, which then replaces it: a failed write (disk full)
+    leaves no half-written folder and whatever `directory` held before intact. Returns `directory`."""
+    tmp = directory.rstrip(os.sep) + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(directory, ignore_errors=True)
+    os.replace(tmp, directory)
+    return directory
+
+
 def rng_state() -> dict[str, Any]:
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     numpy_state = (kind, torch.from_numpy(keys.copy()), pos, has_gauss, gauss)  # tensors: loadable with weights_only
@@ -179,16 +226,14 @@ def save_checkpoint(
     (optimizer=..., scheduler=..., scaler=...) are saved by their `state_dict()`. The folder appears under its final
     name only once complete, so a crash mid-write leaves the previous checkpoint intact.
     """
-    final = os.path.join(directory, f"step-{step}")
-    tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    unwrap(model).save_pretrained(tmp)
     state = {"step": step, "rng": rng if rng is not None else [rng_state()], "extra": extra or {}}
     state.update({name: obj.state_dict() for name, obj in stateful.items() if obj is not None})
-    torch.save(state, os.path.join(tmp, STATE_FILE))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    return final
+
+    def write(tmp: str) -> None:
+        unwrap(model).save_pretrained(tmp)
+        torch.save(state, os.path.join(tmp, STATE_FILE))
+
+    return write_atomically(os.path.join(directory, f"step-{step}"), write)
 
 
 def latest_checkpoint(directory: str) -> str | None:

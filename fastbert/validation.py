@@ -7,14 +7,20 @@ in the same sync as the packing's lengths (one host sync per forward); `RangeChe
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 from fastbert.config import BertConfig
 
-_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
-_MASK_DTYPES = (torch.bool, *_INT_DTYPES, torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_INT_DTYPES = (torch.int64, torch.int32)  # what every backend's embedding gather takes (torch's F.embedding included)
+_MASK_DTYPES = (torch.bool, torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
+_MASK_DTYPES += (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+PADDING_WARNING = (
+    "input_ids has pad_token_id ({pad}) at the start or end of a row but no attention_mask was given: the padding is "
+    "attended to like any token; pass attention_mask (1 = token, 0 = padding)"
+)
 
 
 def _check_ids(name: str, t: torch.Tensor, shape: torch.Size) -> None:
@@ -26,6 +32,20 @@ def _check_ids(name: str, t: torch.Tensor, shape: torch.Size) -> None:
         raise ValueError(f"{name} has shape {tuple(t.shape)} but input_ids has shape {tuple(shape)}")
 
 
+def _check_positions(position_ids: torch.Tensor, shape: torch.Size) -> None:
+    """position_ids: an int64/int32 tensor of shape [seqlen], [1, seqlen] or [batch, seqlen]."""
+    if not isinstance(position_ids, torch.Tensor):
+        raise TypeError(f"position_ids must be a torch.Tensor, got {type(position_ids).__name__}")
+    if position_ids.dtype not in _INT_DTYPES:
+        raise TypeError(f"position_ids must be an integer tensor (int64 or int32), got {position_ids.dtype}")
+    batch, seqlen = shape
+    if tuple(position_ids.shape) not in ((seqlen,), (1, seqlen), (batch, seqlen)):
+        raise ValueError(
+            f"position_ids has shape {tuple(position_ids.shape)}; expected [{seqlen}], [1, {seqlen}] or "
+            f"[{batch}, {seqlen}] for input of shape {tuple(shape)}"
+        )
+
+
 def check_inputs(
     config: BertConfig,
     input_ids: torch.Tensor | None,
@@ -33,9 +53,10 @@ def check_inputs(
     token_type_ids: torch.Tensor | None,
     position_ids: torch.Tensor | None,
     inputs_embeds: torch.Tensor | None,
+    dtype: torch.dtype | None = None,
 ) -> tuple[int, int, RangeCheck | None]:
     """Types and shapes now (no sync); returns (batch, seqlen, the value checks still to read), None when there is
-    nothing to read (batch 0, or nothing to range-check)."""
+    nothing to read (batch 0, or nothing to range-check). `dtype`: the model's, which inputs_embeds must have."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids or inputs_embeds")
     if input_ids is not None:
@@ -47,8 +68,12 @@ def check_inputs(
             raise ValueError(f"input_ids must be 2-D [batch, seqlen], got shape {tuple(input_ids.shape)}")
         shape = input_ids.shape
     else:
+        if not isinstance(inputs_embeds, torch.Tensor):
+            raise TypeError(f"inputs_embeds must be a torch.Tensor, got {type(inputs_embeds).__name__}")
         if not inputs_embeds.is_floating_point():
             raise TypeError(f"inputs_embeds must be a floating-point tensor, got {inputs_embeds.dtype}")
+        if dtype is not None and inputs_embeds.dtype != dtype:
+            raise TypeError(f"inputs_embeds has dtype {inputs_embeds.dtype} but the model is {dtype}: cast it first")
         if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.embedding_dim:
             raise ValueError(
                 f"inputs_embeds must be [batch, seqlen, {config.embedding_dim}], got {tuple(inputs_embeds.shape)}"
@@ -72,9 +97,7 @@ def check_inputs(
     if token_type_ids is not None:
         _check_ids("token_type_ids", token_type_ids, shape)
     if position_ids is not None:
-        if position_ids.dim() == 1:
-            position_ids = position_ids.unsqueeze(0)
-        _check_ids("position_ids", position_ids.expand(shape) if position_ids.shape[0] == 1 else position_ids, shape)
+        _check_positions(position_ids, shape)
     if batch == 0:
         return batch, seqlen, None
     return batch, seqlen, _range_check(config, input_ids, attention_mask, token_type_ids, position_ids)
@@ -86,7 +109,8 @@ class RangeCheck:
 
     limits: tuple[tuple[str, str, int], ...]  # (input name, config field, bound) per id tensor
     has_mask_flag: bool
-    values: torch.Tensor  # [2 * len(limits) + has_mask_flag] int64
+    values: torch.Tensor  # [2 * len(limits) + has_mask_flag + (pad_id is not None)] int64
+    pad_id: int | None = None  # set when no attention_mask came: the last value flags pad ids at a row's ends
 
     def read_and_check(self) -> None:
         """Read the values now (a host sync of its own) and raise if any input is out of range."""
@@ -99,8 +123,11 @@ class RangeCheck:
             if low < 0 or high >= bound:
                 bad = low if low < 0 else high
                 raise ValueError(f"{name} contains {bad}, outside [0, {bound}) ({field}={bound})")
-        if self.has_mask_flag and values[-1]:
+        flags = values[2 * len(self.limits) :]
+        if self.has_mask_flag and flags[0]:
             raise ValueError("attention_mask must contain only 0 and 1 (1 = attend, 0 = padding)")
+        if self.pad_id is not None and flags[-1]:  # as transformers warns: likely padding, nothing says so
+            warnings.warn(PADDING_WARNING.format(pad=self.pad_id), stacklevel=2)
 
 
 def _range_check(
@@ -121,7 +148,11 @@ def _range_check(
     mask_bad = None
     if attention_mask is not None and attention_mask.dtype != torch.bool:
         mask_bad = ((attention_mask != 0) & (attention_mask != 1)).any().long().view(1)
-    parts = stats + ([mask_bad] if mask_bad is not None else [])
+    pad_id = config.pad_token_id if attention_mask is None and input_ids is not None else None
+    pad_seen = None
+    if pad_id is not None:  # transformers' cheap test: a pad id in the first or last column
+        pad_seen = (input_ids[:, [0, -1]] == pad_id).any().long().view(1)
+    parts = stats + [t for t in (mask_bad, pad_seen) if t is not None]
     if not parts:
         return None
     limits = {
@@ -130,4 +161,4 @@ def _range_check(
         "position_ids": ("max_position_embeddings", config.max_position_embeddings),
     }
     named = tuple((name, *limits[name]) for name, _ in checks)
-    return RangeCheck(named, mask_bad is not None, torch.cat([t.to(parts[0].device) for t in parts]))
+    return RangeCheck(named, mask_bad is not None, torch.cat([t.to(parts[0].device) for t in parts]), pad_id)

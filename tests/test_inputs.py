@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -68,6 +69,24 @@ IDS = torch.randint(0, 50, (2, 6))
         ({}, ValueError, "exactly one of input_ids or inputs_embeds"),
         ({"input_ids": IDS, "inputs_embeds": torch.zeros(2, 6, 32)}, ValueError, "exactly one of"),
         ({"inputs_embeds": torch.zeros(2, 6, 31)}, ValueError, r"inputs_embeds must be \[batch, seqlen, 32\]"),
+        ({"input_ids": IDS.to(torch.int8)}, TypeError, r"input_ids must be an integer tensor .*torch.int8"),
+        ({"input_ids": IDS.to(torch.int16)}, TypeError, r"input_ids must be an integer tensor .*torch.int16"),
+        ({"input_ids": IDS.to(torch.uint8)}, TypeError, r"input_ids must be an integer tensor .*torch.uint8"),
+        (
+            {"input_ids": IDS, "position_ids": torch.zeros(1, 5, dtype=torch.long)},
+            ValueError,
+            r"position_ids has shape",
+        ),
+        (
+            {"input_ids": IDS, "position_ids": torch.zeros(3, 6, dtype=torch.long)},
+            ValueError,
+            r"position_ids has shape",
+        ),
+        ({"input_ids": IDS, "position_ids": torch.tensor(0)}, ValueError, r"position_ids has shape \(\)"),
+        ({"input_ids": IDS, "position_ids": list(range(6))}, TypeError, r"position_ids must be a torch.Tensor"),
+        ({"input_ids": IDS, "position_ids": torch.arange(6.0)}, TypeError, r"position_ids must be an integer"),
+        ({"inputs_embeds": torch.zeros(2, 6, 32, dtype=torch.float64)}, TypeError, r"inputs_embeds has dtype .*64"),
+        ({"inputs_embeds": torch.zeros(2, 6, 32).tolist()}, TypeError, r"inputs_embeds must be a torch.Tensor"),
     ],
     ids=[
         "id-too-large",
@@ -85,11 +104,38 @@ IDS = torch.randint(0, 50, (2, 6))
         "no-input",
         "both-inputs",
         "embeds-width",
+        "int8-ids",
+        "int16-ids",
+        "uint8-ids",
+        "position-short",
+        "position-batch",
+        "position-0-dim",
+        "position-list",
+        "position-float",
+        "embeds-dtype",
+        "embeds-list",
     ],
 )
 def test_bad_input_is_a_clear_error(model: BertModel, kwargs: dict, error: type, message: str) -> None:
     with pytest.raises(error, match=message):
         model(**kwargs)
+
+
+def test_accepted_position_id_shapes_agree(model: BertModel) -> None:
+    with torch.no_grad():
+        outs = [model(IDS, position_ids=p).last_hidden_state for p in (torch.arange(6), torch.arange(6)[None])]
+        outs.append(model(IDS, position_ids=torch.arange(6).expand(2, 6).to(torch.int32)).last_hidden_state)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_pad_tokens_without_attention_mask_warn_as_in_transformers(model: BertModel) -> None:
+    padded = torch.tensor([[5, 6, 7, 0, 0, 0], [5, 6, 7, 8, 9, 10]])  # pad_token_id 0 at the end of row 0
+    with pytest.warns(UserWarning, match=r"pad_token_id \(0\) .* no attention_mask"):
+        model(padded)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(padded, attention_mask=(padded != 0).long())  # a mask says what is padding: no warning
+        model(padded[:, :3])  # no pad id at either end: no warning
 
 
 def test_empty_batch_returns_empty_outputs(model: BertModel) -> None:

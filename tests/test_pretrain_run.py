@@ -4,6 +4,7 @@ saved models that load in transformers with the same outputs."""
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from fastbert import BertConfig, BertForPreTraining, BertModel
+from fastbert.errors import UsageError
 from fastbert.pretrain import pretrain
 from fastbert.tokenization import WordPieceTokenizer
 from fastbert.training import load_checkpoint, prune_checkpoints, rng_state, save_checkpoint
@@ -169,3 +171,61 @@ def test_torchrun_two_processes_ddp_and_fsdp(tmp_path, corpus):
     assert ddp.keys() == fsdp.keys()
     for key in ddp:
         assert torch.allclose(ddp[key], fsdp[key], atol=1e-5), (key, (ddp[key] - fsdp[key]).abs().max())
+
+
+def test_failed_checkpoint_write_keeps_the_last_good_one_and_training_goes_on(tmp_path, corpus, monkeypatch, capsys):
+    real_save, calls = torch.save, []
+
+    def disk_full_once(obj, path, *args, **kwargs):  # the second checkpoint's state file hits a full disk
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", disk_full_once)
+    result = run_api(corpus, tmp_path, max_steps=4, save_every=1, keep_checkpoints=1)
+    assert result["step"] == 4 and (tmp_path / "final" / "model.safetensors").is_file()
+    # step-1 survived the failed step-2 (nothing is pruned for a write that failed), no half-written folder is left
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-3"]
+    out = capsys.readouterr().out
+    assert re.search(r"warning: checkpoint step-2 not written .*No space left.*last good checkpoint is .*step-1", out)
+
+
+def test_failed_final_save_says_where_the_last_checkpoint_is(tmp_path, corpus, monkeypatch):
+    real = BertForPreTraining.save_pretrained
+
+    def fail_final(self, directory):
+        if os.path.basename(directory) == "final.tmp":
+            raise OSError(28, "No space left on device")
+        real(self, directory)
+
+    monkeypatch.setattr(BertForPreTraining, "save_pretrained", fail_final)
+    with pytest.raises(OSError, match=r"could not be written to .*final .*last good checkpoint is .*step-2"):
+        run_api(corpus, tmp_path, max_steps=3, save_every=1)
+    assert not (tmp_path / "final").exists() and not (tmp_path / "final.tmp").exists()
+
+
+def test_resume_reuses_the_learnt_vocabulary_saved_with_the_checkpoints(tmp_path, corpus, monkeypatch):
+    def run(out, tokenizer=None, **loop):  # no tokenizer: the vocabulary is learnt from the corpus
+        torch.set_num_threads(1)
+        options = dict(vocab_size=100, max_length=32, batch_size=4, heldout_fraction=0.2, model_options=TINY)
+        loop = {"log_every": 1, "max_steps": 4, "save_every": 2, **loop}
+        return pretrain([str(corpus[0])], str(out), tokenizer=tokenizer, loop=loop, **options)
+
+    run(tmp_path / "full")
+    step2 = tmp_path / "full" / "checkpoints" / "step-2"
+    assert (step2 / "tokenizer.json").is_file() and (tmp_path / "full" / "final" / "vocab.txt").is_file()
+    shutil.copytree(step2, tmp_path / "resumed" / "checkpoints" / "step-2")
+
+    def learn(*args, **kwargs):
+        raise AssertionError("a resumed run must not learn a new vocabulary")
+
+    monkeypatch.setattr(WordPieceTokenizer, "train", learn)
+    run(tmp_path / "resumed", resume=True)
+    a = load_file(tmp_path / "full" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "resumed" / "final" / "model.safetensors")
+    assert all(torch.equal(a[key], b[key]) for key in a)
+    full_vocab = (tmp_path / "full" / "final" / "vocab.txt").read_text()
+    assert (tmp_path / "resumed" / "final" / "vocab.txt").read_text() == full_vocab
+    with pytest.raises(UsageError, match="is not the vocabulary .*step-2 was trained with"):
+        run(tmp_path / "resumed", resume=True, tokenizer=str(corpus[1]))

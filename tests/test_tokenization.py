@@ -1,5 +1,6 @@
 """fastbert's WordPiece tokenisation gives exactly transformers' BertTokenizerFast ids on the MiniLM vocabulary."""
 
+import random
 import shutil
 from pathlib import Path
 
@@ -96,3 +97,17 @@ def test_bad_calls():
         tok("a single string")
     with pytest.raises(ValueError, match="pair texts"):
         tok(["a", "b"], ["c"])
+
+
+def test_learnt_vocabulary_is_the_same_every_time():
+    """The `tokenizers` trainer alone numbers pieces in hash-map order (ids, even the piece set, differ run to run):
+    a resumed run or another DDP rank would read the embeddings under another mapping."""
+    rng = random.Random(0)
+    words = "the a cat dog sat ran on under mat log house river big small red blue quickly slowly and then".split()
+    texts = [" ".join(rng.choices(words, k=rng.randint(4, 10))).capitalize() + "." for _ in range(150)]
+    vocabularies = [
+        WordPieceTokenizer.train(texts, vocab_size=80, min_frequency=1).backend.get_vocab() for _ in range(6)
+    ]
+    assert all(v == vocabularies[0] for v in vocabularies[1:])
+    tok = WordPieceTokenizer.train(texts, vocab_size=80, min_frequency=1)
+    assert tok.backend.encode("the ##cat").tokens[:3] == ["[CLS]", "the", "[UNK]"]  # '##x' pieces are not special

@@ -9,6 +9,7 @@ import argparse
 import os
 
 from fastbert.distill.objectives import WEIGHTS, Objectives
+from fastbert.errors import ranged
 from fastbert.training import PRECISION_CHOICES
 
 PRESETS = {"distilbert": Objectives.distilbert, "sentence": Objectives.sentence_embedding}
@@ -21,42 +22,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", help="tokenizer.json/vocab.txt or folder (default: the teacher's)")
     p.add_argument("--eval-corpus", help="held-out text file (default: the last 2%% of the corpus)")
     s = p.add_argument_group("student")
-    s.add_argument("--layers", type=int, help="student depth (default: half the teacher's)")
-    s.add_argument("--layer-map", type=int, nargs="+", help="teacher layer copied into each student layer")
-    s.add_argument("--hidden-size", type=int, help="narrower student width")
-    s.add_argument("--embedding-size", type=int, help="ALBERT factorised embedding width")
+    s.add_argument("--layers", type=ranged(int, 1), help="student depth (default: half the teacher's)")
+    s.add_argument("--layer-map", type=ranged(int, 0), nargs="+", help="teacher layer copied into each student layer")
+    s.add_argument("--hidden-size", type=ranged(int, 1), help="narrower student width")
+    s.add_argument("--embedding-size", type=ranged(int, 1), help="ALBERT factorised embedding width")
     s.add_argument("--layer-sharing", choices=["none", "all", "attention", "ffn"], help="ALBERT layer sharing")
-    s.add_argument("--num-hidden-groups", type=int, help="ALBERT groups of shared layers")
+    s.add_argument("--num-hidden-groups", type=ranged(int, 1), help="ALBERT groups of shared layers")
     s.add_argument("--init", choices=["auto", "copy", "random"], default="auto")
     s.add_argument("--projection", action="store_true", default=None, help="learned projection to teacher width")
     s.add_argument("--freeze-embeddings", action="store_true")
     o = p.add_argument_group("objectives (any weight given replaces the preset)")
     o.add_argument("--preset", choices=sorted(PRESETS), default="distilbert")
     for name in WEIGHTS:
-        o.add_argument(f"--{name.replace('_', '-')}", type=float, help=f"weight of the {name} loss")
-    o.add_argument("--temperature", type=float, default=2.0)
+        o.add_argument(f"--{name.replace('_', '-')}", type=ranged(float, 0), help=f"weight of the {name} loss")
+    o.add_argument("--temperature", type=ranged(float, 0, low_open=True), default=2.0)
     o.add_argument("--embedding-metric", choices=["cosine", "mse"], default="cosine")
     t = p.add_argument_group("training")
-    t.add_argument("--max-length", type=int, default=128)
-    t.add_argument("--batch-size", type=int, default=32, help="per process")
-    t.add_argument("--grad-accum", type=int, default=1)
-    t.add_argument("--epochs", type=float, default=1.0)
-    t.add_argument("--max-steps", type=int)
-    t.add_argument("--max-minutes", type=float, help="wall-time budget; the LR schedule is fitted into it")
-    t.add_argument("--lr", type=float, default=1e-4)
-    t.add_argument("--warmup-ratio", type=float, default=0.05)
-    t.add_argument("--weight-decay", type=float, default=0.01)
-    t.add_argument("--max-grad-norm", type=float, default=1.0)
+    t.add_argument("--max-length", type=ranged(int, 2), default=128)
+    t.add_argument("--batch-size", type=ranged(int, 1), default=32, help="per process")
+    t.add_argument("--grad-accum", type=ranged(int, 1), default=1)
+    t.add_argument("--epochs", type=ranged(float, 0, low_open=True), default=1.0)
+    t.add_argument("--max-steps", type=ranged(int, 1))
+    positive = ranged(float, 0, low_open=True)
+    t.add_argument("--max-minutes", type=positive, help="wall-time budget; the LR schedule is fitted into it")
+    t.add_argument("--lr", type=positive, default=1e-4)
+    t.add_argument("--warmup-ratio", type=ranged(float, 0, 1, high_open=True), default=0.05)
+    t.add_argument("--weight-decay", type=ranged(float, 0), default=0.01)
+    t.add_argument("--max-grad-norm", type=ranged(float, 0), default=1.0, help="0: no clipping")
     t.add_argument(
         "--precision", choices=PRECISION_CHOICES, default="auto", help="auto: bf16 where it is fast here, else fp32"
     )
     t.add_argument("--teacher-precision", choices=PRECISION_CHOICES, default="fp32")
-    t.add_argument("--mlm-probability", type=float, default=0.15)
+    t.add_argument("--mlm-probability", type=ranged(float, 0, 1, low_open=True, high_open=True), default=0.15)
     t.add_argument("--whole-word", action="store_true")
     t.add_argument("--cache-teacher", action="store_true", help="keep teacher targets on disk across epochs")
-    t.add_argument("--checkpoint-every", type=int, default=500)
+    t.add_argument("--checkpoint-every", type=ranged(int, 0), default=500, help="0: no resumable checkpoints")
     t.add_argument("--resume", help="'latest' or a step-N checkpoint folder")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=ranged(int, 0), default=0)
     t.add_argument("--device", help="cpu or cuda (default: cuda if available)")
 
 
@@ -81,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     }
     config = DistillConfig(
         output_dir=args.output,
-        num_layers=args.layers or (len(args.layer_map) if args.layer_map else None),
+        num_layers=args.layers if args.layers is not None else (len(args.layer_map) if args.layer_map else None),
         layer_map=args.layer_map,
         hidden_size=args.hidden_size,
         student_overrides=overrides,

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from fastbert.errors import DataError, read_text
 from fastbert.masking import MLMMasker
 from fastbert.tokenization import WordPieceTokenizer
 
@@ -17,15 +18,12 @@ from fastbert.tokenization import WordPieceTokenizer
 def read_corpus(source: str | os.PathLike | Sequence[str]) -> list[str]:
     """Non-empty stripped lines of a text file, or the non-empty items of a list of sentences."""
     if isinstance(source, (str, os.PathLike)):
-        if not os.path.isfile(source):
-            raise FileNotFoundError(f"corpus file {source} does not exist")
-        with open(source, encoding="utf-8") as f:
-            texts = [line.strip() for line in f]
+        texts = [line.strip() for line in read_text(source).splitlines()]
     else:
         texts = [str(t).strip() for t in source]
     texts = [t for t in texts if t]
     if not texts:
-        raise ValueError(f"the corpus is empty (no non-blank lines in {source if isinstance(source, str) else 'list'})")
+        raise DataError(f"the corpus is empty (no non-blank lines in {source if isinstance(source, str) else 'list'})")
     return texts
 
 

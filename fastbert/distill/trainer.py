@@ -22,6 +22,7 @@ from fastbert.distill.data import TeacherCache, collate, read_corpus, tokenize_c
 from fastbert.distill.models import DistillStudent, has_mlm_head, load_teacher, teacher_targets
 from fastbert.distill.objectives import Objectives
 from fastbert.distill.student import block_end_map, init_from_teacher, student_config, uniform_layer_map
+from fastbert.errors import UsageError
 from fastbert.heads import BertForMaskedLM
 from fastbert.masking import MLMMasker
 from fastbert.modeling import BertModel
@@ -67,6 +68,14 @@ class DistillConfig:
     device: str | None = None
     log_every: int = 10
 
+    def __post_init__(self) -> None:
+        """Reject sizes no run can use, naming the field, before any work (the loop's fields: by LoopConfig)."""
+        for name, low in (("num_layers", 1), ("hidden_size", 1), ("batch_size", 1), ("max_length", 2)):
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise UsageError(f"{name} must be >= {low}, got {value}")
+        _loop_config(self, None)
+
 
 @dataclass
 class DistillResult:
@@ -99,7 +108,7 @@ def _resolve_resume(cfg: DistillConfig) -> str | None:
 def build_student(teacher: PreTrainedModel, cfg: DistillConfig) -> tuple[PreTrainedModel, list[int]]:
     """The student model (MLM head iff a logits objective is on) initialised from the teacher's chosen layers."""
     t_cfg = teacher.config
-    layers = cfg.num_layers or max(1, t_cfg.num_hidden_layers // 2)
+    layers = cfg.num_layers if cfg.num_layers is not None else max(1, t_cfg.num_hidden_layers // 2)
     layer_map = list(cfg.layer_map) if cfg.layer_map is not None else uniform_layer_map(t_cfg.num_hidden_layers, layers)
     s_cfg = student_config(t_cfg, layers, cfg.hidden_size, **cfg.student_overrides)
     if cfg.objectives.uses_logits:
@@ -191,8 +200,19 @@ def _check(cfg: DistillConfig, teacher: PreTrainedModel, tokenizer: WordPieceTok
     for name in ("precision", "teacher_precision"):
         if getattr(cfg, name) not in training.PRECISION_CHOICES:
             raise ValueError(f"{name} must be one of {training.PRECISION_CHOICES}, got {getattr(cfg, name)!r}")
-    if cfg.batch_size < 1 or cfg.grad_accum < 1 or cfg.max_length < 2:
-        raise ValueError("batch_size and grad_accum must be >= 1 and max_length >= 2")
+
+
+def _loop_config(cfg: DistillConfig, resume_path: str | None) -> LoopConfig:
+    """The shared training loop's settings for this run (validated by LoopConfig)."""
+    names = ("lr", "epochs", "max_steps", "max_minutes", "warmup_ratio", "weight_decay", "grad_accum", "precision")
+    names += ("max_grad_norm", "eval_every", "log_every", "keep_checkpoints")
+    return LoopConfig(
+        cfg.output_dir,
+        **{name: getattr(cfg, name) for name in names},
+        save_every=cfg.checkpoint_every,
+        resume=resume_path or False,
+        final_dir="student",
+    )
 
 
 def _resolve_precisions(cfg: DistillConfig, env: training.DistEnv) -> DistillConfig:
@@ -220,6 +240,8 @@ def distill(
     cfg = config
     env = training.init_distributed(cfg.device)
     resume_path = _resolve_resume(cfg)
+    loop = _loop_config(cfg, resume_path)
+    training.check_writable(cfg.output_dir)
     teacher_model = load_teacher(teacher)
     if tokenizer is None:
         if not isinstance(teacher, (str, os.PathLike)):
@@ -292,15 +314,7 @@ def distill(
     sampler = training.LengthGroupedBatchSampler(
         [len(r) for r in ids], cfg.batch_size, cfg.seed, rank=env.rank, world_size=env.world_size
     )
-    names = ("lr", "epochs", "max_steps", "max_minutes", "warmup_ratio", "weight_decay", "grad_accum", "precision")
-    names += ("max_grad_norm", "eval_every", "log_every", "keep_checkpoints")
-    loop = LoopConfig(
-        cfg.output_dir,
-        **{name: getattr(cfg, name) for name in names},
-        save_every=cfg.checkpoint_every,
-        resume=resume_path or False,
-        final_dir="student",
-    )
+    loop = dataclasses.replace(loop, precision=cfg.precision)
     kept = {"projections": module.projections}  # trained, checkpointed, but not part of the saved student
     dataset = range(len(ids))  # corpus indices: make_batch turns a batch of them into tensors
     result = fit(module, dataset, make_batch, sampler, loop, env, evaluate, "distill", state=kept, on_step=after_step)

@@ -14,10 +14,11 @@ import torch
 
 from fastbert.checkpoint import load_checkpoint_dir
 from fastbert.config import BertConfig
+from fastbert.errors import UsageError
 from fastbert.finetune.tasks import QATask, SequenceTask, TokenTask
 from fastbert.tokenization import WordPieceTokenizer
 from fastbert.trainer import LoopConfig, fit
-from fastbert.training import LengthGroupedBatchSampler, init_distributed
+from fastbert.training import LengthGroupedBatchSampler, check_writable, init_distributed
 
 TASKS = ("sequence", "regression", "token", "qa")
 
@@ -43,7 +44,10 @@ def make_task(kind: str, tokenizer: WordPieceTokenizer, options: dict[str, Any])
     if kind == "token":
         return TokenTask(tokenizer, options.get("labels"), max_length)
     if kind == "qa":
-        return QATask(tokenizer, max_length, options.get("stride", 128))
+        stride = options.get("stride", 128)
+        if stride >= max_length:
+            raise UsageError(f"qa: --stride ({stride}) must be smaller than --max-length ({max_length})")
+        return QATask(tokenizer, max_length, stride)
     raise ValueError(f"task must be one of {TASKS}, got {kind!r}")
 
 
@@ -68,6 +72,8 @@ def finetune(
     labels (token), stride (qa), max_length (all).
     """
     env = init_distributed(device)
+    cfg = LoopConfig(output_dir=output_dir, **{"lr": 3e-5, **(loop or {})})
+    check_writable(output_dir)
     tok = WordPieceTokenizer.from_pretrained(tokenizer or model)
     job = make_task(task, tok, task_options)
     train_examples = job.read(train, train=True)
@@ -82,7 +88,6 @@ def finetune(
     torch.manual_seed(seed)
     net = job.model_class(config)
     net.load_checkpoint_state(load_checkpoint_dir(model))
-    cfg = LoopConfig(output_dir=output_dir, **{"lr": 3e-5, **(loop or {})})
     sampler = LengthGroupedBatchSampler(
         [len(f["input_ids"]) for f in train_feats], batch_size, seed, rank=env.rank, world_size=env.world_size
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from fastbert.errors import ranged
 from fastbert.trainer import add_loop_arguments, loop_options, print_summary
 
 
@@ -18,11 +19,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--label-column", help="label column name (or 0-based index)")
     parser.add_argument("--no-header", action="store_true", help="the table has no header row")
     parser.add_argument("--labels", nargs="+", help="the label set (default: the labels seen in --train)")
-    parser.add_argument("--max-length", type=int, help="tokens per input (default 128; 384 for qa)")
-    parser.add_argument("--stride", type=int, default=128, help="qa: overlap of context windows, in tokens")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--eval-batch-size", type=int, default=128)
-    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--max-length", type=ranged(int, 5), help="tokens per input (default 128; 384 for qa)")
+    parser.add_argument("--stride", type=ranged(int, 0), default=128, help="qa: overlap of context windows, in tokens")
+    parser.add_argument("--batch-size", type=ranged(int, 1), default=32)
+    parser.add_argument("--eval-batch-size", type=ranged(int, 1), default=128)
+    parser.add_argument("--seed", type=ranged(int, 0), default=42)
     add_loop_arguments(parser, lr=3e-5, epochs=3.0)
 
 
@@ -31,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
 
     options = {"text_columns": args.text_columns, "label_column": args.label_column, "header": not args.no_header}
     options.update({"labels": args.labels, "stride": args.stride})
-    if args.max_length:
+    if args.max_length is not None:
         options["max_length"] = args.max_length
     result = finetune(
         args.task,

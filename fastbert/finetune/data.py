@@ -7,15 +7,14 @@ the label set, a non-numeric regression target, a malformed BIO tag.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 from dataclasses import dataclass, field
 
+from fastbert.errors import DataError, read_text
+
 csv.field_size_limit(2**31 - 1)
-
-
-class DataError(ValueError):
-    """Input data that cannot be used as asked."""
 
 
 @dataclass
@@ -37,15 +36,6 @@ class QAExample:
     question: str
     context: str
     answers: list[tuple[str, int]] = field(default_factory=list)  # (text, character start); empty = unanswerable
-
-
-def _nonempty(path: str | os.PathLike) -> str:
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise DataError(f"{path}: no such file")
-    if os.path.getsize(path) == 0:
-        raise DataError(f"{path}: the file is empty")
-    return path
 
 
 def _column(name: str, header: list[str] | None, width: int, path: str) -> int:
@@ -71,16 +61,14 @@ def read_table(
     The delimiter is a tab when the first line holds one (or the file ends in .tsv), else a comma. Tab files are
     read without quote handling, so quotes inside sentences (as in STS-B) stay text.
     """
-    path = _nonempty(path)
+    path = os.fspath(path)
     if not 1 <= len(text_columns) <= 2:
         raise DataError(f"give one or two text columns, got {text_columns}")
-    with open(path, encoding="utf-8", newline="") as f:
-        first = f.readline()
-        f.seek(0)
-        if delimiter is None:
-            delimiter = "\t" if "\t" in first or path.endswith(".tsv") else ","
-        quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
-        rows = [row for row in csv.reader(f, delimiter=delimiter, quoting=quoting) if row]
+    text = read_text(path)
+    if delimiter is None:
+        delimiter = "\t" if "\t" in text.split("\n", 1)[0] or path.endswith(".tsv") else ","
+    quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
+    rows = [row for row in csv.reader(io.StringIO(text, newline=""), delimiter=delimiter, quoting=quoting) if row]
     names = [c.strip() for c in rows.pop(0)] if header and rows else None
     if not rows:
         raise DataError(f"{path}: no data rows")
@@ -123,10 +111,9 @@ def _check_bio(tags: list[str], path: str, line: int) -> None:
 
 def read_conll(path: str | os.PathLike, tag_column: int = -1) -> list[TaggedSentence]:
     """CoNLL: a token per line (word first, tag in `tag_column`), blank lines between sentences; -DOCSTART- skipped."""
-    path = _nonempty(path)
+    path = os.fspath(path)
     sentences, words, tags, start = [], [], [], 1
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().splitlines() + [""]
+    lines = read_text(path).splitlines() + [""]
     for number, raw in enumerate(lines, start=1):
         parts = raw.split()
         if not parts or parts[0] == "-DOCSTART-":
@@ -146,10 +133,9 @@ def read_conll(path: str | os.PathLike, tag_column: int = -1) -> list[TaggedSent
 
 def read_squad(path: str | os.PathLike) -> list[QAExample]:
     """SQuAD v1/v2 JSON: data -> paragraphs -> qas; answers checked against their context."""
-    path = _nonempty(path)
+    path = os.fspath(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)["data"]
+        data = json.loads(read_text(path))["data"]
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         raise DataError(f"{path}: not SQuAD JSON (expected {{'data': [...]}}): {exc}") from None
     examples = []

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 
+from fastbert.errors import DataError, ranged
 from fastbert.onnx.exporter import DTYPES, OPSET
 from fastbert.onnx.graph import SPECS
 
@@ -15,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("output", help="where to write the .onnx file")
     parser.add_argument("--head", choices=sorted(SPECS), help="model class (default: the config's architectures)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    parser.add_argument("--opset", type=int, default=OPSET)
+    parser.add_argument("--opset", type=ranged(int, OPSET), default=OPSET)
     parser.add_argument("--optimize", action="store_true", help="also write onnxruntime's fused graph")
     parser.add_argument("--optimized-output", help="path of the fused graph (default: OUTPUT with .opt.onnx)")
     parser.add_argument("--no-check", action="store_true", help="skip the onnxruntime vs PyTorch parity check")
@@ -32,23 +33,20 @@ def _head_of(checkpoint: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Export and print the report; exits non-zero (with the error) if the checkpoint or the check fails."""
+    """Export and print the report; bad paths, bad checkpoints and failed checks are one-line errors (fastbert.cli)."""
     from fastbert.heads import HEADS
     from fastbert.onnx.exporter import export
 
     if not os.path.isdir(args.checkpoint):
-        raise SystemExit(f"error: checkpoint directory {args.checkpoint} does not exist")
-    try:
-        model = HEADS[args.head or _head_of(args.checkpoint)].from_pretrained(args.checkpoint)
-        export(
-            model,
-            args.output,
-            dtype=args.dtype,
-            opset=args.opset,
-            check=not args.no_check,
-            optimize_graph=args.optimize,
-            optimized_path=args.optimized_output,
-        )
-    except (OSError, ValueError, RuntimeError) as exc:  # bad paths, bad checkpoints, failed parity: one clear line
-        raise SystemExit(f"error: {exc}") from exc
+        raise DataError(f"checkpoint directory {args.checkpoint} does not exist")
+    model = HEADS[args.head or _head_of(args.checkpoint)].from_pretrained(args.checkpoint)
+    export(
+        model,
+        args.output,
+        dtype=args.dtype,
+        opset=args.opset,
+        check=not args.no_check,
+        optimize_graph=args.optimize,
+        optimized_path=args.optimized_output,
+    )
     return 0

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 import fastbert
 from fastbert.checkpoint import PreTrainedModel
+from fastbert.errors import CheckError
 from fastbert.onnx.graph import INPUTS, ReferenceGraph, output_names, spec_of
 from fastbert.onnx.parity import check_parity, parity_shapes
 
@@ -133,7 +134,7 @@ def _check_symbolic(path: str, model: nn.Module) -> None:
     for name, axes in dynamic_axes(model).items():
         fixed = [axis for axis in axes if isinstance(saved[name][axis], int)]
         if fixed:
-            raise RuntimeError(f"{path}: {name} has fixed axes {fixed} ({saved[name]}): dynamic axes were lost")
+            raise CheckError(f"{path}: {name} has fixed axes {fixed} ({saved[name]}): dynamic axes were lost")
 
 
 def expected_fusions(model: PreTrainedModel) -> dict[str, int]:
@@ -171,7 +172,7 @@ def optimize(model: PreTrainedModel, path: str, optimized_path: str) -> dict[str
     expected = expected_fusions(model)
     wrong = {op: (fused.get(op, 0), n) for op, n in expected.items() if fused.get(op, 0) != n}
     if wrong:
-        raise RuntimeError(f"onnxruntime's optimizer did not fuse the graph as expected (got, expected): {wrong}")
+        raise CheckError(f"onnxruntime's optimizer did not fuse the graph as expected (got, expected): {wrong}")
     optimized.save_model_to_file(optimized_path)
     return fused
 
@@ -191,7 +192,7 @@ def export(
     """Write `model` (BertModel or any fastbert head) to `path` as ONNX and, with `check`, verify it in onnxruntime.
 
     `dtype` is "fp32" or "fp16". `optimize_graph` also writes onnxruntime's fused graph (default `<path>.opt.onnx`),
-    checks the fused-node counts and that it matches the plain graph. Raises RuntimeError with the max error on a
+    checks the fused-node counts and that it matches the plain graph. Raises CheckError with the max error on a
     parity failure. The model is copied, never modified.
     """
     spec_of(model)

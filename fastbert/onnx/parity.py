@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from fastbert.checkpoint import PreTrainedModel
 from fastbert.config import BertConfig
+from fastbert.errors import CheckError
 from fastbert.onnx.graph import output_names, spec_of
 from fastbert.onnx.session import Session
 
@@ -76,7 +77,7 @@ def check_parity(
     reference: PreTrainedModel | str | os.PathLike,
     progress: bool = True,
 ) -> dict[tuple[int, int], float]:
-    """Max abs error of the ONNX graph at `path` per (batch, seqlen); raises RuntimeError if any is out of bounds.
+    """Max abs error of the ONNX graph at `path` per (batch, seqlen); raises CheckError if any is out of bounds.
 
     `model` is the exported PyTorch model (its dtype is the graph's); `reference` is the fp32 PyTorch model, or
     another fp32 ONNX graph to compare against (the unoptimized export, for the optimized one).
@@ -93,7 +94,7 @@ def check_parity(
         got = session(**inputs)
         bad = [name for name in output_names(model) if not torch.isfinite(got[name]).all()]
         if bad:
-            raise RuntimeError(f"{path}: non-finite values in {bad} at batch={batch}, seqlen={seqlen}")
+            raise CheckError(f"{path}: non-finite values in {bad} at batch={batch}, seqlen={seqlen}")
         want = other(**inputs) if isinstance(other, Session) else _torch_outputs(other, inputs)
         errors = _errors(model, got, want, inputs["attention_mask"])
         worst = max(errors.values())
@@ -102,7 +103,7 @@ def check_parity(
             own = max(_errors(model, _torch_outputs(model, inputs), want, inputs["attention_mask"]).values())
             bound = 2 * own + FP16_FLOOR
         if worst > bound:
-            raise RuntimeError(
+            raise CheckError(
                 f"{path}: onnxruntime differs from the reference by {worst:.3g} (bound {bound:.3g}) at batch={batch}, "
                 f"seqlen={seqlen}; per output: {errors}"
             )

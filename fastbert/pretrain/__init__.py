@@ -8,22 +8,22 @@ held-out MLM and NSP/SOP accuracy; DDP/FSDP under torchrun. `output_dir/final` l
 
 from __future__ import annotations
 
-import os
 import random
 from typing import Any
 
 import torch
 
 from fastbert.config import BertConfig
+from fastbert.errors import UsageError
 from fastbert.heads import BertForPreTraining
 from fastbert.masking import MLMMasker
 from fastbert.pretrain.data import encode_pairs, make_pairs, read_documents, tokenize_documents
 from fastbert.pretrain.objective import HeldOutEval, PretrainCollator, PretrainingObjective, most_frequent_token
 from fastbert.tokenization import WordPieceTokenizer
-from fastbert.trainer import LoopConfig, fit
-from fastbert.training import LengthGroupedBatchSampler, init_distributed
+from fastbert.trainer import LoopConfig, fit, resume_checkpoint
+from fastbert.training import LengthGroupedBatchSampler, check_writable, init_distributed
 
-__all__ = ["build_model", "load_corpus", "pretrain"]
+__all__ = ["build_model", "checkpoint_tokenizer", "load_corpus", "pretrain"]
 
 
 def load_corpus(
@@ -42,17 +42,36 @@ def load_corpus(
     return [d for i, d in enumerate(docs) if i not in held], [docs[i] for i in sorted(held)]
 
 
+def model_config(config: str | None, vocab_size: int, **overrides: Any) -> BertConfig:
+    """A config.json (or the defaults) with BertConfig fields `overrides`; fields no model can take are a UsageError."""
+    values = (BertConfig.from_json_file(config) if config else BertConfig()).to_dict()
+    try:
+        return BertConfig.from_dict({**values, **overrides, "vocab_size": vocab_size})
+    except ValueError as exc:
+        raise UsageError(f"model options {overrides}: {exc}") from None
+
+
+def checkpoint_tokenizer(checkpoint: str, given: str | None = None) -> WordPieceTokenizer:
+    """The tokenizer saved with a checkpoint being resumed; a `given` one with another vocabulary is a UsageError, and
+    so is a checkpoint without one (written before checkpoints held it) unless `given` names it."""
+    try:
+        tok = WordPieceTokenizer.from_pretrained(checkpoint)
+    except FileNotFoundError:
+        if given:
+            return WordPieceTokenizer.from_pretrained(given)
+        raise UsageError(f"{checkpoint} holds no tokenizer: resume it with the run's own --tokenizer") from None
+    if given and WordPieceTokenizer.from_pretrained(given).backend.get_vocab() != tok.backend.get_vocab():
+        raise UsageError(f"--tokenizer {given} is not the vocabulary {checkpoint} was trained with")
+    return tok
+
+
 def build_model(
     vocab_size: int, init_from: str | None = None, config: str | None = None, **overrides: Any
 ) -> BertForPreTraining:
     """BertForPreTraining from a checkpoint directory, a config.json, or BertConfig fields (BERT or ALBERT)."""
     if init_from:
         return BertForPreTraining.from_pretrained(init_from).train()
-    cfg = BertConfig.from_json_file(config) if config else BertConfig()
-    for key, value in {**overrides, "vocab_size": vocab_size}.items():
-        setattr(cfg, key, value)
-    cfg.validate()
-    return BertForPreTraining(cfg)
+    return BertForPreTraining(model_config(config, vocab_size, **overrides))
 
 
 def pretrain(
@@ -81,9 +100,20 @@ def pretrain(
     new WordPiece vocabulary of `vocab_size` learnt from the training documents. `model_options` are BertConfig
     fields (num_hidden_layers, hidden_size, embedding_size, layer_sharing, ...).
     """
+    model_options = model_options or {}
     env = init_distributed(device)
+    cfg = LoopConfig(output_dir=output_dir, **{"lr": 5e-4, "warmup_ratio": 0.05, **(loop or {})})
+    shape = BertConfig.from_pretrained(init_from) if init_from else model_config(config, vocab_size, **model_options)
+    if max_length > shape.max_position_embeddings:
+        raise UsageError(
+            f"max_length {max_length} > the model's max_position_embeddings {shape.max_position_embeddings}"
+        )
+    check_writable(output_dir)
     train_docs, held_docs = load_corpus(train, heldout, heldout_fraction, seed)
-    if tokenizer or init_from:
+    resumed = resume_checkpoint(cfg)
+    if resumed:  # the vocabulary the checkpoint was trained with, never a newly learnt one
+        tok = checkpoint_tokenizer(resumed, tokenizer)
+    elif tokenizer or init_from:
         tok = WordPieceTokenizer.from_pretrained(tokenizer or init_from)
     else:  # every rank learns the same vocabulary from the same documents (deterministic)
         tok = WordPieceTokenizer.train((s for d in train_docs for s in d), vocab_size=vocab_size)
@@ -92,19 +122,14 @@ def pretrain(
     held = held[:max_heldout_pairs]
     collate = PretrainCollator(tok, MLMMasker.from_tokenizer(tok, whole_word=whole_word, probability=mlm_probability))
     torch.manual_seed(seed)
-    model = PretrainingObjective(build_model(tok.vocab_size, init_from, config, **(model_options or {})))
+    model = PretrainingObjective(build_model(tok.vocab_size, init_from, config, **model_options), tok)
     evaluate = None
     if held:
         evaluate = HeldOutEval(held, collate, 64, most_frequent_token(feats, tok.special_ids))
     sampler = LengthGroupedBatchSampler(
         [len(f["input_ids"]) for f in feats], batch_size, seed, rank=env.rank, world_size=env.world_size
     )
-    cfg = LoopConfig(output_dir=output_dir, **{"lr": 5e-4, "warmup_ratio": 0.05, **(loop or {})})
     if env.is_main:
-        os.makedirs(output_dir, exist_ok=True)
         n_tokens = sum(len(f["input_ids"]) for f in feats)
         print(f"{len(train_docs)} documents -> {len(feats)} pairs ({n_tokens} tokens); {len(held)} held-out pairs")
-    result = fit(model, feats, collate, sampler, cfg, env, evaluate, desc=f"pretrain mlm+{objective}")
-    if env.is_main:
-        tok.save(os.path.join(output_dir, "final"))
-    return result
+    return fit(model, feats, collate, sampler, cfg, env, evaluate, desc=f"pretrain mlm+{objective}")

@@ -4,41 +4,49 @@ from __future__ import annotations
 
 import argparse
 
+from fastbert.errors import ranged
+from fastbert.pretrain.data import MIN_LENGTH
+from fastbert.tokenization import SPECIAL_TOKENS
 from fastbert.trainer import add_loop_arguments, loop_options, print_summary
 
 # flag -> BertConfig field for the model shape (used when neither --init-from nor --config gives it)
 MODEL_FLAGS = {
-    "layers": ("num_hidden_layers", int),
-    "hidden": ("hidden_size", int),
-    "heads": ("num_attention_heads", int),
-    "intermediate": ("intermediate_size", int),
-    "embedding_size": ("embedding_size", int),
+    "layers": ("num_hidden_layers", ranged(int, 1)),
+    "hidden": ("hidden_size", ranged(int, 1)),
+    "heads": ("num_attention_heads", ranged(int, 1)),
+    "intermediate": ("intermediate_size", ranged(int, 1)),
+    "embedding_size": ("embedding_size", ranged(int, 1)),
     "layer_sharing": ("layer_sharing", str),
-    "hidden_groups": ("num_hidden_groups", int),
-    "max_position": ("max_position_embeddings", int),
+    "hidden_groups": ("num_hidden_groups", ranged(int, 1)),
+    "max_position": ("max_position_embeddings", ranged(int, 1)),
 }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train", nargs="+", required=True, help="text files (WikiText, or blank-line documents)")
     parser.add_argument("--heldout", help="held-out text file (default: --heldout-fraction of the documents)")
-    parser.add_argument("--heldout-fraction", type=float, default=0.05)
-    parser.add_argument("--max-heldout-pairs", type=int, default=1000)
+    parser.add_argument("--heldout-fraction", type=ranged(float, 0, 1, high_open=True), default=0.05)
+    parser.add_argument("--max-heldout-pairs", type=ranged(int, 0), default=1000)
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--tokenizer", help="tokenizer.json / vocab.txt or its directory (default: learn one)")
-    parser.add_argument("--vocab-size", type=int, default=8000, help="size of a newly learnt WordPiece vocabulary")
+    vocab = ranged(int, len(SPECIAL_TOKENS) + 1)
+    parser.add_argument("--vocab-size", type=vocab, default=8000, help="size of a newly learnt WordPiece vocabulary")
     parser.add_argument("--objective", choices=["nsp", "sop"], default="nsp", help="BERT's NSP or ALBERT's SOP")
     parser.add_argument("--whole-word", action="store_true", help="mask whole words, not single pieces")
-    parser.add_argument("--mlm-probability", type=float, default=0.15)
-    parser.add_argument("--max-length", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mlm-probability", type=ranged(float, 0, 1, low_open=True, high_open=True), default=0.15)
+    parser.add_argument("--max-length", type=ranged(int, MIN_LENGTH), default=128, help="tokens per sentence pair")
+    parser.add_argument("--batch-size", type=ranged(int, 1), default=32)
+    parser.add_argument("--seed", type=ranged(int, 0), default=0)
     parser.add_argument("--init-from", help="checkpoint directory to continue pretraining from")
     parser.add_argument("--config", help="config.json giving the model shape")
     shape = parser.add_argument_group("model shape (BertConfig fields; ALBERT: --embedding-size, --layer-sharing)")
     for flag, (field, kind) in MODEL_FLAGS.items():
         shape.add_argument("--" + flag.replace("_", "-"), type=kind, help=field)
-    shape.add_argument("--dropout", type=float, help="hidden_dropout_prob and attention_probs_dropout_prob")
+    shape.add_argument(
+        "--dropout",
+        type=ranged(float, 0, 1, high_open=True),
+        help="hidden_dropout_prob and attention_probs_dropout_prob",
+    )
     add_loop_arguments(parser, lr=5e-4, epochs=10.0)
 
 

@@ -13,6 +13,7 @@ import random
 import re
 from collections.abc import Iterable
 
+from fastbert.errors import DataError, read_text
 from fastbert.tokenization import WordPieceTokenizer
 
 _WIKITEXT_TITLE = re.compile(r"^ ?= [^=].* = ?$")
@@ -21,6 +22,7 @@ _WIKITEXT_HEADING = re.compile(r"^ ?(= )+.*( =)+ ?$")
 _SENTENCE_END = re.compile(r"(?<=[^@][.!?])\s+(?=\S)")
 
 OBJECTIVES = ("nsp", "sop")
+MIN_LENGTH = 5  # [CLS] A [SEP] B [SEP] with one token in each segment
 
 
 def split_sentences(text: str) -> list[str]:
@@ -35,10 +37,9 @@ def read_documents(path: str | os.PathLike) -> list[list[str]]:
     BERT's [UNK]) is recognised by its titles; any other file is one document per blank-line-separated block.
     """
     path = os.fspath(path)
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().splitlines()
+    lines = read_text(path).splitlines()
     if not any(line.strip() for line in lines):
-        raise ValueError(f"{path}: the corpus is empty")
+        raise DataError(f"{path}: the corpus is empty")
     wikitext = any(_WIKITEXT_TITLE.match(line) for line in lines)
     documents: list[list[str]] = []
     current: list[str] = []
@@ -86,6 +87,8 @@ def make_pairs(
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if max_length < MIN_LENGTH:
+        raise ValueError(f"max_length must be >= {MIN_LENGTH} ([CLS] A [SEP] B [SEP]), got {max_length}")
     if len(documents) < 2 and objective == "nsp":
         raise ValueError("NSP needs at least two documents (random segments come from another document)")
     rng = random.Random(seed)

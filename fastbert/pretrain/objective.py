@@ -26,11 +26,12 @@ class StepOutput:
 
 
 class PretrainingObjective(nn.Module):
-    """MLM cross-entropy over masked tokens + NSP/SOP cross-entropy; saves/loads as the inner BertForPreTraining."""
+    """MLM cross-entropy over masked tokens + NSP/SOP cross-entropy; saves/loads as the inner BertForPreTraining,
+    saved with its tokenizer (so every checkpoint, and the final model, carries the vocabulary it was trained on)."""
 
-    def __init__(self, model: BertForPreTraining) -> None:
+    def __init__(self, model: BertForPreTraining, tokenizer: WordPieceTokenizer | None = None) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.tokenizer = model, tokenizer
 
     def forward(
         self,
@@ -52,6 +53,8 @@ class PretrainingObjective(nn.Module):
 
     def save_pretrained(self, directory: str) -> None:
         self.model.save_pretrained(directory)
+        if self.tokenizer is not None:
+            self.tokenizer.save(directory)
 
     def load_checkpoint_state(self, state, strict_heads: bool = False) -> None:
         self.model.load_checkpoint_state(state, strict_heads=strict_heads)
