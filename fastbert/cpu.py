@@ -58,8 +58,12 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype oneDNN multiplies in: fp32 for bf16 on a CPU without bf16 dot products (fastbert.capabilities)."""
-    return torch.float32 if dtype == torch.bfloat16 and capabilities.bf16_via_fp32(torch.device("cpu")) else dtype
+    """The dtype oneDNN multiplies in: bf16 only where bf16 GEMMs are fast and oneDNN's bf16 prepack runs
+    (fastbert.capabilities), else fp32 on the upcast bf16 operands, the same arithmetic."""
+    if dtype != torch.bfloat16:
+        return dtype
+    native = not capabilities.bf16_via_fp32(torch.device("cpu")) and capabilities.onednn_bf16_prepack().ok
+    return dtype if native else torch.float32
 
 
 def refuses_linear(
@@ -80,8 +84,6 @@ def refuses_linear(
     dtype = compute_dtype(x)
     if dtype not in (torch.float32, torch.bfloat16):
         return f"does not take {dtype}"
-    if gemm_dtype(dtype) == torch.bfloat16 and not capabilities.onednn_bf16_prepack().ok:
-        return f"oneDNN bf16 prepack unavailable ({capabilities.onednn_bf16_prepack().why})"
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1] or weight.device.type != "cpu":
         return "not a CPU [N, K] weight matching x"
     mode = os.environ.get("FASTBERT_CPU_GEMM", "auto")
