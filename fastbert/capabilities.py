@@ -33,6 +33,19 @@ _PROBE_M, _PROBE_K, _PROBE_N = 256, 512, 512
 _PROBE_REPEATS = 5
 
 
+# oneDNN keeps a primitive (JIT code and a weight layout for it) per GEMM row count in two caches (oneDNN's and
+# ideep's, 1024 entries each by default); a server that sees a new token count on every call then grows by hundreds
+# of MB (benchmarks/bench_memory.py). 64 entries hold every GEMM of a dozen shapes in rotation and bound the growth.
+ONEDNN_CACHE_ENV = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+ONEDNN_CACHE_DEFAULT = "64"
+
+
+def bound_onednn_caches() -> None:
+    """Cap oneDNN's primitive caches unless the user set them; read by oneDNN at its first GEMM, so called at import."""
+    for name in ONEDNN_CACHE_ENV:
+        os.environ.setdefault(name, ONEDNN_CACHE_DEFAULT)
+
+
 @dataclass(frozen=True)
 class Finding:
     """One capability: whether it holds here, and what was tried to find out."""
@@ -174,4 +187,6 @@ def report() -> list[str]:
         lines.append("  so bf16 runs as fp32 GEMMs on the upcast bf16 operands, rounded once to bf16 (same arithmetic)")
     lines.append(f"oneDNN bf16 prepack: {'yes' if onednn_bf16_prepack().ok else 'no'}: {onednn_bf16_prepack().why}")
     lines.append(f"fast precision here: {str(fast_dtype(torch.device('cpu'))).removeprefix('torch.')}")
+    caches = ", ".join(f"{name}={os.environ.get(name, 'unset')}" for name in ONEDNN_CACHE_ENV)
+    lines.append(f"oneDNN primitive caches: {caches} (fastbert's default {ONEDNN_CACHE_DEFAULT} bounds memory)")
     return lines

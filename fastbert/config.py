@@ -12,9 +12,10 @@ import math
 import os
 from typing import Any
 
+from fastbert import ops
+
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 SHARING = ("none", "all", "attention", "ffn")
-BACKENDS = (None, "auto", "triton", "native", "cpu", "torch")
 
 _DEFAULTS: dict[str, Any] = {
     "vocab_size": 30522,
@@ -137,8 +138,9 @@ class BertConfig:
                 f"num_hidden_groups ({self.num_hidden_groups}) must be in "
                 f"[1, num_hidden_layers={self.num_hidden_layers}]"
             )
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.backend not in (None, "auto", *ops.backends()):
+            # the registry's names: a backend added with ops.register_backend is valid here too
+            raise ValueError(f"backend must be None, 'auto' or one of {sorted(ops.backends())}, got {self.backend!r}")
         if self.position_embedding_type != "absolute":
             raise ValueError(f"only absolute position embeddings are supported, got {self.position_embedding_type!r}")
 

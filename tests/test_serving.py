@@ -97,3 +97,22 @@ def test_a_fixed_gemm_choice_repeats_bit_for_bit_across_processes() -> None:
             for _ in range(2)
         ]
         assert runs[0] and runs[0] == runs[1], choice
+
+
+def test_importing_fastbert_bounds_onednn_caches_unless_the_user_set_them() -> None:
+    """oneDNN caches a primitive per GEMM row count; left at 1024 entries, random shapes grow RSS by hundreds of MB."""
+    code = "import os, fastbert; print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'], os.environ['LRU_CACHE_CAPACITY'])"
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["64", "64"]
+    env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = "8"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["8", "64"]
+
+
+def test_config_backend_names_come_from_the_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    extra = ops.Backend("mine", devices=("cpu",), dtypes=(torch.float32,), module="fastbert.reference")
+    with pytest.raises(ValueError, match="backend must be None, 'auto' or one of"):
+        BertConfig(**TINY, backend="mine")
+    monkeypatch.setitem(ops._BACKENDS, "mine", extra)
+    assert BertConfig(**TINY, backend="mine").backend == "mine"
