@@ -2,7 +2,7 @@
 
 FASTBERT_BUILD_NATIVE=1 builds `fastbert._native_cpu` (C++/OpenMP, csrc/cpu); FASTBERT_BUILD_CUDA=1 also builds
 `fastbert._native_cuda` (csrc/cuda, needs torch with CUDA). MAX_JOBS bounds parallel compile jobs. Each build writes
-`_build_info.json` beside the extensions (compiler, flags, torch version, ISAs), which `fastbert.native` checks.
+`_build_info.json` beside the extensions (compiler, flags, torch version, ISAs), which the native backend checks.
 """
 
 import glob
@@ -45,7 +45,7 @@ def native_build() -> dict:
         )
 
     class BuildWithInfo(BuildExtension):
-        """BuildExtension that records how each extension was built next to it (read by fastbert.native)."""
+        """BuildExtension that records how each extension was built next to it (read by fastbert.backends.native)."""
 
         def build_extensions(self) -> None:
             super().build_extensions()

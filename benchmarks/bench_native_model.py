@@ -1,4 +1,4 @@
-"""BertModel forward with automatic dispatch (native where fastbert.native lists it) vs the torch backend, one run.
+"""BertModel forward with automatic dispatch (native where the native backend lists it) vs the torch backend, one run.
 
 BERT-base shape, random weights, lengths uniform in [seqlen/4, seqlen]; calls interleaved, fastest of --iters each
 (the machine may be shared), real (non-pad) tokens/s and the max difference between the two outputs.

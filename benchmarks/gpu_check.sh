@@ -53,7 +53,7 @@ for stage in $STAGES; do
         kernels)
             run kernels "$PY" -m benchmarks.bench_kernels --out benchmarks/results ;;
         native)
-            if "$PY" -c "import sys; from fastbert import native; sys.exit(native.load('_native_cuda')[0] is None)"; then
+            if "$PY" -c "import sys; from fastbert.backends import native; sys.exit(native.load('_native_cuda')[0] is None)"; then
                 run native "$PY" -m benchmarks.bench_native --device cuda
             else
                 skip native "the CUDA extension is not built here (see the install stage)"

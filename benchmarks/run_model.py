@@ -184,11 +184,11 @@ def measure_peak(device: torch.device, dtype: torch.dtype) -> float:
     if not (dtype == torch.bfloat16 and capabilities.bf16_via_fp32(device)):
         candidates.append(lambda: torch.matmul(a, b))
     if device.type == "cpu":
-        from fastbert import cpu
+        from fastbert.backends import onednn
 
-        if cpu.unavailable_reason() is None and dtype in (torch.float32, torch.bfloat16):
+        if onednn.unavailable_reason() is None and dtype in (torch.float32, torch.bfloat16):
             bt = b.t().contiguous()
-            candidates.append(lambda: cpu.linear(a, bt))
+            candidates.append(lambda: onednn.linear(a, bt))
         elif not candidates:  # no oneDNN: the rule on torch's fp32 matmul
             a32, b32 = a.float(), b.float()
             candidates.append(lambda: torch.matmul(a32, b32).to(dtype))
@@ -205,7 +205,7 @@ def measure_arithmetic_peak(device: torch.device, dtype_name: str) -> float | No
     ceiling of any GEMM. CPU only, from the native extension; None where it is not built or lacks the instruction."""
     if device.type != "cpu" or dtype_name not in ("fp32", "bf16"):
         return None
-    from fastbert import native
+    from fastbert.backends import native
 
     if dtype_name == "bf16" and capabilities.bf16_via_fp32(device):
         dtype_name = "fp32"  # bf16 runs on fp32 FMAs here

@@ -42,7 +42,7 @@ _DEFAULTS: dict[str, Any] = {
     "embedding_size": None,  # ALBERT: embeddings of size E projected to hidden_size; None means E == H
     "layer_sharing": "none",  # none | all | attention | ffn
     "num_hidden_groups": 1,  # ALBERT groups: layer i uses group i * groups // layers
-    "backend": None,  # None/auto | triton | native | cpu | torch (use_backend() and FASTBERT_BACKEND override)
+    "backend": None,  # None/auto | triton | native | onednn (old name: cpu) | torch; use_backend() and env override
 }
 
 _FASTBERT_FIELDS = ("embedding_size", "layer_sharing", "num_hidden_groups", "backend")
@@ -138,7 +138,7 @@ class BertConfig:
                 f"num_hidden_groups ({self.num_hidden_groups}) must be in "
                 f"[1, num_hidden_layers={self.num_hidden_layers}]"
             )
-        if self.backend not in (None, "auto", *ops.backends()):
+        if self.backend not in (None, "auto", *ops.backends(), *ops.ALIASES):
             # the registry's names: a backend added with ops.register_backend is valid here too
             raise ValueError(f"backend must be None, 'auto' or one of {sorted(ops.backends())}, got {self.backend!r}")
         if self.position_embedding_type != "absolute":

@@ -1,172 +1,45 @@
 """The dispatch layer: one function per fused op, each sent to the first backend that takes the call.
 
-What a backend supports is data (`Backend`: devices, dtypes, a loader, per-op limits), so a fallback can say why
-it happened: `fastbert.explain()` lists the last decision per op, and the `fastbert.ops` logger records each new
-one at DEBUG. `FASTBERT_BACKEND=triton|native|cpu|torch` (or `use_backend(...)`, or `BertConfig.backend`) forces one
-backend for the ops it implements (the others keep the automatic choice, and explain() says so); a forced backend
-that cannot take a call raises `BackendUnavailable`, it never silently degrades.
-Triton takes CUDA tensors automatically, CPU tensors (its interpreter, TRITON_INTERPRET=1) only when forced.
+What a backend supports is data (`fastbert.backends.spec.Backend`: devices, dtypes, the ops it implements, per-op
+limits), each backend module exporting its own SPEC, so a fallback can say why it happened: `fastbert.explain()`
+lists the last decision per op, and the `fastbert.ops` logger records each new one at DEBUG. The GEMMs with their
+epilogues (`linear`: GEMM + bias + activation; `dense_residual_layernorm`: GEMM + bias + residual + LayerNorm) are
+ops like the others, taken whole by a backend that fuses them (oneDNN) or composed from the `bias_act` and
+`bias_residual_layernorm` ops by the torch backend.
 
-Importing this module never needs a GPU, Triton or the native extension: backends load lazily, and a failed load
-is recorded as the reason to fall back.
+`FASTBERT_BACKEND=triton|native|onednn|torch` (or `use_backend(...)`, or `BertConfig.backend`) forces one backend
+for the ops it implements (the others keep the automatic choice, and explain() says so); a forced backend that cannot
+take a call raises `BackendUnavailable`, it never silently degrades. `cpu` is accepted as the old name of `onednn`.
+Importing this module never needs a GPU, Triton or the native extension: a backend that cannot run says why.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib
 import inspect
 import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from fastbert import capabilities, reference
+from fastbert.backends import native, onednn
+from fastbert.backends import triton as triton_backend
+from fastbert.backends.spec import COMPOUND_OPS, FLOATS, KERNEL_OPS, OPS, Backend, BackendUnavailable
+
+__all__ = [
+    "COMPOUND_OPS", "KERNEL_OPS", "OPS", "Backend", "BackendUnavailable", "backends", "decisions", "exclude_backends",
+    "explain", "forced_backend", "register_backend", "select", "use_backend",
+    "attention", "bias_act", "bias_residual_layernorm", "dense_residual_layernorm", "embedding_layernorm", "linear",
+]  # fmt: skip
 
 log = logging.getLogger("fastbert.ops")
+ALIASES = {"cpu": "onednn"}  # old backend names, accepted for a release
 
-KERNEL_OPS = ("embedding_layernorm", "bias_act", "bias_residual_layernorm", "attention")
-OPS = KERNEL_OPS + ("linear",)
-FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-
-
-class BackendUnavailable(RuntimeError):
-    """A forced backend cannot run this call (the message says why)."""
-
-
-# A per-op limit check: (the call's arguments by parameter name, forced by name?) -> why not, or None.
-LimitCheck = Callable[[dict[str, Any], bool], "str | None"]
-
-
-@dataclass
-class Backend:
-    """A backend as data: what it takes, how to load it, and per-op limits (each returns a reason or None)."""
-
-    name: str
-    devices: tuple[str, ...]
-    dtypes: tuple[torch.dtype, ...]
-    module: str  # imported on first use; must define a function per op it lists in `ops`
-    ops: tuple[str, ...] = OPS
-    limits: dict[str, LimitCheck] = field(default_factory=dict)
-    device_check: Callable[[str], str | None] | None = None  # e.g. Triton on CPU only under TRITON_INTERPRET=1
-    auto_devices: tuple[str, ...] | None = None  # devices automatic dispatch sends here (None: all of `devices`)
-    _loaded: ModuleType | None = field(default=None, repr=False)
-    _load_error: str | None = field(default=None, repr=False)
-
-    def load(self) -> tuple[ModuleType | None, str | None]:
-        if self._loaded is None and self._load_error is None:
-            try:
-                self._loaded = importlib.import_module(self.module)
-                ready = getattr(self._loaded, "unavailable_reason", None)
-                if callable(ready) and (reason := ready()):
-                    self._loaded, self._load_error = None, reason
-            except Exception as exc:  # ImportError, a stale .so, a missing driver: all are reasons, not crashes
-                self._load_error = f"{type(exc).__name__}: {exc}"
-        return self._loaded, self._load_error
-
-    def refuses(
-        self, op: str, device: torch.device, dtype: torch.dtype, args: tuple, kwargs: dict, forced: bool = False
-    ) -> str | None:
-        """Why this backend cannot take the call, or None if it can (`forced`: chosen by name, not automatically)."""
-        if op not in self.ops:
-            return f"does not implement {op}"
-        if device.type not in self.devices:
-            return f"runs on {'/'.join(self.devices)}, not {device.type}"
-        if not forced and self.auto_devices is not None and device.type not in self.auto_devices:
-            return f"takes {device.type} tensors only when forced"
-        if self.device_check is not None and (reason := self.device_check(device.type)):
-            return reason
-        if dtype not in self.dtypes:
-            return f"does not take {dtype}"
-        module, error = self.load()
-        if module is None:
-            return f"unavailable ({error})"
-        check = self.limits.get(op)
-        return check(_SIGNATURES[op].bind(*args, **kwargs).arguments, forced) if check is not None else None
-
-
-def _triton_device_check(device_type: str) -> str | None:
-    if device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        return "runs on CPU tensors only under TRITON_INTERPRET=1"
-    return None
-
-
-TRITON_MAX_FEATURE = 16384  # row kernels hold a whole feature row in registers (kernels/_common.py MAX_FEATURE)
-TRITON_MAX_HEAD_DIM = 128  # kernels/attention.py MAX_HEAD_DIM
-TRITON_MAX_SEQLEN_DROPOUT = 46340  # attention dropout's int32 Philox offsets (kernels/attention.py)
-
-
-def _feature_limit(n: int) -> str | None:
-    return f"feature dim {n} > {TRITON_MAX_FEATURE}" if n > TRITON_MAX_FEATURE else None
-
-
-def _triton_attention_limit(call: dict[str, Any], forced: bool) -> str | None:
-    qkv, max_seqlen = call["qkv"], call["max_seqlen"]
-    if qkv.shape[-1] > TRITON_MAX_HEAD_DIM:
-        return f"head dim {qkv.shape[-1]} > {TRITON_MAX_HEAD_DIM}"
-    if call.get("training") and call.get("dropout_p", 0.0) > 0 and max_seqlen > TRITON_MAX_SEQLEN_DROPOUT:
-        return f"attention dropout with max_seqlen {max_seqlen} > {TRITON_MAX_SEQLEN_DROPOUT}"
-    return None
-
-
-_TRITON_LIMITS: dict[str, LimitCheck] = {
-    "embedding_layernorm": lambda call, forced: _feature_limit(call["word_weight"].shape[-1]),
-    "bias_residual_layernorm": lambda call, forced: _feature_limit(call["x"].shape[-1]),
-    "attention": _triton_attention_limit,
-}
-
-
-def _native_limits(call: dict[str, Any], forced: bool, op: str) -> str | None:
-    # fastbert.native is already imported here: Backend.refuses loads the module before it checks limits.
-    return importlib.import_module("fastbert.native").refuses(op, call, forced)
-
-
-def _cpu_linear_limits(call: dict[str, Any], forced: bool) -> str | None:
-    return importlib.import_module("fastbert.cpu").refuses_linear(**call, forced=forced)
-
-
-def _cpu_attention_limits(call: dict[str, Any], forced: bool) -> str | None:
-    # a loop over cu_seqlens read on the host: torch.compile/export trace the reference instead
-    return "under torch.compile/export tracing" if torch.compiler.is_compiling() else None
-
-
-_BACKENDS: dict[str, Backend] = {
-    "triton": Backend(
-        "triton",
-        devices=("cuda", "cpu"),
-        dtypes=(torch.float32, torch.float16, torch.bfloat16),
-        module="fastbert.kernels",
-        ops=KERNEL_OPS,
-        limits=_TRITON_LIMITS,
-        device_check=_triton_device_check,
-        auto_devices=("cuda",),  # CPU (interpreter) only when forced: tests, never a silent slow path
-    ),
-    "native": Backend(
-        "native",
-        devices=("cpu", "cuda"),
-        dtypes=(torch.float32, torch.bfloat16, torch.float16),
-        module="fastbert.native",
-        ops=KERNEL_OPS,
-        limits={op: functools.partial(_native_limits, op=op) for op in KERNEL_OPS},
-    ),
-    "cpu": Backend(
-        "cpu",
-        devices=("cpu",),
-        dtypes=(torch.float32, torch.bfloat16),
-        module="fastbert.cpu",
-        ops=("linear", "attention"),
-        limits={"linear": _cpu_linear_limits, "attention": _cpu_attention_limits},
-    ),
-    "torch": Backend("torch", devices=("cpu", "cuda", "mps", "meta"), dtypes=FLOATS, module="fastbert.reference"),
-}
-_AUTO_ORDER = ("triton", "native", "cpu", "torch")
 
 _state = threading.local()
 _decisions: dict[str, str] = {}
@@ -185,22 +58,26 @@ def backends() -> dict[str, Backend]:
     return dict(_BACKENDS)
 
 
-def forced_backend() -> str | None:
-    """The backend forced by `use_backend` or FASTBERT_BACKEND, if any ('auto' means none)."""
-    name = getattr(_state, "forced", None) or os.environ.get("FASTBERT_BACKEND") or None
+def canonical(name: str | None) -> str | None:
+    """A backend name as the registry knows it (old names mapped), None for automatic; ValueError if unknown."""
     if name in (None, "auto"):
         return None
+    name = ALIASES.get(name, name)
     if name not in _BACKENDS:
         raise ValueError(f"unknown backend {name!r}; expected one of {sorted(_BACKENDS)} or 'auto'")
     return name
+
+
+def forced_backend() -> str | None:
+    """The backend forced by `use_backend` or FASTBERT_BACKEND, if any ('auto' means none)."""
+    return canonical(getattr(_state, "forced", None) or os.environ.get("FASTBERT_BACKEND") or None)
 
 
 @contextlib.contextmanager
 def use_backend(name: str | None) -> Iterator[None]:
     """Force a backend inside a block (`None`/'auto' restores automatic choice)."""
     previous = getattr(_state, "forced", None)
-    if name not in (None, "auto") and name not in _BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; expected one of {sorted(_BACKENDS)} or 'auto'")
+    name = canonical(name)
     _state.forced = name
     try:
         yield
@@ -211,9 +88,7 @@ def use_backend(name: str | None) -> Iterator[None]:
 @contextlib.contextmanager
 def exclude_backends(*names: str) -> Iterator[None]:
     """Leave these backends out of the automatic choice inside a block (to measure a path with and without one)."""
-    unknown = set(names) - set(_BACKENDS)
-    if unknown:
-        raise ValueError(f"unknown backend(s) {sorted(unknown)}; expected names from {sorted(_BACKENDS)}")
+    names = tuple(canonical(n) for n in names)
     previous = getattr(_state, "excluded", frozenset())
     _state.excluded = previous | frozenset(names)
     try:
@@ -230,24 +105,25 @@ def select(op: str, args: tuple, kwargs: dict) -> tuple[Callable, str]:
     """Pick the implementation for one call; returns (function, backend name)."""
     lead = _first_tensor(args)
     device, dtype = lead.device, (lead.dtype if lead.is_floating_point() else _first_float(args))
+    call = _SIGNATURES[op].bind(*args, **kwargs).arguments  # limit checks read the call by parameter name
     forced, note = forced_backend(), ""
     if forced is not None and op not in _BACKENDS[forced].ops:  # forcing covers the ops a backend implements
         forced, note = None, f" (forced {forced} implements no {op}: automatic choice)"
     if forced is not None:
         backend = _BACKENDS[forced]
-        reason = backend.refuses(op, device, dtype, args, kwargs, forced=True)
+        reason = backend.refuses(op, device, dtype, call, forced=True)
         if reason:
             raise BackendUnavailable(f"{op}: forced backend {forced!r} cannot run on {device.type}/{dtype}: {reason}")
         _record(op, f"{forced} (forced)")
-        return getattr(backend.load()[0], op), forced
+        return backend.function(op), forced
     why = []
     excluded = getattr(_state, "excluded", frozenset())
     for name in _AUTO_ORDER:
         backend = _BACKENDS[name]
-        reason = "excluded" if name in excluded else backend.refuses(op, device, dtype, args, kwargs)
+        reason = "excluded" if name in excluded else backend.refuses(op, device, dtype, call)
         if reason is None:
             _record(op, name + note + (f" (skipped {'; '.join(why)})" if why else ""))
-            return getattr(backend.load()[0], op), name
+            return backend.function(op), name
         why.append(f"{name}: {reason}")
     raise BackendUnavailable(f"{op}: no backend takes {device.type}/{dtype}: {'; '.join(why)}")
 
@@ -272,7 +148,7 @@ def explain() -> str:
     why the ones before it were skipped."""
     lines = capabilities.report()
     for backend in _BACKENDS.values():
-        describe = getattr(backend._loaded, "describe", None)
+        describe = getattr(backend.module, "describe", None)
         if callable(describe) and (said := describe()):
             lines.append(f"{backend.name}: {said}")
     lines.append("")
@@ -290,10 +166,9 @@ def _dispatch(op: str, *args: Any, **kwargs: Any) -> torch.Tensor:
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act: str | None = None
 ) -> torch.Tensor:
-    """act(x @ weight^T + bias). A backend that fuses the whole layer (the cpu backend's oneDNN) takes it in one
-    call; on the torch backend the GEMM is F.linear and the bias + activation epilogue goes to the `bias_act` op."""
-    fn, name = select("linear", (x, weight, bias, act), {})
-    return (_torch_linear if name == "torch" else fn)(x, weight, bias, act)
+    """act(x @ weight^T + bias). A backend that fuses the whole layer (oneDNN) takes it in one call; on the torch
+    backend the GEMM is F.linear and the bias + activation epilogue goes to the `bias_act` op."""
+    return _dispatch("linear", x, weight, bias, act)
 
 
 def _torch_linear(
@@ -329,16 +204,25 @@ def dense_residual_layernorm(
 ) -> torch.Tensor:
     """LayerNorm(dropout(x @ weight^T + bias) + residual): a sub-layer's output projection and its epilogue.
 
-    Where the cpu backend takes the GEMM (inference, one dtype throughout) bias and residual ride in its epilogue;
-    otherwise the GEMM is `linear` and the epilogue the `bias_residual_layernorm` op (a GPU kernel)."""
-    fn, name = select("linear", (x, weight, None, None), {})
-    same_dtype = x.dtype == residual.dtype == weight.dtype and not torch.is_autocast_enabled(x.device.type)
-    if name == "cpu" and same_dtype and not (training and dropout_p > 0):
-        return importlib.import_module("fastbert.cpu").linear_residual_layernorm(
-            x, weight, bias, residual, ln_weight, ln_bias, eps
-        )
-    gemm = _torch_linear if name == "torch" else fn
-    return bias_residual_layernorm(gemm(x, weight), bias, residual, ln_weight, ln_bias, eps, dropout_p, training)
+    oneDNN takes it whole where it can (inference, one dtype throughout: bias and residual ride in the GEMM's
+    epilogue); otherwise the GEMM is the `linear` op and the epilogue the `bias_residual_layernorm` op."""
+    args = (x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p, training)
+    return _dispatch("dense_residual_layernorm", *args)
+
+
+def _composed_dense_residual_layernorm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    residual: torch.Tensor,
+    ln_weight: torch.Tensor,
+    ln_bias: torch.Tensor,
+    eps: float,
+    dropout_p: float = 0.0,
+    training: bool = False,
+) -> torch.Tensor:
+    """The torch backend's dense_residual_layernorm: the `linear` op, then the `bias_residual_layernorm` op."""
+    return bias_residual_layernorm(linear(x, weight), bias, residual, ln_weight, ln_bias, eps, dropout_p, training)
 
 
 def embedding_layernorm(
@@ -411,3 +295,14 @@ def attention(
 
 # Every op's parameters by name, so that limit checks read a call by name whatever mix of positions and keywords it used
 _SIGNATURES = {op: inspect.signature(globals()[op]) for op in OPS}
+
+TORCH = Backend(
+    "torch",
+    devices=("cpu", "cuda", "mps", "meta"),
+    dtypes=FLOATS,
+    module=reference,
+    impls={"linear": _torch_linear, "dense_residual_layernorm": _composed_dense_residual_layernorm},
+)
+_BACKENDS: dict[str, Backend] = {b.name: b for b in (triton_backend.SPEC, native.SPEC, onednn.SPEC, TORCH)}
+_AUTO_ORDER = ("triton", "native", "onednn", "torch")
+onednn.fallback_bias_act = bias_act  # what oneDNN's first-use timing compares itself with

@@ -1,11 +1,14 @@
 """Triton kernels for fastbert's fused ops, installed as `fastbert.kernels`. They know nothing of models.
 
 One file per op (forward and backward kernels, launcher, autograd Function); the functions here have exactly the
-signatures of `fastbert.ops`' public functions. Importing this package imports Triton: `fastbert.ops` only does so
-lazily, so `import fastbert` never needs it. On CPU tensors the kernels run under TRITON_INTERPRET=1 (tests).
+signatures of `fastbert.ops`' public functions. Importing this package tries to import Triton; without it the
+package still imports and `unavailable_reason()` says why, so `import fastbert` never needs it. On CPU tensors the
+kernels run under TRITON_INTERPRET=1 (tests).
 """
 
 from __future__ import annotations
+
+from . import limits  # plain Python: what the kernels take, readable without Triton
 
 _IMPORT_ERROR: str | None = None
 try:
@@ -18,6 +21,7 @@ except ImportError as exc:  # triton missing or too old: a reason to fall back, 
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
 __all__ = [
+    "limits",
     "attention", "bias_act", "bias_residual_layernorm", "embedding_layernorm", "linear_act", "unavailable_reason",
 ]
 

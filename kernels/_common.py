@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 import triton
 
-MAX_FEATURE = 16384  # a row kernel keeps one feature row in registers; wider rows fall back (see ops.py limits)
 TILE_ELEMS = 4096  # elements per program tile in the row kernels
 ELEMS_PER_WARP = 512  # 16 fp32 per thread
 MAX_WARPS = 8

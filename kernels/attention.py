@@ -20,9 +20,8 @@ import triton.language as tl
 
 from . import _common as C
 from ._device import dot, dropout_keep
+from .limits import MAX_HEAD_DIM, MAX_SEQLEN_DROPOUT
 
-MAX_HEAD_DIM = 128
-MAX_SEQLEN_DROPOUT = 46340  # row * max_seqlen + col must fit the int32 Philox offset
 LOG2E = 1.4426950408889634
 
 

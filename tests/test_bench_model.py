@@ -131,7 +131,7 @@ def test_bound_line_is_the_peak_time_of_the_useful_flops() -> None:
 
 def test_arithmetic_peak_checks_its_arguments() -> None:
     """The native FMA probe answers FLOP/s (or None without the instruction) and refuses what it cannot measure."""
-    from fastbert import native
+    from fastbert.backends import native
 
     module, why = native.load("_native_cpu")
     if module is None:

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import fastbert
-from fastbert import capabilities, cpu, ops, reference, training
+from fastbert import capabilities, ops, reference, training
+from fastbert.backends import onednn
 
 FLOOR = 4e-3  # DESIGN.md's small floor for bf16 (as in test_precision.py)
 ACTS = (None, "gelu", "gelu_tanh", "relu")
@@ -63,7 +64,7 @@ def test_bf16_linear_without_bf16_instructions_keeps_bf16_semantics(act: str | N
     x, w, b = (t.bfloat16() for t in operands())
     exact = reference.linear(x.double(), w.double(), b.double(), act)
     with torch.no_grad():
-        ours = cpu.linear(x, w, b, act)
+        ours = onednn.linear(x, w, b, act)
     plain = reference.linear(x, w, b, act)  # torch's own bf16 GEMM (emulated here: slow, but the yardstick)
     assert ours.dtype == torch.bfloat16
     assert err(ours, exact) <= 2 * err(plain, exact) + FLOOR
@@ -78,9 +79,9 @@ def test_the_rule_equals_the_bf16_hardware_path_where_there_is_one(monkeypatch: 
         pytest.skip(f"no bf16 instructions on this CPU ({capabilities.bf16_gemm().why})")
     x, w, b = (t.bfloat16() for t in operands())
     with torch.no_grad():
-        hardware = cpu.linear(x, w, b, "gelu")
+        hardware = onednn.linear(x, w, b, "gelu")
         monkeypatch.setenv(capabilities.FORCE_ENV, "avx2")
-        rule = cpu.linear(x, w, b, "gelu")
+        rule = onednn.linear(x, w, b, "gelu")
     exact = reference.linear(x.double(), w.double(), b.double(), "gelu")
     assert err(rule, exact) <= 2 * err(hardware, exact) + FLOOR
     assert err(hardware, exact) <= 2 * err(rule, exact) + FLOOR
@@ -90,13 +91,13 @@ def test_autocast_and_the_residual_layernorm_epilogue_follow_the_rule(no_bf16: N
     x, w, b = operands()
     residual, g, beta = torch.randn(37, 80).bfloat16(), torch.rand(80) + 0.5, torch.randn(80)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        auto = cpu.linear(x, w, b, "gelu")
+        auto = onednn.linear(x, w, b, "gelu")
     assert auto.dtype == torch.bfloat16
     exact = reference.linear(x.bfloat16().double(), w.bfloat16().double(), b.bfloat16().double(), "gelu")
     assert err(auto, exact) <= 2 * err(reference.linear(*(t.bfloat16() for t in (x, w, b)), "gelu"), exact) + FLOOR
     x16, w16, b16 = (t.bfloat16() for t in (x, w, b))
     with torch.no_grad():
-        fused = cpu.linear_residual_layernorm(x16, w16, b16, residual, g.bfloat16(), beta.bfloat16(), 1e-12)
+        fused = onednn.dense_residual_layernorm(x16, w16, b16, residual, g.bfloat16(), beta.bfloat16(), 1e-12)
     h = reference.linear(x16.double(), w16.double(), b16.double()) + residual.double()
     exact = reference.layer_norm(h, g.bfloat16().double(), beta.bfloat16().double(), 1e-12)
     plain = reference.bias_residual_layernorm(x16 @ w16.T, b16, residual, g.bfloat16(), beta.bfloat16(), 1e-12)
@@ -128,14 +129,14 @@ def test_training_precision_auto_follows_the_machine(no_bf16: None) -> None:
 
 def test_native_kernels_run_their_avx2_build_when_forced() -> None:
     """The switch reaches the compiled kernels too (a fresh process: the ISA is chosen once, at load)."""
-    from fastbert import native
+    from fastbert.backends import native
 
     ext, reason = native.load("_native_cpu")
     if ext is None:
         pytest.skip(f"native CPU kernels: {reason}")
     if "avx2" not in ext.runnable_isas():
         pytest.skip("this CPU cannot run AVX2 kernels")
-    code = "from fastbert import native; print(native.load('_native_cpu')[0].isa())"
+    code = "from fastbert.backends import native; print(native.load('_native_cpu')[0].isa())"
     env = {**os.environ, capabilities.FORCE_ENV: "avx2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "avx2"

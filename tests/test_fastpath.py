@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import fastbert
-from fastbert import cpu, ops, reference
+from fastbert import ops, reference
+from fastbert.backends import onednn
 from fastbert.cuda_graphs import _bucket_tokens, _Graph
 from fastbert.padding import unpad, unpad_and_read
 
@@ -73,7 +74,7 @@ def test_fast_cpu_path_equals_plain_torch_path(monkeypatch: pytest.MonkeyPatch) 
         fast = fb(ids, attention_mask=mask, token_type_ids=types).last_hidden_state
         decisions = fastbert.explain()
         # attention goes to the native extension where it is built, else to the cpu backend; never to the reference
-        assert "linear: cpu" in decisions and "attention: torch" not in decisions
+        assert "linear: onednn" in decisions and "attention: torch" not in decisions
         with fastbert.use_backend("torch"):
             plain = fb(ids, attention_mask=mask, token_type_ids=types).last_hidden_state
         assert "linear: torch (forced)" in fastbert.explain()
@@ -85,7 +86,7 @@ def test_fast_cpu_path_equals_plain_torch_path(monkeypatch: pytest.MonkeyPatch) 
 def test_onednn_linear_matches_reference(act: str | None, rows: int) -> None:
     x, w, b = torch.randn(rows, 48), torch.randn(80, 48) / 7, torch.randn(80)
     with torch.no_grad():
-        out = cpu.linear(x, w, b, act)
+        out = onednn.linear(x, w, b, act)
     assert out.shape == (rows, 80)
     if rows:
         assert max_err(out, reference.linear(x, w, b, act)) <= ATOL
@@ -97,7 +98,7 @@ def test_onednn_bf16_within_twice_torch_bf16_error() -> None:
     exact = reference.linear(x.double(), w.double(), b.double(), "gelu")
     low = [t.bfloat16() for t in (x, w, b)]
     with torch.no_grad():
-        ours = max_err(cpu.linear(*low, "gelu"), exact)
+        ours = max_err(onednn.linear(*low, "gelu"), exact)
     plain = max_err(reference.linear(*low, "gelu"), exact)
     assert ours <= 2 * plain + 1e-3
 
@@ -105,10 +106,10 @@ def test_onednn_bf16_within_twice_torch_bf16_error() -> None:
 def test_prepacked_weight_follows_in_place_updates() -> None:
     lin = torch.nn.Linear(32, 24).requires_grad_(False)
     x = torch.randn(9, 32)
-    before = cpu.linear(x, lin.weight, lin.bias)
+    before = onednn.linear(x, lin.weight, lin.bias)
     lin.weight.mul_(-2)  # in place: same tensor, new version
     lin.bias.add_(1)
-    after = cpu.linear(x, lin.weight, lin.bias)
+    after = onednn.linear(x, lin.weight, lin.bias)
     assert max_err(after, torch.nn.functional.linear(x, lin.weight, lin.bias)) <= ATOL
     assert not torch.allclose(before, after)
 
@@ -116,7 +117,7 @@ def test_prepacked_weight_follows_in_place_updates() -> None:
 def test_autocast_linear_runs_in_bf16_on_a_cached_bf16_weight() -> None:
     w, b, x = torch.randn(40, 16), torch.randn(40), torch.randn(6, 16)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        ours = cpu.linear(x, w, b, "gelu")
+        ours = onednn.linear(x, w, b, "gelu")
         theirs = reference.linear(x, w, b, "gelu")
     assert ours.dtype == theirs.dtype == torch.bfloat16
     exact = reference.linear(x.double(), w.double(), b.double(), "gelu")
@@ -128,10 +129,10 @@ def test_gemm_calibration_is_reported_in_explain(monkeypatch: pytest.MonkeyPatch
     x, w = torch.randn(5, 24), torch.randn(12, 24)
     with torch.no_grad():
         ops.linear(x, w)
-    verdict = cpu.verdicts()[(torch.float32, 12, 24, False, False, True)]
+    verdict = onednn.verdicts()[(torch.float32, 12, 24, False, False, True)]
     assert "ms CPU time for [5, 24] x [24, 12]" in verdict[1]
     assert fastbert.explain().count("linear: ") == 1
-    assert ("linear: cpu" in fastbert.explain()) == verdict[0]
+    assert ("linear: onednn" in fastbert.explain()) == verdict[0]
 
 
 def test_gemm_calibration_times_the_path_it_would_replace(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -140,17 +141,18 @@ def test_gemm_calibration_times_the_path_it_would_replace(monkeypatch: pytest.Mo
     monkeypatch.setenv("FASTBERT_CPU_GEMM", "auto")
     calls = []
     bias_act = ops.bias_act
+    assert onednn.fallback_bias_act is bias_act  # the dispatcher hands its op to the calibration
 
     @functools.wraps(bias_act)  # the dispatch reads op signatures
     def counted(*args: object) -> torch.Tensor:
         calls.append(args)
         return bias_act(*args)
 
-    monkeypatch.setattr(ops, "bias_act", counted)
+    monkeypatch.setattr(onednn, "fallback_bias_act", counted)
     x, w, b = torch.randn(7, 40), torch.randn(20, 40), torch.randn(20)
     with torch.no_grad():
         ops.linear(x, w, b, "gelu")
-    verdict = cpu.verdicts()[(torch.float32, 20, 40, True, True, True)]
+    verdict = onednn.verdicts()[(torch.float32, 20, 40, True, True, True)]
     assert "than F.linear + bias_act" in verdict[1]
     assert calls and torch.equal(calls[0][1], b) and calls[0][2] == "gelu"
 
@@ -170,7 +172,7 @@ def test_per_sequence_attention_matches_reference(lengths: list[int]) -> None:
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     qkv = torch.randn(int(cu[-1]), 3, 4, 16)
     with torch.no_grad():
-        ours = cpu.attention(qkv, cu, max(lengths))
+        ours = onednn.attention(qkv, cu, max(lengths))
     assert ours.shape == (int(cu[-1]), 4, 16)
     if qkv.shape[0]:
         assert max_err(ours, reference.attention(qkv, cu, max(lengths))) <= ATOL

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import fastbert
-from fastbert import native, ops, reference
+from fastbert import ops, reference
+from fastbert.backends import native
 
 EXT, EXT_REASON = native.load("_native_cpu")
 needs_ext = pytest.mark.skipif(EXT is None, reason=f"native CPU extension unavailable: {EXT_REASON}")
@@ -181,10 +182,9 @@ def test_dispatch_prefers_native_and_falls_back_with_reasons() -> None:
 
 @pytest.fixture
 def fresh_native(monkeypatch: pytest.MonkeyPatch) -> ops.Backend:
-    """The native backend with its load cache (and fastbert.native's) emptied; restored afterwards."""
+    """The native backend with its load cache (and fastbert.backends.native's) emptied; restored afterwards."""
     backend = ops.backends()["native"]
-    monkeypatch.setattr(backend, "_loaded", None)
-    monkeypatch.setattr(backend, "_load_error", None)
+    monkeypatch.setattr(backend, "_ready", None)
     monkeypatch.setattr(native, "_loaded", {})
     return backend
 

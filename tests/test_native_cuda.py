@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastbert import native, ops, reference
+from fastbert import ops, reference
+from fastbert.backends import native
 
 pytestmark = [
     pytest.mark.gpu,

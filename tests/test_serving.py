@@ -53,14 +53,14 @@ def test_head_mask_of_ones_is_accepted_and_anything_else_refused_clearly() -> No
             head(ids, attention_mask=mask, head_mask=torch.zeros(2, 4))
 
 
-@pytest.mark.parametrize("name", ["cpu", "native"])
+@pytest.mark.parametrize("name", ["onednn", "native"])
 def test_a_forced_backend_runs_its_ops_and_leaves_the_others_to_the_automatic_choice(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """FASTBERT_BACKEND=cpu (oneDNN: GEMMs and attention only) runs a whole model; explain() says what went where."""
+    """FASTBERT_BACKEND=onednn (GEMMs and attention only) runs a whole model; explain() says what went where."""
     backend = ops.backends()[name]
-    if backend.load()[0] is None:
-        pytest.skip(f"{name}: {backend.load()[1]}")
+    if backend.unavailable():
+        pytest.skip(f"{name}: {backend.unavailable()}")
     torch.manual_seed(0)
     model = BertModel(BertConfig(**TINY)).eval()
     ids, mask = batch()

@@ -1,4 +1,5 @@
-"""The CPU backend: oneDNN GEMMs on weights prepacked once (the `linear` op), and attention without padding.
+"""The `onednn` backend (formerly `cpu`): oneDNN GEMMs on weights prepacked once, with their epilogues fused (the
+`linear` and `dense_residual_layernorm` ops), and attention without padding.
 
 `linear`: torch's default CPU fp32 matmul leaves much of a modern x86 core idle; oneDNN with a prepacked (blocked)
 weight layout gets close to the roof, and fusing bias + GELU into the GEMM saves a pass over the FFN's [T, 4H]
@@ -18,6 +19,7 @@ flash CPU kernel) straight on the packed tensor: no padded copy, no mask, no wor
 from __future__ import annotations
 
 import os
+import sys
 import time
 import weakref
 from collections.abc import Callable
@@ -26,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from fastbert import capabilities, reference
+from fastbert.backends.spec import Backend
 from fastbert.weight_stamp import stamp
 
 # activation kind -> (oneDNN post-op, algorithm)
@@ -113,7 +116,7 @@ def linear(
     return out.view(*x.shape[:-1], weight.shape[0]).to(dtype)
 
 
-def linear_residual_layernorm(
+def dense_residual_layernorm(
     x: torch.Tensor,  # [T, K]
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor,  # [N]
@@ -121,9 +124,14 @@ def linear_residual_layernorm(
     ln_weight: torch.Tensor,  # [N]
     ln_bias: torch.Tensor,  # [N]
     eps: float,
+    dropout_p: float = 0.0,
+    training: bool = False,
 ) -> torch.Tensor:  # [T, N]
     """LayerNorm(x @ weight^T + bias + residual): bias and residual added in the GEMM's epilogue, one LayerNorm pass
-    after (torch's CPU LayerNorm accumulates bf16 input in fp32, so statistics stay fp32 without an upcast copy)."""
+    after (torch's CPU LayerNorm accumulates bf16 input in fp32, so statistics stay fp32 without an upcast copy).
+    No dropout: the limit check leaves training with dropout to the unfused path."""
+    if training and dropout_p > 0:
+        raise ValueError("the fused oneDNN epilogue has no dropout: pass dropout_p=0 or training=False")
     if x.shape[0] == 0:
         return residual.new_empty(residual.shape)
     dtype = x.dtype
@@ -153,12 +161,16 @@ def _packed(
     return entry[2], entry[3]
 
 
+# What runs a GEMM's bias + activation when oneDNN does not take the GEMM: the dispatcher puts its `bias_act` op here
+# (the calibration times oneDNN against that path) without this module importing the dispatcher.
+fallback_bias_act: Callable[..., torch.Tensor] = reference.bias_act
+
+
 def _verdict(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str | None, dtype: torch.dtype
 ) -> tuple[bool, str]:
     """Time oneDNN against what would run without it, on this very input, once per size class: F.linear, then
     (with a bias and an activation) the `bias_act` op, as `fastbert.ops.linear` falls back; both in the GEMM dtype."""
-    from fastbert import ops
 
     rows, run = x.numel() // x.shape[-1], gemm_dtype(dtype)
     key = (run, *weight.shape, act is not None, bias is not None, rows < _SMALL_M)  # bf16 via fp32 is fp32's case
@@ -170,7 +182,7 @@ def _verdict(
             def fallback() -> torch.Tensor:
                 xr = xs.to(run)
                 if act is not None and b is not None:
-                    return ops.bias_act(F.linear(xr, w), b, act).to(dtype)
+                    return fallback_bias_act(F.linear(xr, w), b, act).to(dtype)
                 return reference.linear(xr, w, b, act).to(dtype)
 
             fast, plain = _best_times(lambda: linear(xs, weight, bias, act), fallback)
@@ -230,3 +242,32 @@ def attention(
                 outs.append(F.scaled_dot_product_attention(q, k, v, dropout_p=p, scale=scale)[0].transpose(0, 1))
     # one gather of the per-sequence [L, nH, D] views back into packed order (every row belongs to one sequence)
     return torch.cat(outs) if outs else qkv.new_empty(0, heads, dim)
+
+
+def refuses_dense_residual_layernorm(call: dict, forced: bool) -> str | None:
+    """The fused epilogue's limits: inference with one dtype throughout, then the GEMM's own."""
+    if call.get("training") and call.get("dropout_p", 0.0) > 0:
+        return "no dropout in the fused epilogue"
+    x, weight, residual = call["x"], call["weight"], call["residual"]
+    if not x.dtype == residual.dtype == weight.dtype or torch.is_autocast_enabled(x.device.type):
+        return "mixed dtypes or autocast (the epilogue adds the residual in the GEMM's dtype)"
+    return refuses_linear(x, weight, forced=forced)
+
+
+def _refuses_attention(call: dict, forced: bool) -> str | None:
+    # a loop over cu_seqlens read on the host: torch.compile/export trace the reference instead
+    return "under torch.compile/export tracing" if torch.compiler.is_compiling() else None
+
+
+SPEC = Backend(
+    "onednn",
+    devices=("cpu",),
+    dtypes=(torch.float32, torch.bfloat16),
+    module=sys.modules[__name__],
+    ops=("linear", "dense_residual_layernorm", "attention"),
+    limits={
+        "linear": lambda call, forced: refuses_linear(**call, forced=forced),
+        "dense_residual_layernorm": refuses_dense_residual_layernorm,
+        "attention": _refuses_attention,
+    },
+)

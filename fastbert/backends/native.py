@@ -1,4 +1,4 @@
-"""The native backend (`fastbert.native`): C++/OpenMP CPU kernels and CUDA kernels from csrc/, bound with pybind11.
+"""The `native` backend: C++/OpenMP CPU kernels and CUDA kernels from csrc/, bound with pybind11.
 
 Optional: built only on request (FASTBERT_BUILD_NATIVE=1 for `_native_cpu`, FASTBERT_BUILD_CUDA=1 for `_native_cuda`
 as well). Importing this module never fails; `unavailable_reason()` says why the backend cannot run (not built, stale:
@@ -12,19 +12,21 @@ import importlib
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from fastbert import capabilities, ops, reference
+from fastbert import capabilities, reference
+from fastbert.backends.spec import KERNEL_OPS, Backend, BackendUnavailable, LimitCheck
 
 BUILD_HINTS = {
     "_native_cpu": "FASTBERT_BUILD_NATIVE=1 python setup.py build_ext --inplace (or `make native`)",
     "_native_cuda": "FASTBERT_BUILD_CUDA=1 python setup.py build_ext --inplace (needs torch with CUDA and nvcc)",
 }
-BUILD_INFO = Path(__file__).with_name("_build_info.json")
+BUILD_INFO = Path(__file__).parents[1] / "_build_info.json"  # beside the extensions, in fastbert/
 CPU_DTYPES = (torch.float32, torch.bfloat16)
 CUDA_OPS = ("embedding_layernorm", "bias_act", "bias_residual_layernorm")  # attention on CUDA is Triton's job
 CUDA_MAX_ROW = 8192  # FASTBERT_CUDA_MAX_ROW in csrc/cuda/launch.h
@@ -158,7 +160,7 @@ def _ext(device: torch.device) -> ModuleType:
     name = "_native_cuda" if device.type == "cuda" else "_native_cpu"
     module, reason = load(name)
     if module is None:
-        raise ops.BackendUnavailable(f"native {device.type} kernels unavailable: {reason}")
+        raise BackendUnavailable(f"native {device.type} kernels unavailable: {reason}")
     return module
 
 
@@ -223,3 +225,17 @@ def attention(
     _no_dropout(dropout_p, training)
     scale = 1.0 / math.sqrt(qkv.shape[-1]) if scale is None else float(scale)
     return _ext(qkv.device).attention(qkv, cu_seqlens, int(max_seqlen), scale)
+
+
+def _limit(op: str) -> LimitCheck:
+    return lambda call, forced: refuses(op, call, forced)
+
+
+SPEC = Backend(
+    "native",
+    devices=("cpu", "cuda"),
+    dtypes=(torch.float32, torch.bfloat16, torch.float16),
+    module=sys.modules[__name__],
+    ops=KERNEL_OPS,
+    limits={op: _limit(op) for op in KERNEL_OPS},
+)

@@ -1,0 +1,78 @@
+"""What a backend is, as data: the ops the dispatch knows, and the `Backend` record each backend module exports as its
+SPEC (devices, dtypes, the ops it implements, per-op limits). A leaf: backends import it, never the dispatcher."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch
+
+KERNEL_OPS = ("embedding_layernorm", "bias_act", "bias_residual_layernorm", "attention")
+# GEMMs with their epilogues: act(x @ W^T + b), and LayerNorm(dropout(x @ W^T + b) + residual)
+COMPOUND_OPS = ("linear", "dense_residual_layernorm")
+OPS = KERNEL_OPS + COMPOUND_OPS
+FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+# A per-op limit check: (the call's arguments by parameter name, forced by name?) -> why not, or None.
+LimitCheck = Callable[[dict[str, Any], bool], "str | None"]
+
+
+class BackendUnavailable(RuntimeError):
+    """A forced backend cannot run this call (the message says why)."""
+
+
+@dataclass
+class Backend:
+    """A backend as data: what it takes, where its functions are, and per-op limits (each returns a reason or None).
+
+    `module` holds one function per op in `ops` (named as the op) unless `impls` names another; its optional
+    `unavailable_reason()` says why it cannot run here (asked once), and its optional `describe()` feeds explain()."""
+
+    name: str
+    devices: tuple[str, ...]
+    dtypes: tuple[torch.dtype, ...]
+    module: ModuleType
+    ops: tuple[str, ...] = OPS
+    limits: dict[str, LimitCheck] = field(default_factory=dict)
+    impls: dict[str, Callable[..., Any]] = field(default_factory=dict)
+    device_check: Callable[[str], str | None] | None = None  # e.g. Triton on CPU only under TRITON_INTERPRET=1
+    auto_devices: tuple[str, ...] | None = None  # devices automatic dispatch sends here (None: all of `devices`)
+    _ready: tuple[bool, str | None] | None = field(default=None, repr=False)
+
+    def unavailable(self) -> str | None:
+        """Why this backend cannot run here at all (a missing extension, Triton, oneDNN), or None; asked once."""
+        if self._ready is None:
+            check = getattr(self.module, "unavailable_reason", None)
+            try:
+                reason = check() if callable(check) else None
+            except Exception as exc:  # a stale .so, a missing driver: reasons, not crashes
+                reason = f"{type(exc).__name__}: {exc}"
+            self._ready = (reason is None, reason)
+        return self._ready[1]
+
+    def function(self, op: str) -> Callable[..., Any]:
+        """The function that runs `op` on this backend."""
+        return self.impls.get(op) or getattr(self.module, op)
+
+    def refuses(
+        self, op: str, device: torch.device, dtype: torch.dtype, call: dict[str, Any], forced: bool = False
+    ) -> str | None:
+        """Why this backend cannot take the call (`call`: its arguments by name), or None if it can (`forced`: chosen
+        by name, not automatically)."""
+        if op not in self.ops:
+            return f"does not implement {op}"
+        if device.type not in self.devices:
+            return f"runs on {'/'.join(self.devices)}, not {device.type}"
+        if not forced and self.auto_devices is not None and device.type not in self.auto_devices:
+            return f"runs {device.type} tensors only when forced (a test path, never a silent slow one)"
+        if self.device_check is not None and (reason := self.device_check(device.type)):
+            return reason
+        if dtype not in self.dtypes:
+            return f"does not take {dtype}"
+        if (error := self.unavailable()) is not None:
+            return f"unavailable ({error})"
+        check = self.limits.get(op)
+        return check(call, forced) if check is not None else None

@@ -1,0 +1,47 @@
+"""The `triton` backend: the fused kernels in kernels/ (installed as `fastbert.kernels`) on CUDA tensors, and on CPU
+tensors under the Triton interpreter when forced (tests). Its limits are the kernels' own (`kernels/limits.py`)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from fastbert import kernels
+from fastbert.backends.spec import KERNEL_OPS, Backend
+
+
+def _device_check(device_type: str) -> str | None:
+    if device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "runs on CPU tensors only under TRITON_INTERPRET=1"
+    return None
+
+
+def _feature(n: int) -> str | None:
+    return f"feature dim {n} > {kernels.limits.MAX_FEATURE}" if n > kernels.limits.MAX_FEATURE else None
+
+
+def _attention_limit(call: dict[str, Any], forced: bool) -> str | None:
+    qkv, max_seqlen = call["qkv"], call["max_seqlen"]
+    if qkv.shape[-1] > kernels.limits.MAX_HEAD_DIM:
+        return f"head dim {qkv.shape[-1]} > {kernels.limits.MAX_HEAD_DIM}"
+    if call.get("training") and call.get("dropout_p", 0.0) > 0 and max_seqlen > kernels.limits.MAX_SEQLEN_DROPOUT:
+        return f"attention dropout with max_seqlen {max_seqlen} > {kernels.limits.MAX_SEQLEN_DROPOUT}"
+    return None
+
+
+SPEC = Backend(
+    "triton",
+    devices=("cuda", "cpu"),
+    dtypes=(torch.float32, torch.float16, torch.bfloat16),
+    module=kernels,
+    ops=KERNEL_OPS,
+    limits={
+        "embedding_layernorm": lambda call, forced: _feature(call["word_weight"].shape[-1]),
+        "bias_residual_layernorm": lambda call, forced: _feature(call["x"].shape[-1]),
+        "attention": _attention_limit,
+    },
+    device_check=_device_check,
+    auto_devices=("cuda",),  # CPU (interpreter) only when forced: tests, never a silent slow path
+)
