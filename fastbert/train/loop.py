@@ -1,13 +1,5 @@
-"""The one training loop behind `fastbert pretrain` and `fastbert finetune`.
-
-Every batch is a dict of tensors that the model turns into `.loss` (labels included), so one loop serves MLM+NSP,
-classification, tagging, QA and distillation (whose model computes the teacher's targets and the weighted losses,
-reported per part in `.losses`). It does gradient accumulation (no DDP all-reduce until the last micro-batch),
-mixed precision (bf16 autocast; fp16 with a grad scaler), clipping, periodic evaluation and atomic checkpoints, and
-resumes exactly: data order depends only on (seed, epoch) and every rank's RNG state is restored, so a resumed run
-repeats the uninterrupted one. A wall-time budget shortens the LR schedule once the step time is known, so decay
-still ends at 0.
-"""
+"""The one training loop (`fit`) behind `fastbert pretrain`, `finetune` and `distill`: any model whose batches give
+`.loss`; accumulation, mixed precision, clipping, evaluation, checkpoints, a wall-time budget, exact resume."""
 
 from __future__ import annotations
 
@@ -23,24 +15,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastbert.errors import UsageError, ranged
-from fastbert.training import (
-    PRECISION_CHOICES,
-    DistEnv,
-    LengthGroupedBatchSampler,
-    autocast,
-    gather_rng_states,
-    latest_checkpoint,
-    load_checkpoint,
-    make_optimizer,
-    progress,
-    prune_checkpoints,
-    resolve_precision,
-    save_checkpoint,
-    unwrap,
-    wrap_model,
-    write_atomically,
-)
+from fastbert.errors import UsageError
+from fastbert.train.distributed import DistEnv, unwrap, wrap_model
+from fastbert.train.optim import make_optimizer
+from fastbert.train.precision import autocast, resolve_precision
+from fastbert.train.sampler import LengthGroupedBatchSampler
+from fastbert.train.state import gather_rng_states, latest_checkpoint, load_checkpoint, save_resumable, write_atomically
 
 
 @dataclass
@@ -101,6 +81,13 @@ def run_eval(model: nn.Module, evaluate: Evaluate, env: DistEnv, precision: str)
     return metrics
 
 
+def progress(total: int, desc: str, enabled: bool = True, initial: int = 0) -> Any:
+    """A tqdm bar (disabled off rank 0 or when asked); call `.set_postfix(loss=..., tok_s=...)` as you go."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, initial=initial, dynamic_ncols=True)
+
+
 def save_final(
     model: nn.Module, directory: str, env: DistEnv, strategy: str, finish: Callable[[nn.Module], None] | None = None
 ) -> None:
@@ -119,20 +106,6 @@ def save_final(
             finish(unwrap(model))
         if env.is_main:
             write_atomically(directory, unwrap(model).save_pretrained)
-
-
-def save_resumable(
-    directory: str, step: int, model: nn.Module, extra: dict, rng: Any, keep: int, stateful: dict[str, Any]
-) -> None:
-    """A resumable checkpoint, then pruning; a failed write (disk full, folder gone) is a warning that says where the
-    last good checkpoint is, and training goes on: the run is not lost, and nothing older is pruned."""
-    try:
-        save_checkpoint(directory, step, model, extra, rng, **stateful)
-    except OSError as exc:
-        last = latest_checkpoint(directory)
-        print(f"warning: checkpoint step-{step} not written ({exc}); the last good checkpoint is {last}", flush=True)
-        return
-    prune_checkpoints(directory, keep, step)
 
 
 def resume_checkpoint(cfg: LoopConfig) -> str | None:
@@ -169,6 +142,8 @@ def fit(
     `output_dir/history.json` (loss averaged over ranks with any `.losses` parts, lr, grad norm, eval metrics, elapsed
     seconds per logged step). `state`: more objects with a state_dict that checkpoints hold (e.g. trainable modules
     the saved model leaves out); `on_step(step, record)` runs after every optimizer step ({} if none was logged).
+    Resumes exactly (data order depends only on (seed, epoch), every rank's RNG state is restored); a wall-time budget
+    shortens the LR schedule once the step time is known, so decay still ends at 0.
     """
     cfg = _with_precision(cfg, env)
     if cfg.strategy == "fsdp" and env.distributed and cfg.save_every:
@@ -306,48 +281,3 @@ def fit(
         with open(os.path.join(cfg.output_dir, "history.json"), "w", encoding="utf-8") as f:
             json.dump({"config": {k: v for k, v in asdict(cfg).items() if k != "history"}, **result}, f, indent=1)
     return result
-
-
-def add_loop_arguments(parser: Any, lr: float, epochs: float) -> None:
-    """The LoopConfig options as command-line flags (shared by `fastbert pretrain` and `fastbert finetune`)."""
-    parser.add_argument("--lr", type=ranged(float, 0, low_open=True), default=lr)
-    parser.add_argument("--epochs", type=ranged(float, 0, low_open=True), default=epochs)
-    parser.add_argument("--max-steps", type=ranged(int, 1), help="optimizer steps (overrides --epochs)")
-    parser.add_argument(
-        "--max-minutes",
-        type=ranged(float, 0, low_open=True),
-        help="wall-time budget; the LR schedule is fitted into it",
-    )
-    parser.add_argument("--warmup-ratio", type=ranged(float, 0, 1, high_open=True), default=0.1)
-    parser.add_argument("--weight-decay", type=ranged(float, 0), default=0.01)
-    parser.add_argument("--grad-accum", type=ranged(int, 1), default=1, help="micro-batches per optimizer step")
-    parser.add_argument(
-        "--precision", choices=PRECISION_CHOICES, default="auto", help="auto: bf16 where it is fast here, else fp32"
-    )
-    parser.add_argument("--eval-every", type=ranged(int, 0), default=0, help="optimizer steps between evaluations")
-    parser.add_argument(
-        "--save-every", type=ranged(int, 0), default=0, help="optimizer steps between resumable checkpoints"
-    )
-    parser.add_argument("--log-every", type=ranged(int, 1), default=10)
-    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
-    parser.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp", help="under torchrun")
-    parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    parser.add_argument(
-        "--threads", type=ranged(int, 1), help="CPU threads per process (1 is far faster on a busy machine)"
-    )
-
-
-def loop_options(args: Any) -> dict[str, Any]:
-    """LoopConfig fields from parsed `add_loop_arguments` flags (and applies --threads)."""
-    if getattr(args, "threads", None):
-        torch.set_num_threads(args.threads)
-    names = ("lr", "epochs", "max_steps", "max_minutes", "warmup_ratio", "weight_decay", "grad_accum", "precision")
-    names += ("eval_every", "save_every", "log_every", "resume", "strategy")
-    return {name: getattr(args, name) for name in names}
-
-
-def print_summary(result: dict[str, Any]) -> None:
-    """One JSON line with the final step, metrics and training time, from rank 0 only (the CLIs' last word)."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        summary = {"step": result["step"], **result["metrics"], "train_seconds": round(result["train_seconds"])}
-        print(json.dumps(summary))
