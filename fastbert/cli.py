@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from fastbert import BertConfig, BertModel, explain
-    from fastbert.training import resolve_device
+    from fastbert.train.distributed import resolve_device
 
     device = resolve_device(args.device)
     config = BertConfig(vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)

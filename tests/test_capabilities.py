@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fastbert
-from fastbert import capabilities, ops, reference, training
+from fastbert import capabilities, ops, reference, train
 from fastbert.backends import onednn
 
 FLOOR = 4e-3  # DESIGN.md's small floor for bf16 (as in test_precision.py)
@@ -118,13 +118,13 @@ def test_the_torch_backend_follows_the_rule_with_autograd(no_bf16: None) -> None
 
 def test_training_precision_auto_follows_the_machine(no_bf16: None) -> None:
     cpu_device = torch.device("cpu")
-    chosen, why = training.resolve_precision("auto", cpu_device)
+    chosen, why = train.resolve_precision("auto", cpu_device)
     assert chosen == "fp32" and "auto -> fp32" in why
-    chosen, why = training.resolve_precision("bf16", cpu_device)
+    chosen, why = train.resolve_precision("bf16", cpu_device)
     assert chosen == "bf16" and why.startswith("warning: bf16 is slow")
-    assert training.resolve_precision("fp32", cpu_device)[0] == "fp32"
+    assert train.resolve_precision("fp32", cpu_device)[0] == "fp32"
     with pytest.raises(ValueError, match="precision must be one of"):
-        training.resolve_precision("int8", cpu_device)
+        train.resolve_precision("int8", cpu_device)
 
 
 def test_native_kernels_run_their_avx2_build_when_forced() -> None:

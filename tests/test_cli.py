@@ -14,7 +14,7 @@ import torch
 from fastbert.cli import main
 from fastbert.distill.trainer import DistillConfig
 from fastbert.errors import DataError, UsageError
-from fastbert.trainer import LoopConfig
+from fastbert.train import LoopConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

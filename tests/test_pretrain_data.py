@@ -9,7 +9,7 @@ from fastbert.masking import IGNORE_INDEX, MLMMasker
 from fastbert.pretrain.data import encode_pairs, make_pairs, read_documents, split_sentences
 from fastbert.pretrain.objective import PretrainCollator
 from fastbert.tokenization import WordPieceTokenizer
-from fastbert.training import LengthGroupedBatchSampler
+from fastbert.train import LengthGroupedBatchSampler
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from fastbert import BertConfig, BertForPreTraining, BertModel
 from fastbert.errors import UsageError
 from fastbert.pretrain import pretrain
 from fastbert.tokenization import WordPieceTokenizer
-from fastbert.training import load_checkpoint, prune_checkpoints, rng_state, save_checkpoint
+from fastbert.train import load_checkpoint, prune_checkpoints, rng_state, save_checkpoint
 
 WORDS = "the a cat dog sat ran on under mat log house river big small red blue quickly slowly and then".split()
 TINY = {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}

@@ -10,7 +10,7 @@ import os
 
 from fastbert.distill.objectives import WEIGHTS, Objectives
 from fastbert.errors import ranged
-from fastbert.training import PRECISION_CHOICES
+from fastbert.train import PRECISION_CHOICES
 
 PRESETS = {"distilbert": Objectives.distilbert, "sentence": Objectives.sentence_embedding}
 

@@ -1,6 +1,6 @@
 """Distillation data: a corpus (text file or list of sentences) tokenised with the teacher's WordPiece vocabulary,
 padded batches with dynamic masking, and an optional on-disk teacher-output cache. (Batches are length-grouped and
-sharded over ranks by the shared `fastbert.training.LengthGroupedBatchSampler`.)
+sharded over ranks by the shared `fastbert.train.LengthGroupedBatchSampler`.)
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Distillation runs: build the student (initialised from the teacher's layers), its projections and the objective,
-then train it with the shared loop of `fastbert.trainer.fit` (one process or many under `torchrun`: DDP wraps the
+then train it with the shared loop of `fastbert.train.fit` (one process or many under `torchrun`: DDP wraps the
 student, the frozen teacher runs in every process; mixed precision, accumulation, AdamW + warmup, clipping,
 resumable checkpoints, a wall-time budget, a progress bar), with a held-out evaluation before and after training.
 """
@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastbert import training
 from fastbert.checkpoint import PreTrainedModel
 from fastbert.distill.data import TeacherCache, collate, read_corpus, tokenize_corpus
 from fastbert.distill.models import DistillStudent, has_mlm_head, load_teacher, teacher_targets
@@ -27,7 +26,20 @@ from fastbert.heads import BertForMaskedLM
 from fastbert.masking import MLMMasker
 from fastbert.modeling import BertModel
 from fastbert.tokenization import WordPieceTokenizer
-from fastbert.trainer import LoopConfig, fit, run_eval
+from fastbert.train import (
+    PRECISION_CHOICES,
+    PRECISIONS,
+    STATE_FILE,
+    DistEnv,
+    LengthGroupedBatchSampler,
+    LoopConfig,
+    check_writable,
+    fit,
+    init_distributed,
+    latest_checkpoint,
+    resolve_precision,
+    run_eval,
+)
 
 
 @dataclass
@@ -96,12 +108,12 @@ def _resolve_resume(cfg: DistillConfig) -> str | None:
     if cfg.resume is None:
         return None
     if cfg.resume == "latest":
-        path = training.latest_checkpoint(os.path.join(cfg.output_dir, "checkpoints"))
+        path = latest_checkpoint(os.path.join(cfg.output_dir, "checkpoints"))
         if path is None:
             raise FileNotFoundError(f"resume='latest' but there is no checkpoint in {cfg.output_dir}/checkpoints")
         return path
-    if not os.path.isfile(os.path.join(cfg.resume, training.STATE_FILE)):
-        raise FileNotFoundError(f"no distillation checkpoint at {cfg.resume} (expected {training.STATE_FILE} there)")
+    if not os.path.isfile(os.path.join(cfg.resume, STATE_FILE)):
+        raise FileNotFoundError(f"no distillation checkpoint at {cfg.resume} (expected {STATE_FILE} there)")
     return cfg.resume
 
 
@@ -198,8 +210,8 @@ def _check(cfg: DistillConfig, teacher: PreTrainedModel, tokenizer: WordPieceTok
             "logits_mse and attention, or cache_teacher"
         )
     for name in ("precision", "teacher_precision"):
-        if getattr(cfg, name) not in training.PRECISION_CHOICES:
-            raise ValueError(f"{name} must be one of {training.PRECISION_CHOICES}, got {getattr(cfg, name)!r}")
+        if getattr(cfg, name) not in PRECISION_CHOICES:
+            raise ValueError(f"{name} must be one of {PRECISION_CHOICES}, got {getattr(cfg, name)!r}")
 
 
 def _loop_config(cfg: DistillConfig, resume_path: str | None) -> LoopConfig:
@@ -215,10 +227,10 @@ def _loop_config(cfg: DistillConfig, resume_path: str | None) -> LoopConfig:
     )
 
 
-def _resolve_precisions(cfg: DistillConfig, env: training.DistEnv) -> DistillConfig:
+def _resolve_precisions(cfg: DistillConfig, env: DistEnv) -> DistillConfig:
     """'auto' resolved for this device, for the student and the teacher; the run says what it picked (rank 0)."""
-    student, why = training.resolve_precision(cfg.precision, env.device)
-    teacher, _ = training.resolve_precision(cfg.teacher_precision, env.device)
+    student, why = resolve_precision(cfg.precision, env.device)
+    teacher, _ = resolve_precision(cfg.teacher_precision, env.device)
     if env.is_main and (student != cfg.precision or why.startswith("warning")):
         print(why, flush=True)
     return dataclasses.replace(cfg, precision=student, teacher_precision=teacher)
@@ -238,10 +250,10 @@ def distill(
     `on_step(step, record)` runs after every optimizer step (record: that step's logged history entry, or {}).
     """
     cfg = config
-    env = training.init_distributed(cfg.device)
+    env = init_distributed(cfg.device)
     resume_path = _resolve_resume(cfg)
     loop = _loop_config(cfg, resume_path)
-    training.check_writable(cfg.output_dir)
+    check_writable(cfg.output_dir)
     teacher_model = load_teacher(teacher)
     if tokenizer is None:
         if not isinstance(teacher, (str, os.PathLike)):
@@ -263,7 +275,7 @@ def distill(
     teacher_model = teacher_model.to(env.device).eval()
     student, init_map = build_student(teacher_model, cfg)  # copied from the full-precision teacher
     if cfg.teacher_precision != "fp32":
-        teacher_model = teacher_model.to(training.PRECISIONS[cfg.teacher_precision])
+        teacher_model = teacher_model.to(PRECISIONS[cfg.teacher_precision])
     s_layers, t_layers = student.config.num_hidden_layers, teacher_model.config.num_hidden_layers
     hidden_map = dict(obj.layer_map) if obj.layer_map is not None else block_end_map(t_layers, s_layers)
     if obj.attention:
@@ -311,7 +323,7 @@ def distill(
             on_step(step, record)
 
     eval_before = run_eval(module, evaluate, env, cfg.precision)["eval_loss"]  # the initial student: same on resume
-    sampler = training.LengthGroupedBatchSampler(
+    sampler = LengthGroupedBatchSampler(
         [len(r) for r in ids], cfg.batch_size, cfg.seed, rank=env.rank, world_size=env.world_size
     )
     loop = dataclasses.replace(loop, precision=cfg.precision)

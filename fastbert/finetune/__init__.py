@@ -17,8 +17,7 @@ from fastbert.config import BertConfig
 from fastbert.errors import UsageError
 from fastbert.finetune.tasks import QATask, SequenceTask, TokenTask
 from fastbert.tokenization import WordPieceTokenizer
-from fastbert.trainer import LoopConfig, fit
-from fastbert.training import LengthGroupedBatchSampler, check_writable, init_distributed
+from fastbert.train import LengthGroupedBatchSampler, LoopConfig, check_writable, fit, init_distributed
 
 TASKS = ("sequence", "regression", "token", "qa")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from fastbert.errors import ranged
-from fastbert.trainer import add_loop_arguments, loop_options, print_summary
+from fastbert.train import add_loop_arguments, loop_options, print_summary
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

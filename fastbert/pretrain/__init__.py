@@ -20,8 +20,14 @@ from fastbert.masking import MLMMasker
 from fastbert.pretrain.data import encode_pairs, make_pairs, read_documents, tokenize_documents
 from fastbert.pretrain.objective import HeldOutEval, PretrainCollator, PretrainingObjective, most_frequent_token
 from fastbert.tokenization import WordPieceTokenizer
-from fastbert.trainer import LoopConfig, fit, resume_checkpoint
-from fastbert.training import LengthGroupedBatchSampler, check_writable, init_distributed
+from fastbert.train import (
+    LengthGroupedBatchSampler,
+    LoopConfig,
+    check_writable,
+    fit,
+    init_distributed,
+    resume_checkpoint,
+)
 
 __all__ = ["build_model", "checkpoint_tokenizer", "load_corpus", "pretrain"]
 

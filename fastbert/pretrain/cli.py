@@ -7,7 +7,7 @@ import argparse
 from fastbert.errors import ranged
 from fastbert.pretrain.data import MIN_LENGTH
 from fastbert.tokenization import SPECIAL_TOKENS
-from fastbert.trainer import add_loop_arguments, loop_options, print_summary
+from fastbert.train import add_loop_arguments, loop_options, print_summary
 
 # flag -> BertConfig field for the model shape (used when neither --init-from nor --config gives it)
 MODEL_FLAGS = {

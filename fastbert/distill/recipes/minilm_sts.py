@@ -23,7 +23,7 @@ from fastbert import BertModel
 from fastbert.distill import DistillConfig, Objectives, distill, init_from_teacher
 from fastbert.distill.losses import mean_pool
 from fastbert.tokenization import WordPieceTokenizer
-from fastbert.training import PRECISION_CHOICES
+from fastbert.train import PRECISION_CHOICES
 
 
 def _detokenise(text: str) -> str:

@@ -1,0 +1,283 @@
+"""The one training loop (`fit`) behind `fastbert pretrain`, `finetune` and `distill`: any model whose batches give
+`.loss`; accumulation, mixed precision, clipping, evaluation, checkpoints, a wall-time budget, exact resume."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastbert.errors import UsageError
+from fastbert.train.distributed import DistEnv, unwrap, wrap_model
+from fastbert.train.optim import make_optimizer
+from fastbert.train.precision import autocast, resolve_precision
+from fastbert.train.sampler import LengthGroupedBatchSampler
+from fastbert.train.state import gather_rng_states, latest_checkpoint, load_checkpoint, save_resumable, write_atomically
+
+
+@dataclass
+class LoopConfig:
+    """How long and how to train; shared by pretraining and fine-tuning."""
+
+    output_dir: str
+    lr: float = 5e-5
+    epochs: float = 3.0
+    max_steps: int | None = None  # optimizer steps; overrides epochs
+    max_minutes: float | None = None  # wall-time budget: the schedule is shortened to end inside it
+    warmup_ratio: float = 0.1
+    weight_decay: float = 0.01
+    grad_accum: int = 1
+    precision: str = "auto"  # fp32 | bf16 | fp16 | auto: bf16 where it is fast here, else fp32
+    max_grad_norm: float = 1.0
+    eval_every: int = 0  # optimizer steps; 0 = only at the end
+    save_every: int = 0  # optimizer steps; 0 = only the final model
+    log_every: int = 10
+    resume: bool | str = False  # True: the newest checkpoint in output_dir/checkpoints, if any; str: that step-N
+    strategy: str = "ddp"
+    keep_checkpoints: int = 0  # the newest N resumable checkpoints are kept; 0 = all
+    final_dir: str = "final"  # where the trained model is written, under output_dir
+
+    def __post_init__(self) -> None:
+        """Reject values no run can use, naming the field, before any work (max_steps=-5 would train 0 steps)."""
+        rules = (
+            ("lr", self.lr >= 0, ">= 0"),
+            ("epochs", self.epochs > 0, "> 0"),
+            ("max_steps", self.max_steps is None or self.max_steps >= 1, ">= 1"),
+            ("max_minutes", self.max_minutes is None or self.max_minutes > 0, "> 0"),
+            ("warmup_ratio", 0 <= self.warmup_ratio < 1, "in [0, 1)"),
+            ("weight_decay", self.weight_decay >= 0, ">= 0"),
+            ("grad_accum", self.grad_accum >= 1, ">= 1"),
+            ("max_grad_norm", self.max_grad_norm >= 0, ">= 0"),
+            ("eval_every", self.eval_every >= 0, ">= 0"),
+            ("save_every", self.save_every >= 0, ">= 0"),
+            ("log_every", self.log_every >= 1, ">= 1"),
+        )
+        for name, ok, rule in rules:
+            if not ok:
+                raise UsageError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+
+Evaluate = Callable[[nn.Module], dict[str, float]]
+
+
+def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def run_eval(model: nn.Module, evaluate: Evaluate, env: DistEnv, precision: str) -> dict[str, float]:
+    """Evaluate in eval mode, no grad, same precision as training; back to train mode after."""
+    model.eval()
+    with torch.no_grad(), autocast(env.device, precision):
+        metrics = evaluate(model)
+    model.train()
+    return metrics
+
+
+def progress(total: int, desc: str, enabled: bool = True, initial: int = 0) -> Any:
+    """A tqdm bar (disabled off rank 0 or when asked); call `.set_postfix(loss=..., tok_s=...)` as you go."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, initial=initial, dynamic_ncols=True)
+
+
+def save_final(
+    model: nn.Module, directory: str, env: DistEnv, strategy: str, finish: Callable[[nn.Module], None] | None = None
+) -> None:
+    """The trained model as a transformers-loadable directory (FSDP gathers the full weights first).
+
+    `finish(model)` edits the full, unwrapped model in place just before it is written (e.g. folding a target
+    normalisation into the head).
+    """
+    gather = contextlib.nullcontext()
+    if strategy == "fsdp" and env.distributed:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        gather = FSDP.summon_full_params(model, writeback=finish is not None)
+    with gather:
+        if finish is not None:
+            finish(unwrap(model))
+        if env.is_main:
+            write_atomically(directory, unwrap(model).save_pretrained)
+
+
+def resume_checkpoint(cfg: LoopConfig) -> str | None:
+    """The checkpoint a run with these settings continues from: `resume` itself, the newest one, or None."""
+    if isinstance(cfg.resume, str):
+        return cfg.resume
+    return latest_checkpoint(os.path.join(cfg.output_dir, "checkpoints")) if cfg.resume else None
+
+
+def _with_precision(cfg: LoopConfig, env: DistEnv) -> LoopConfig:
+    """cfg with 'auto' precision resolved for this device; the run says what it picked and why (rank 0)."""
+    precision, why = resolve_precision(cfg.precision, env.device)
+    if env.is_main and (cfg.precision != precision or why.startswith("warning")):
+        print(why, flush=True)
+    return replace(cfg, precision=precision)
+
+
+def fit(
+    model: nn.Module,
+    dataset: Any,
+    collate: Callable[[list[Any]], dict[str, torch.Tensor]],
+    sampler: LengthGroupedBatchSampler,
+    cfg: LoopConfig,
+    env: DistEnv,
+    evaluate: Evaluate | None = None,
+    desc: str = "train",
+    finish: Callable[[nn.Module], None] | None = None,
+    state: dict[str, Any] | None = None,
+    on_step: Callable[[int, dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Train `model` (already seeded and built identically on every rank); returns the last metrics and history.
+
+    Writes `output_dir/checkpoints/step-N` every `save_every` steps, `output_dir/<final_dir>` at the end (rank 0) and
+    `output_dir/history.json` (loss averaged over ranks with any `.losses` parts, lr, grad norm, eval metrics, elapsed
+    seconds per logged step). `state`: more objects with a state_dict that checkpoints hold (e.g. trainable modules
+    the saved model leaves out); `on_step(step, record)` runs after every optimizer step ({} if none was logged).
+    Resumes exactly (data order depends only on (seed, epoch), every rank's RNG state is restored); a wall-time budget
+    shortens the LR schedule once the step time is known, so decay still ends at 0.
+    """
+    cfg = _with_precision(cfg, env)
+    if cfg.strategy == "fsdp" and env.distributed and cfg.save_every:
+        raise ValueError("resumable checkpoints (save_every) need --strategy ddp; FSDP runs save the final model only")
+    model.to(env.device)
+    wrapped = wrap_model(model, env, cfg.strategy)
+    # its own generator: each new DataLoader iterator draws a seed, which must not advance the global RNG that
+    # masking and dropout use (or a resumed run, which starts a fresh iterator mid-epoch, would diverge)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, collate_fn=collate, num_workers=0, generator=torch.Generator()
+    )
+    batches = len(sampler)
+    if batches == 0:
+        raise ValueError("the training set gives no batch on this rank (too few examples for batch size x ranks)")
+    total = cfg.max_steps or max(1, math.ceil(cfg.epochs * batches / cfg.grad_accum))
+    optimizer, scheduler = make_optimizer(
+        wrapped, cfg.lr, total, warmup_steps=int(cfg.warmup_ratio * total), weight_decay=cfg.weight_decay
+    )
+    schedule = scheduler.lr_lambdas[0]
+    scaler = torch.amp.GradScaler(env.device.type) if cfg.precision == "fp16" else None
+    ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
+    step, history, elapsed_before = 0, [], 0.0
+    stateful = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler, **(state or {})}
+    if env.distributed:  # the model is built alike everywhere; from here each rank draws its own masks and dropout
+        torch.manual_seed(torch.initial_seed() + env.rank)
+    last = resume_checkpoint(cfg)
+    if last:
+        saved = load_checkpoint(last, wrapped, env.rank, **stateful)
+        step, history = saved["step"], saved["extra"].get("history", [])
+        elapsed_before = saved["extra"].get("elapsed", 0.0)
+        if env.is_main:
+            print(f"resumed from {last} at step {step}", flush=True)
+    micro = step * cfg.grad_accum
+    epoch, offset = divmod(micro, batches)
+    budget = cfg.max_minutes * 60 if cfg.max_minutes else None
+    start = time.perf_counter() - elapsed_before
+    bar = progress(schedule.total, desc, env.is_main, initial=step)
+    metrics: dict[str, float] = {}
+    sums: dict[str, torch.Tensor] = {}  # loss (and its parts) summed over the optimizer steps since the last record
+    seen, tokens, eval_seconds, grad_norm = 0, 0, 0.0, None
+    wrapped.train()
+    while step < schedule.total:
+        sampler.set_epoch(epoch, offset)
+        offset = 0
+        for batch in loader:
+            tokens += int(batch["attention_mask"].sum()) if "attention_mask" in batch else 0
+            batch = _to(batch, env.device)
+            sync = (micro + 1) % cfg.grad_accum == 0
+            no_sync = wrapped.no_sync() if env.distributed and not sync else contextlib.nullcontext()
+            with no_sync:
+                with autocast(env.device, cfg.precision):
+                    out = wrapped(**batch)
+                loss = out.loss / cfg.grad_accum
+                (scaler.scale(loss) if scaler else loss).backward()
+            parts = {"loss": loss, **{f"loss_{k}": v / cfg.grad_accum for k, v in getattr(out, "losses", {}).items()}}
+            for name, value in parts.items():  # summed on the device: no host sync until a step is logged
+                sums[name] = sums.get(name, 0.0) + value.detach().float()
+            micro += 1
+            if not sync:
+                continue
+            if scaler:
+                scaler.unscale_(optimizer)
+            if cfg.max_grad_norm:  # FSDP's own clip sees every shard's norm; the plain one would see only local ones
+                if hasattr(wrapped, "clip_grad_norm_"):
+                    grad_norm = wrapped.clip_grad_norm_(cfg.max_grad_norm)
+                else:
+                    grad_norm = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), cfg.max_grad_norm)
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step, seen = step + 1, seen + 1
+            bar.update(1)
+            record: dict[str, Any] = {}
+            evaluating = evaluate and cfg.eval_every and step % cfg.eval_every == 0 and step < schedule.total
+            if step % cfg.log_every == 0 or step == schedule.total or evaluating:
+                means = torch.stack(list(sums.values())) / seen  # on env.device: NCCL reduces no CPU tensor
+                if env.distributed:  # the loss over all ranks' batches, not rank 0's alone
+                    torch.distributed.all_reduce(means)
+                    means /= env.world_size
+                record = {"step": step, "epoch": round(micro / batches, 3)}
+                record.update(zip(sums, means.tolist(), strict=True))
+                record["lr"] = scheduler.get_last_lr()[0]
+                if grad_norm is not None:
+                    record["grad_norm"] = float(grad_norm)
+                sums, seen = {}, 0
+                if evaluating:
+                    t_eval = time.perf_counter()
+                    metrics = run_eval(wrapped, evaluate, env, cfg.precision)
+                    eval_seconds = time.perf_counter() - t_eval
+                    record.update(metrics)
+                record["elapsed_s"] = round(time.perf_counter() - start, 2)
+                history.append(record)
+                tok_s = tokens / max(1e-9, time.perf_counter() - start - elapsed_before)  # this process's, this session
+                scores = {k: f"{v:.4g}" for k, v in metrics.items()}
+                bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{tok_s:.0f}", **scores)
+            if budget and step >= 10:  # fit the schedule into the budget from the step time so far
+                per_step = (time.perf_counter() - start) / step
+                fit_steps = max(step, min(total, int((budget - eval_seconds) / per_step)))  # may grow back
+                total_now = torch.tensor(fit_steps, device=env.device)
+                if env.distributed:  # every rank must stop at the same step: rank 0 decides
+                    torch.distributed.broadcast(total_now, src=0)
+                schedule.total = int(total_now)
+                schedule.warmup = min(schedule.warmup, max(1, int(cfg.warmup_ratio * schedule.total)))
+                bar.total = schedule.total
+            if cfg.save_every and step % cfg.save_every == 0 and step < schedule.total:
+                extra = {"history": history, "elapsed": time.perf_counter() - start}
+                rng = gather_rng_states(env)
+                if env.is_main:
+                    save_resumable(ckpt_dir, step, wrapped, extra, rng, cfg.keep_checkpoints, stateful)
+                if env.distributed:
+                    torch.distributed.barrier()
+            if on_step is not None:
+                on_step(step, record)
+            if step >= schedule.total:
+                break
+        epoch += 1
+    bar.close()
+    if evaluate:
+        metrics = run_eval(wrapped, evaluate, env, cfg.precision)
+        elapsed = round(time.perf_counter() - start, 2)
+        history.append({"step": step, "epoch": round(micro / batches, 3), **metrics, "elapsed_s": elapsed})
+    final = os.path.join(cfg.output_dir, cfg.final_dir)
+    try:
+        save_final(wrapped, final, env, cfg.strategy, finish)
+    except OSError as exc:  # the trained weights are lost with this process: say what survives on disk
+        last = latest_checkpoint(ckpt_dir)
+        kept = f"the last good checkpoint is {last}" if last else "no resumable checkpoint was written (--save-every)"
+        raise OSError(f"the trained model could not be written to {final} ({exc}); {kept}") from exc
+    result = {"step": step, "metrics": metrics, "history": history, "train_seconds": time.perf_counter() - start}
+    if env.is_main:
+        with open(os.path.join(cfg.output_dir, "history.json"), "w", encoding="utf-8") as f:
+            json.dump({"config": {k: v for k, v in asdict(cfg).items() if k != "history"}, **result}, f, indent=1)
+    return result
