@@ -112,6 +112,7 @@ at::Tensor bias_residual_layernorm(const at::Tensor& x, const at::Tensor& bias, 
 }  // namespace fastbert::cuda
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("MAX_ROW") = FASTBERT_CUDA_MAX_ROW;  // the limit, defined once (launch.h), read by the dispatch
   using namespace fastbert::cuda;
   m.doc() = "fastbert native CUDA kernels (16-byte accesses, fp32 statistics)";
   m.def("embedding_layernorm", &embedding_layernorm, "LayerNorm(word[ids] + pos[pos] + type[tt]) -> [*, E]",

@@ -29,7 +29,6 @@ BUILD_HINTS = {
 BUILD_INFO = Path(__file__).parents[1] / "_build_info.json"  # beside the extensions, in fastbert/
 CPU_DTYPES = (torch.float32, torch.bfloat16)
 CUDA_OPS = ("embedding_layernorm", "bias_act", "bias_residual_layernorm")  # attention on CUDA is Triton's job
-CUDA_MAX_ROW = 8192  # FASTBERT_CUDA_MAX_ROW in csrc/cuda/launch.h
 # (op, dtype) pairs whose native CPU kernel did not beat torch in benchmarks/bench_native.py (2-core AMD EPYC, Zen 4,
 # AVX-512, shared machine): auto dispatch leaves them to torch, forcing native still runs them. bf16 erf GELU is
 # compute-bound and no faster than torch's vectorised erf below ~30M elements (x0.38-0.95 at BERT batch 8-32 x 128,
@@ -151,8 +150,8 @@ def _layout_refusal(op: str, call: dict[str, Any], big: tuple[torch.Tensor, ...]
         return f"mixed dtypes {sorted({str(t.dtype) for t in big})} (torch only)"
     if device.type == "cpu" and big[0].dtype not in CPU_DTYPES:
         return f"CPU kernels take float32/bfloat16, not {big[0].dtype}"
-    if device.type == "cuda" and op != "bias_act" and big[0].shape[-1] > CUDA_MAX_ROW:
-        return f"CUDA LayerNorm kernels keep rows of at most {CUDA_MAX_ROW} elements in registers"
+    if device.type == "cuda" and op != "bias_act" and big[0].shape[-1] > (limit := load("_native_cuda")[0].MAX_ROW):
+        return f"CUDA LayerNorm kernels keep rows of at most {limit} elements in registers"  # csrc/cuda/launch.h
     return None
 
 
