@@ -105,7 +105,7 @@ def select(op: str, args: tuple, kwargs: dict) -> tuple[Callable, str]:
     """Pick the implementation for one call; returns (function, backend name)."""
     lead = _first_tensor(args)
     device, dtype = lead.device, (lead.dtype if lead.is_floating_point() else _first_float(args))
-    call = _SIGNATURES[op].bind(*args, **kwargs).arguments  # limit checks read the call by parameter name
+    call = dict(zip(_PARAMS[op], args, strict=False), **kwargs)  # by parameter name; trailing defaults may be absent
     forced, note = forced_backend(), ""
     if forced is not None and op not in _BACKENDS[forced].ops:  # forcing covers the ops a backend implements
         forced, note = None, f" (forced {forced} implements no {op}: automatic choice)"
@@ -293,8 +293,9 @@ def attention(
     return _dispatch("attention", qkv, cu_seqlens, max_seqlen, dropout_p, training, scale)
 
 
-# Every op's parameters by name, so that limit checks read a call by name whatever mix of positions and keywords it used
-_SIGNATURES = {op: inspect.signature(globals()[op]) for op in OPS}
+# Every op's parameter names, so that limit checks read a call by name whatever mix of positions and keywords it used
+# (a zip, not inspect's bind: select runs on every op of every layer)
+_PARAMS = {op: tuple(inspect.signature(globals()[op]).parameters) for op in OPS}
 
 TORCH = Backend(
     "torch",
