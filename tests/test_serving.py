@@ -116,3 +116,14 @@ def test_config_backend_names_come_from_the_registry(monkeypatch: pytest.MonkeyP
         BertConfig(**TINY, backend="mine")
     monkeypatch.setitem(ops._BACKENDS, "mine", extra)
     assert BertConfig(**TINY, backend="mine").backend == "mine"
+
+
+def test_the_old_backend_name_cpu_still_forces_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(**TINY, backend="cpu")).eval()
+    ids, mask = batch()
+    monkeypatch.setattr(ops, "_decisions", {})
+    with torch.no_grad():
+        model(ids, attention_mask=mask)
+    assert ops.decisions()["linear"] == "onednn (forced)"
+    assert ops.canonical("cpu") == "onednn" and ops.canonical("auto") is None
