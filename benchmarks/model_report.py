@@ -124,50 +124,78 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _bound_line(rows: list[dict], peak: float) -> str:
-    """Per shape: the real tokens/s of a system that ran every useful FLOP at the measured peak and did nothing else,
-    and that as a ratio over sdpa: the most any system can show in this table."""
-    parts = []
+def _shape_bounds(rows: list[dict], peak: float) -> dict[str, tuple[float, float | None]]:
+    """Per shape: (the real tokens/s of a system that ran every useful FLOP at the measured peak and did nothing
+    else, sdpa's real tokens/s or None). Every system of a shape carries the same useful FLOPs."""
+    out = {}
     for shape in dict.fromkeys(r["shape"] for r in rows):
         timed = [r for r in rows if r["shape"] == shape and not r["skipped"]]
-        if not timed:
-            continue
-        flops = timed[0]["flops_per_s"] * timed[0]["ms"] / 1e3  # the same useful FLOPs for every system of a shape
-        bound = timed[0]["real_tokens"] * peak / flops
-        sdpa = next((r for r in timed if r["system"] == "transformers sdpa"), None)
-        ratio = f" = {bound / sdpa['tok_per_s']:.2f}x sdpa" if sdpa else ""
-        parts.append(f"{shape} {bound:,.0f} real tok/s{ratio}")
+        if timed:
+            flops = timed[0]["flops_per_s"] * timed[0]["ms"] / 1e3
+            sdpa = next((r["tok_per_s"] for r in timed if r["system"] == "transformers sdpa"), None)
+            out[shape] = (timed[0]["real_tokens"] * peak / flops, sdpa)
+    return out
+
+
+def _bound_line(rows: list[dict], peak: float) -> str:
+    """The bound per shape, and as a ratio over sdpa: the most any system can show in this table."""
+    parts = [
+        f"{shape} {bound:,.0f} real tok/s" + (f" = {bound / sdpa:.2f}x sdpa" if sdpa else "")
+        for shape, (bound, sdpa) in _shape_bounds(rows, peak).items()
+    ]
     return "Bound at 100% of the measured peak on useful FLOPs only: " + "; ".join(parts) + "." if parts else ""
 
 
 def plot(doc: dict[str, Any], path: str) -> None:
-    """Real tokens/s per system, one panel per (model, dtype), bars grouped by shape."""
+    """Real tokens/s per system, one panel per (model, dtype), bars grouped by shape, each bar's ratio to
+    transformers sdpa above it, the bound per shape, and skipped systems with their reason."""
     plt = pyplot()
     if plt is None:
         return
-
     groups: dict[tuple[str, str], list[dict]] = {}
     for row in doc["rows"]:
-        if not row["skipped"]:
-            groups.setdefault((row["model"], row["dtype"]), []).append(row)
-    palette = {name: f"C{i}" for i, name in enumerate(dict.fromkeys(r["system"] for r in doc["rows"]))}
-    fig, axes = plt.subplots(len(groups) or 1, 1, figsize=(11, 3.2 * max(1, len(groups))), squeeze=False)
+        groups.setdefault((row["model"], row["dtype"]), []).append(row)
+    palette = {name: f"C{i % 10}" for i, name in enumerate(dict.fromkeys(r["system"] for r in doc["rows"]))}
+    fig, axes = plt.subplots(len(groups) or 1, 1, figsize=(13, 3.4 * max(1, len(groups))), squeeze=False)
     for ax, ((model, dtype), rows) in zip(axes[:, 0], groups.items(), strict=False):
-        shapes = list(dict.fromkeys(r["shape"] for r in rows))
-        systems = list(dict.fromkeys(r["system"] for r in rows))
-        width = 0.8 / len(systems)
-        for i, system in enumerate(systems):
-            values = {r["shape"]: r["tok_per_s"] for r in rows if r["system"] == system}
-            xs = [j + i * width for j in range(len(shapes))]
-            ax.bar(xs, [values.get(s, 0) for s in shapes], width, label=system, color=palette[system])
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes)
-        ax.set_ylabel("real tokens/s")
-        ax.set_title(f"{model} {(doc.get('dtype_labels') or {}).get(dtype, dtype)}")
-        ax.legend(fontsize=7, ncols=3)
+        _panel(ax, rows, doc["peak_flops"][dtype], palette)
+        ax.set_title(f"{model} {(doc.get('dtype_labels') or {}).get(dtype, dtype)}", fontsize=10)
     fig.suptitle(f"{doc['device']} - commit {doc['commit'][:12]}", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.985))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _panel(ax: Any, rows: list[dict], peak: float, palette: dict[str, str]) -> None:
+    """One (model, dtype): bars, ratio labels, skipped reasons, bound lines; the legend outside, right."""
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    width = 0.8 / len(systems)
+    by_key = {(r["system"], r["shape"]): r for r in rows}
+    top = max((r["tok_per_s"] for r in rows if not r["skipped"]), default=1.0)
+    for i, system in enumerate(systems):
+        for j, shape in enumerate(shapes):
+            row, x = by_key.get((system, shape)), j + i * width
+            if row is None:
+                continue
+            if row["skipped"]:
+                ax.text(x, top * 0.02, f"skipped: {row['skipped'][:48]}", rotation=90, fontsize=5, ha="center",
+                        va="bottom", color=palette[system])  # fmt: skip
+                continue
+            ax.bar(x, row["tok_per_s"], width, color=palette[system], label=system if j == 0 else None)
+            if row["speedup_vs_sdpa"] is not None:
+                ax.text(x, row["tok_per_s"], f"{row['speedup_vs_sdpa']:.2f}x", fontsize=6, ha="center", va="bottom")
+    for j, (bound, sdpa) in enumerate(_shape_bounds(rows, peak).values()):
+        label = f"bound {bound:,.0f}" + (f" = {bound / sdpa:.1f}x sdpa" if sdpa else "")
+        if bound <= 1.6 * top:  # a line where it fits; far above the bars, the number only
+            ax.hlines(bound, j - width / 2, j + 0.8 - width / 2, colors="k", linestyles="dashed", linewidth=0.8)
+        ax.text(j + 0.4 - width / 2, min(bound, 1.6 * top), label, fontsize=6, ha="center", va="bottom")
+    ax.set_ylim(0, 1.75 * top)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes)
+    ax.set_ylabel("real tokens/s")
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), title="x: vs sdpa",
+              title_fontsize=7)  # fmt: skip
 
 
 def write(doc: dict[str, Any], out_dir: str) -> list[str]:
