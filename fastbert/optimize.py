@@ -1,6 +1,9 @@
-"""`fastbert.optimize(model)`: one line from a live transformers BERT (or a fastbert model) to the fast path."""
+"""`fastbert.optimize(model)`: one line from a live transformers BERT (or a fastbert model), or a sentence-transformers
+SentenceTransformer / CrossEncoder built on one, to the fast path."""
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from torch import nn
@@ -28,15 +31,19 @@ def optimize(
     device: torch.device | str | None = None,
     cuda_graphs: bool | None = None,
     freeze: bool = True,
-) -> PreTrainedModel:
+) -> nn.Module:
     """Convert (weights copied; the original is untouched) and set up for inference.
 
     - a transformers BertModel or Bert head becomes its fastbert class (`from_hf`); a fastbert model is used as is;
     - moved to `device` / cast to `dtype` (bf16 or fp16 runs every GEMM in that dtype; statistics stay fp32);
     - eval mode; `freeze` turns off requires_grad so the inference-only fast paths (oneDNN prepacked GEMMs) apply
       even outside `torch.no_grad()`;
-    - CUDA graphs for small batches when the model ends up on a GPU (`cuda_graphs=None` means "if on CUDA").
+    - CUDA graphs for small batches when the model ends up on a GPU (`cuda_graphs=None` means "if on CUDA");
+    - a sentence-transformers SentenceTransformer or CrossEncoder keeps its pipeline (tokenizer, pooling, head) and
+      gets fastbert's encoder swapped in, in place; it is returned too.
     """
+    if type(model).__module__.startswith("sentence_transformers"):
+        return _swap_encoders(model, dtype=dtype, device=device, cuda_graphs=cuda_graphs, freeze=freeze)
     if not isinstance(model, PreTrainedModel):
         name = type(model).__name__
         if name not in CLASSES or not hasattr(model, "config"):
@@ -52,4 +59,23 @@ def optimize(
         if not on_cuda:
             raise ValueError("cuda_graphs=True needs the model on a CUDA device")
         graphs.enable(model)
+    return model
+
+
+def _swap_encoders(model: nn.Module, **options: object) -> nn.Module:
+    """Replace the transformers model inside each sentence-transformers Transformer module with fastbert's, the way
+    sentence-transformers 6 reads it (`module.model`; assigning `auto_model` would register a stray submodule and
+    change nothing), and check that the module now runs fastbert's."""
+    encoders = [m for m in model.modules() if type(m).__name__ == "Transformer" and hasattr(m, "model")]
+    if not encoders:
+        raise TypeError(f"optimize(): this {type(model).__name__} holds no transformers encoder module to swap")
+    for module in encoders:
+        fast = optimize(module.model, **options)  # TypeError naming what fastbert takes, for a non-BERT encoder
+        module.model = fast
+        if module.model is not fast:
+            raise RuntimeError(f"{type(module).__name__}.model did not take fastbert's model: this version of "
+                               "sentence-transformers reads its encoder elsewhere")  # fmt: skip
+        params = inspect.signature(fast.forward).parameters
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        module.model_forward_params = None if takes_any else set(params)  # what its forward passes on to the model
     return model

@@ -1,0 +1,63 @@
+"""fastbert.optimize on sentence-transformers models: the encoder is swapped in place, fastbert's module is the one
+that runs, and embeddings (SentenceTransformer) and scores (CrossEncoder) stay the same, with the real MiniLM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import fastbert
+
+st = pytest.importorskip("sentence_transformers")
+
+SENTENCES = [
+    "A man is playing a guitar.",
+    "The cat sits on the mat, quietly watching the birds outside.",
+    "short",
+    "A very long sentence that keeps going on and on " * 6,
+]
+
+
+def calls_of(module: torch.nn.Module) -> list[int]:
+    """A counter of `module`'s forward calls (sentence-transformers calls `model.forward` itself: hooks never fire)."""
+    calls: list[int] = []
+    forward = module.forward
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return forward(*args, **kwargs)
+
+    module.forward = counted
+    return calls
+
+
+def test_sentence_transformer_embeddings_through_fastbert(minilm_dir: Path) -> None:
+    model = st.SentenceTransformer(str(minilm_dir), device="cpu")
+    before = model.encode(SENTENCES, convert_to_tensor=True)
+    assert fastbert.optimize(model) is model  # in place, as the docs' two lines use it
+    encoder = model[0].model
+    assert isinstance(encoder, fastbert.BertModel)
+    calls = calls_of(encoder)
+    after = model.encode(SENTENCES, convert_to_tensor=True)
+    assert calls, "fastbert's encoder did not run"
+    assert torch.nn.functional.cosine_similarity(before, after).min().item() >= 0.99999
+
+
+def test_cross_encoder_scores_through_fastbert(minilm_dir: Path) -> None:
+    torch.manual_seed(0)
+    model = st.CrossEncoder(str(minilm_dir), num_labels=1, device="cpu")  # a fresh one-logit head on MiniLM
+    pairs = [("a man plays guitar", "someone is making music"), ("the cat sleeps", "stock prices fell sharply")]
+    before = model.predict(pairs, convert_to_tensor=True)
+    fastbert.optimize(model)
+    assert isinstance(model[0].model, fastbert.BertForSequenceClassification)
+    calls = calls_of(model[0].model)
+    after = model.predict(pairs, convert_to_tensor=True)
+    assert calls and (after - before).abs().max().item() <= 1e-5
+
+
+def test_a_sentence_transformers_model_without_an_encoder_is_refused_clearly() -> None:
+    pooling_only = st.SentenceTransformer(modules=[st.models.Pooling(8)], device="cpu")
+    with pytest.raises(TypeError, match="holds no transformers encoder"):
+        fastbert.optimize(pooling_only)
