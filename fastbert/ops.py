@@ -177,7 +177,7 @@ def _torch_linear(
     """The torch backend's GEMM: F.linear with the bias + activation epilogue on the `bias_act` op. A bf16 GEMM on a
     CPU without bf16 dot products runs as an fp32 GEMM on the bf16 operands upcast, rounded once to bf16: the same
     arithmetic (fastbert.capabilities), at fp32 speed instead of emulated bf16's."""
-    dtype = torch.get_autocast_dtype("cpu") if x.dtype == torch.float32 and _cpu_autocast(x) else x.dtype
+    dtype = reference.autocast_dtype(x)
     if dtype == torch.bfloat16 and capabilities.bf16_via_fp32(x.device):
         with reference.no_autocast(x.device):
             x32, w32, b32 = (t.to(dtype).float() if t is not None else None for t in (x, weight, bias))
@@ -185,10 +185,6 @@ def _torch_linear(
     if act is not None and bias is not None:
         return bias_act(F.linear(x, weight), bias, act)
     return reference.linear(x, weight, bias, act)
-
-
-def _cpu_autocast(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
 
 
 def dense_residual_layernorm(

@@ -114,6 +114,14 @@ def bias_residual_layernorm(
     return layer_norm(h, _up(ln_weight, upcast), _up(ln_bias, upcast), eps).to(out_dtype)
 
 
+def autocast_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype F.linear computes `x` in: autocast's for an fp32 x where autocast is on for x's device, else x's."""
+    kind = x.device.type
+    if x.dtype == torch.float32 and kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return x.dtype
+
+
 def no_autocast(device: torch.device) -> contextlib.AbstractContextManager:
     """Autocast off: these ops pick their own precision (fp32 softmax); autocast must not recast their matmuls."""
     if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):

@@ -53,13 +53,6 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype the GEMM's operands and output have: autocast's when CPU autocast is on and x is fp32, else x's."""
-    if x.dtype == torch.float32 and torch.is_autocast_enabled("cpu"):
-        return torch.get_autocast_dtype("cpu")
-    return x.dtype
-
-
 def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype oneDNN multiplies in: bf16 only where bf16 GEMMs are fast and oneDNN's bf16 prepack runs
     (fastbert.capabilities), else fp32 on the upcast bf16 operands, the same arithmetic."""
@@ -84,7 +77,7 @@ def refuses_linear(
         return "forward only: inputs require grad"
     if act not in _POST_OPS:
         return f"no fused epilogue for {act!r}"
-    dtype = compute_dtype(x)
+    dtype = reference.autocast_dtype(x)
     if dtype not in (torch.float32, torch.bfloat16):
         return f"does not take {dtype}"
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1] or weight.device.type != "cpu":
@@ -103,9 +96,9 @@ def linear(
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
     act: str | None = None,
-) -> torch.Tensor:  # [*, N] in compute_dtype(x)
+) -> torch.Tensor:  # [*, N] in reference.autocast_dtype(x)
     """act(x @ weight^T + bias) with the prepacked weight; bias and activation fused into the GEMM."""
-    dtype = compute_dtype(x)
+    dtype = reference.autocast_dtype(x)
     run = gemm_dtype(dtype)
     packed, b = _packed(weight, bias, dtype, run)
     rows = x.reshape(-1, x.shape[-1]).to(dtype).to(run).contiguous()  # bf16 semantics: operands rounded to dtype
