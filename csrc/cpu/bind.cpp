@@ -234,6 +234,63 @@ at::Tensor attention(const at::Tensor& qkv_in, const at::Tensor& cu_seqlens, int
   return out;
 }
 
+
+// act(x @ W^T + bias), or LayerNorm(x @ W^T + bias + residual), with W int8 per channel (packed by the int8 backend)
+// and x quantised to int8 per row here: see int8_linear.inc.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale,
+                       const std::optional<at::Tensor>& bias, const std::optional<std::string>& act,
+                       const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& ln_weight,
+                       const std::optional<at::Tensor>& ln_bias, double eps, const std::optional<at::Tensor>& out_opt) {
+  check_device(x, kCpu, "x");
+  check_device(packed, kCpu, "packed");
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, "int8_linear takes float32 x, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(x.dim() >= 1, "x must be [*, K], got a scalar");
+  const int64_t k = x.size(-1), n = w_scale.numel();
+  const int64_t expected = (n + 31) / 32 * 32 * ((k + 1) / 2) * 2;
+  TORCH_CHECK_VALUE(packed.scalar_type() == at::kShort && packed.is_contiguous() && packed.numel() == expected,
+                    "packed must be the int16 pack of an [", n, ", ", k, "] weight (", expected, " elements), got ",
+                    packed.scalar_type(), " with ", packed.numel());
+  at::Tensor ws = params(w_scale, n, kCpu, "w_scale");
+  at::Tensor b = bias ? params(*bias, n, kCpu, "bias") : at::Tensor();
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = n;
+  at::Tensor rows = as_rows(x, k), res, lw, lb;
+  if (residual) {
+    check_device(*residual, kCpu, "residual");
+    TORCH_CHECK_VALUE(residual->scalar_type() == at::kFloat && residual->sizes() == at::IntArrayRef(shape),
+                      "residual must be float32 of shape ", at::IntArrayRef(shape), ", got ", residual->scalar_type(),
+                      " ", residual->sizes());
+    TORCH_CHECK_VALUE(ln_weight && ln_bias, "a residual needs ln_weight and ln_bias (LayerNorm follows it)");
+    TORCH_CHECK_VALUE(!act, "pass an activation or a residual + LayerNorm, not both");
+    res = residual->reshape({-1, n}).contiguous();
+    lw = params(*ln_weight, n, kCpu, "ln_weight");
+    lb = params(*ln_bias, n, kCpu, "ln_bias");
+  }
+  at::Tensor out = output(out_opt, shape, x);
+  const int64_t m = rows.size(0);
+  if (out.numel() == 0) return out;
+  if (k == 0) return out.zero_().add_(b.defined() ? b : at::zeros({n}, x.options()));  // an empty sum
+  Int8LinearArgs a{};
+  a.x = rows.data_ptr<float>();
+  a.x_stride = rows.stride(0);
+  a.weight = packed.data_ptr<int16_t>();
+  a.w_scale = ws.data_ptr<float>();
+  a.bias = b.defined() ? b.data_ptr<float>() : nullptr;
+  a.has_act = act.has_value();
+  a.act = act ? Act(act_code(*act)) : Act::gelu;
+  a.residual = res.defined() ? res.data_ptr<float>() : nullptr;
+  a.ln_weight = lw.defined() ? lw.data_ptr<float>() : nullptr;
+  a.ln_bias = lb.defined() ? lb.data_ptr<float>() : nullptr;
+  a.eps = float(eps);
+  a.out = out.data_ptr<float>();
+  a.m = m;
+  a.n = n;
+  a.k = k;
+  const int64_t macs = m * n * k;  // compute-bound: a thread per ~256k multiply-adds at least
+  kernels().int8_linear(a, int(std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, macs >> 18))));
+  return out;
+}
+
 }  // namespace
 }  // namespace fastbert::cpu
 
@@ -252,6 +309,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out") = py::none());
   m.def("attention", &attention, "varlen attention over packed qkv [T, 3, nH, D] -> [T, nH, D]", py::arg("qkv"),
         py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("scale"), py::arg("out") = py::none());
+  m.def("int8_linear", &int8_linear,
+        "act(x @ W^T + bias) or LayerNorm(x @ W^T + bias + residual), W int8 per channel, x int8 per row",
+        py::arg("x"), py::arg("packed"), py::arg("w_scale"), py::arg("bias") = py::none(), py::arg("act") = py::none(),
+        py::arg("residual") = py::none(), py::arg("ln_weight") = py::none(), py::arg("ln_bias") = py::none(),
+        py::arg("eps") = 1e-12, py::arg("out") = py::none());
   m.def("isa", [] { return std::string(kernels().isa); }, "the instruction set of the kernels in use");
   m.def("set_isa", &set_isa, "use the kernels compiled for one ISA; False if this CPU cannot run them");
   m.def(

@@ -8,7 +8,9 @@
 #include "kernels.h"
 
 #if defined(__x86_64__)
+#include <immintrin.h>
 #pragma GCC target("avx2,fma")
 #define FASTBERT_ISA avx2
+#define FASTBERT_VEC_BITS 256  // int8_linear.inc's integer vectors (0: scalar)
 #include "isa_body.inc"
 #endif

@@ -8,7 +8,9 @@
 #include "kernels.h"
 
 #if defined(__x86_64__)
+#include <immintrin.h>
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,prefer-vector-width=512")
 #define FASTBERT_ISA avx512
+#define FASTBERT_VEC_BITS 512  // int8_linear.inc's integer vectors (0: scalar)
 #include "isa_body.inc"
 #endif

@@ -8,4 +8,5 @@
 #include "kernels.h"
 
 #define FASTBERT_ISA generic
+#define FASTBERT_VEC_BITS 0  // int8_linear.inc's integer vectors (0: scalar)
 #include "isa_body.inc"

@@ -52,12 +52,29 @@ struct AttentionArgs {
   void* out;                  // [T, nH, D] contiguous
 };
 
+struct Int8LinearArgs {
+  const float* x;             // [M, K] fp32, row stride x_stride
+  int64_t x_stride;
+  const int16_t* weight;      // packed int8 values as int16 [ceil(N / 32) * 2][ceil(K / 2)][16][2] (int8_linear.inc)
+  const float* w_scale;       // [N] per output channel
+  const float* bias;          // [N] or null
+  bool has_act;
+  Act act;                    // applied when has_act
+  const float* residual;      // [M, N] contiguous, or null; with it, LayerNorm(ln_weight, ln_bias, eps) follows
+  const float* ln_weight;     // [N]
+  const float* ln_bias;       // [N]
+  float eps;
+  float* out;                 // [M, N] contiguous
+  int64_t m, n, k;
+};
+
 struct KernelTable {
   const char* isa;
   void (*embedding_layernorm)(const EmbeddingArgs&, DType, int threads);
   void (*bias_act)(const RowsArgs&, DType, int threads);
   void (*bias_residual_layernorm)(const RowsArgs&, DType, int threads);
   void (*attention)(const AttentionArgs&, DType, int threads);
+  void (*int8_linear)(const Int8LinearArgs&, int threads);
 };
 
 const KernelTable& kernels_avx512bf16();
