@@ -270,11 +270,20 @@ class BertModel(PreTrainedModel):
             )
 
     def _backend_scope(self) -> contextlib.AbstractContextManager:
-        """`config.backend` forces a backend for this model, unless `use_backend` / FASTBERT_BACKEND already do."""
+        """`config.backend` forces a backend for this model, unless `use_backend` / FASTBERT_BACKEND already do;
+        `config.quantize="int8"` lets the int8 GEMMs run (inference only)."""
+        scope = contextlib.ExitStack()
+        if self.config.quantize is not None:
+            if self.training and torch.is_grad_enabled():
+                raise RuntimeError(
+                    "this model is quantized to int8, which is for inference: call model.eval() (or run under "
+                    "torch.no_grad()), and train the fp32 model"
+                )
+            scope.enter_context(ops.opt_in(self.config.quantize))
         name = self.config.backend
-        if name in (None, "auto") or ops.forced_backend() is not None:
-            return contextlib.nullcontext()
-        return ops.use_backend(name)
+        if name not in (None, "auto") and ops.forced_backend() is None:
+            scope.enter_context(ops.use_backend(name))
+        return scope
 
     def _forward(
         self,

@@ -27,13 +27,13 @@ import torch
 import torch.nn.functional as F
 
 from fastbert import capabilities, reference
-from fastbert.backends import native, onednn
+from fastbert.backends import int8, native, onednn
 from fastbert.backends import triton as triton_backend
 from fastbert.backends.spec import COMPOUND_OPS, FLOATS, KERNEL_OPS, OPS, Backend, BackendUnavailable
 
 __all__ = [
     "COMPOUND_OPS", "KERNEL_OPS", "OPS", "Backend", "BackendUnavailable", "backends", "decisions", "exclude_backends",
-    "explain", "forced_backend", "register_backend", "select", "use_backend",
+    "explain", "forced_backend", "opt_in", "register_backend", "select", "use_backend",
     "attention", "bias_act", "bias_residual_layernorm", "dense_residual_layernorm", "embedding_layernorm", "linear",
 ]  # fmt: skip
 
@@ -97,6 +97,18 @@ def exclude_backends(*names: str) -> Iterator[None]:
         _state.excluded = previous
 
 
+@contextlib.contextmanager
+def opt_in(*names: str) -> Iterator[None]:
+    """Let automatic dispatch use these opt-in backends inside a block (a model quantized to int8 runs in one)."""
+    names = tuple(canonical(n) for n in names)
+    previous = getattr(_state, "opted_in", frozenset())
+    _state.opted_in = previous | frozenset(names)
+    try:
+        yield
+    finally:
+        _state.opted_in = previous
+
+
 def _first_tensor(args: tuple) -> torch.Tensor:
     return next(a for a in args if isinstance(a, torch.Tensor))
 
@@ -118,9 +130,17 @@ def select(op: str, args: tuple, kwargs: dict) -> tuple[Callable, str]:
         return backend.function(op), forced
     why = []
     excluded = getattr(_state, "excluded", frozenset())
+    opted_in = getattr(_state, "opted_in", frozenset())
     for name in _AUTO_ORDER:
         backend = _BACKENDS[name]
-        reason = "excluded" if name in excluded else backend.refuses(op, device, dtype, call)
+        if op not in backend.ops:
+            continue  # explain() names only the backends that could have taken the op
+        if name in excluded:
+            reason = "excluded"
+        elif backend.opt_in and name not in opted_in:
+            reason = backend.opt_in
+        else:
+            reason = backend.refuses(op, device, dtype, call)
         if reason is None:
             _record(op, name + note + (f" (skipped {'; '.join(why)})" if why else ""))
             return backend.function(op), name
@@ -300,6 +320,21 @@ TORCH = Backend(
     module=reference,
     impls={"linear": _torch_linear, "dense_residual_layernorm": _composed_dense_residual_layernorm},
 )
-_BACKENDS: dict[str, Backend] = {b.name: b for b in (triton_backend.SPEC, native.SPEC, onednn.SPEC, TORCH)}
-_AUTO_ORDER = ("triton", "native", "onednn", "torch")
+_BACKENDS: dict[str, Backend] = {
+    b.name: b for b in (triton_backend.SPEC, native.SPEC, int8.SPEC, onednn.SPEC, TORCH)
+}
+_AUTO_ORDER = ("triton", "native", "int8", "onednn", "torch")
 onednn.fallback_bias_act = bias_act  # what oneDNN's first-use timing compares itself with
+
+
+def _without_int8(op: str) -> Callable[..., torch.Tensor]:
+    """The op as it would dispatch with the int8 backend left out: what int8's first-use timing compares with."""
+
+    def run(**call: Any) -> torch.Tensor:  # the call by name, in parameter order (as select builds it)
+        with exclude_backends("int8"):
+            return _dispatch(op, *call.values())
+
+    return run
+
+
+int8.fallback.update({op: _without_int8(op) for op in int8.SPEC.ops})

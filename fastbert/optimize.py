@@ -3,6 +3,7 @@ SentenceTransformer / CrossEncoder built on one, to the fast path."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 import fastbert
 from fastbert import cuda_graphs as graphs
 from fastbert.checkpoint import PreTrainedModel
+from fastbert.config import QUANTIZE_CHOICES
 
 # transformers class name -> the fastbert class with the same contract
 CLASSES = (
@@ -31,6 +33,7 @@ def optimize(
     device: torch.device | str | None = None,
     cuda_graphs: bool | None = None,
     freeze: bool = True,
+    quantize: str | None = None,
 ) -> nn.Module:
     """Convert (weights copied; the original is untouched) and set up for inference.
 
@@ -40,10 +43,19 @@ def optimize(
       even outside `torch.no_grad()`;
     - CUDA graphs for small batches when the model ends up on a GPU (`cuda_graphs=None` means "if on CUDA");
     - a sentence-transformers SentenceTransformer or CrossEncoder keeps its pipeline (tokenizer, pooling, head) and
-      gets fastbert's encoder swapped in, in place; it is returned too.
+      gets fastbert's encoder swapped in, in place; it is returned too;
+    - `quantize="int8"`: the encoder's GEMMs run as dynamic int8 on CPU wherever int8 is measured faster (explain()
+      lists each); a fastbert model passed in is copied, so that it stays fp32 and trainable.
     """
+    if quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
+    options = dict(dtype=dtype, device=device, cuda_graphs=cuda_graphs, freeze=freeze, quantize=quantize)
     if type(model).__module__.startswith("sentence_transformers"):
-        return _swap_encoders(model, dtype=dtype, device=device, cuda_graphs=cuda_graphs, freeze=freeze)
+        return _swap_encoders(model, **options)
+    if quantize is not None:
+        _check_quantizable(model, dtype, device)
+    if isinstance(model, PreTrainedModel) and quantize is not None:  # the caller's fp32 model stays as it was
+        model = copy.deepcopy(model)
     if not isinstance(model, PreTrainedModel):
         name = type(model).__name__
         if name not in CLASSES or not hasattr(model, "config"):
@@ -52,6 +64,8 @@ def optimize(
             )
         model = getattr(fastbert, name).from_hf(model)
     model = model.to(device=device, dtype=dtype).eval()
+    if quantize is not None:
+        model.config.quantize = quantize
     if freeze:
         model.requires_grad_(False)
     on_cuda = next(model.parameters()).device.type == "cuda"
@@ -60,6 +74,16 @@ def optimize(
             raise ValueError("cuda_graphs=True needs the model on a CUDA device")
         graphs.enable(model)
     return model
+
+
+def _check_quantizable(model: nn.Module, dtype: torch.dtype | None, device: torch.device | str | None) -> None:
+    """int8 is for fp32 inference on CPU: say so before converting anything."""
+    first = next(model.parameters(), None)
+    where = torch.device(device) if device is not None else (first.device if first is not None else None)
+    if where is not None and where.type != "cpu":
+        raise ValueError(f"quantize='int8' runs on CPU (dynamic int8 GEMMs); the model would be on {where.type}")
+    if (dtype or (first.dtype if first is not None else torch.float32)) != torch.float32:
+        raise ValueError("quantize='int8' quantizes an fp32 model: leave dtype unset or float32")
 
 
 def _swap_encoders(model: nn.Module, **options: object) -> nn.Module:

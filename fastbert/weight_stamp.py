@@ -3,6 +3,10 @@ oneDNN's prepacked weights, CUDA graphs): cheap, and safe for inference tensors,
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 
@@ -11,3 +15,27 @@ def stamp(*tensors: torch.Tensor | None) -> tuple:
     Inference tensors (made under `torch.inference_mode()`) have no version counter and can only be updated in place
     inside inference mode; for them the address alone counts."""
     return tuple(None if t is None else (-1 if t.is_inference() else t._version, t.data_ptr()) for t in tensors)
+
+
+class WeightCache:
+    """Values built from a weight (a prepacked layout, a quantised copy), built once and rebuilt when the weight or
+    any tensor built with it changes; an entry is dropped when its weight is freed."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, tuple[weakref.ref, tuple, Any]] = {}
+
+    def get(self, weight: torch.Tensor, variant: tuple, inputs: tuple, build: Callable[[], Any]) -> Any:
+        """The value for (`weight`, `variant`), from `build()` when missing or when `weight`/`inputs` changed."""
+        key = (id(weight), *variant)
+        now = stamp(weight, *inputs)
+        entry = self._entries.get(key)
+        if entry is None or entry[0]() is not weight or entry[1] != now:
+            with torch.no_grad():
+                value = build()
+            if entry is None:
+                weakref.finalize(weight, self._entries.pop, key, None)
+            self._entries[key] = entry = (weakref.ref(weight), now, value)
+        return entry[2]
+
+    def __len__(self) -> int:
+        return len(self._entries)

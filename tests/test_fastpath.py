@@ -129,7 +129,7 @@ def test_gemm_calibration_is_reported_in_explain(monkeypatch: pytest.MonkeyPatch
     x, w = torch.randn(5, 24), torch.randn(12, 24)
     with torch.no_grad():
         ops.linear(x, w)
-    verdict = onednn.verdicts()[(torch.float32, 12, 24, False, False, True)]
+    verdict = onednn.verdicts()[(torch.float32, 12, 24, False, False, "small")]
     assert "ms CPU time for [5, 24] x [24, 12]" in verdict[1]
     assert fastbert.explain().count("linear: ") == 1
     assert ("linear: onednn" in fastbert.explain()) == verdict[0]
@@ -152,7 +152,7 @@ def test_gemm_calibration_times_the_path_it_would_replace(monkeypatch: pytest.Mo
     x, w, b = torch.randn(7, 40), torch.randn(20, 40), torch.randn(20)
     with torch.no_grad():
         ops.linear(x, w, b, "gelu")
-    verdict = onednn.verdicts()[(torch.float32, 20, 40, True, True, True)]
+    verdict = onednn.verdicts()[(torch.float32, 20, 40, True, True, "small")]
     assert "than F.linear + bias_act" in verdict[1]
     assert calls and torch.equal(calls[0][1], b) and calls[0][2] == "gelu"
 

@@ -20,26 +20,24 @@ from __future__ import annotations
 
 import os
 import sys
-import time
-import weakref
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from fastbert import capabilities, reference
+from fastbert.backends import timing
 from fastbert.backends.spec import Backend
-from fastbert.weight_stamp import stamp
+from fastbert.weight_stamp import WeightCache
 
 # activation kind -> (oneDNN post-op, algorithm)
 _POST_OPS = {None: ("none", ""), "gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh"), "relu": ("relu", "")}
-_SMALL_M = 128  # calibration size classes: latency-sized (M < 128 rows) and throughput-sized inputs
 # oneDNN keeps the call unless F.linear is >10% faster: within noise, the fused epilogues (residual, GELU) that one
 # timed GEMM does not show decide
 _TIE_MARGIN = 1.1
 
-# (id(weight), dtype, GEMM dtype) -> (weakref to weight, version stamp, packed weight, bias in the GEMM dtype)
-_packs: dict[tuple[int, torch.dtype, torch.dtype], tuple[weakref.ref, tuple, torch.Tensor, torch.Tensor | None]] = {}
+# (weight, dtype, GEMM dtype) -> (packed weight, bias in the GEMM dtype)
+_packs = WeightCache()
 # (GEMM dtype, N, K, fused act, bias, small M) -> (oneDNN wins, why)
 _verdicts: dict[tuple, tuple[bool, str]] = {}
 
@@ -140,18 +138,12 @@ def _packed(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The cached oneDNN layout of `weight` rounded to `dtype` and held in `run` (and bias likewise), rebuilt when
     either changes."""
-    key = (id(weight), dtype, run)
-    now = stamp(weight, bias)
-    entry = _packs.get(key)
-    if entry is None or entry[0]() is not weight or entry[1] != now:
-        with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).to(run).contiguous())
-            b = bias.detach().to(dtype).to(run).contiguous() if bias is not None else None
-        if entry is None:
-            weakref.finalize(weight, _packs.pop, key, None)
-        _packs[key] = (weakref.ref(weight), now, packed, b)
-        entry = _packs[key]
-    return entry[2], entry[3]
+
+    def build() -> tuple[torch.Tensor, torch.Tensor | None]:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).to(run).contiguous())
+        return packed, bias.detach().to(dtype).to(run).contiguous() if bias is not None else None
+
+    return _packs.get(weight, (dtype, run), (bias,), build)
 
 
 # What runs a GEMM's bias + activation when oneDNN does not take the GEMM: the dispatcher puts its `bias_act` op here
@@ -166,7 +158,8 @@ def _verdict(
     (with a bias and an activation) the `bias_act` op, as `fastbert.ops.linear` falls back; both in the GEMM dtype."""
 
     rows, run = x.numel() // x.shape[-1], gemm_dtype(dtype)
-    key = (run, *weight.shape, act is not None, bias is not None, rows < _SMALL_M)  # bf16 via fp32 is fp32's case
+    # bf16 via fp32 is fp32's case
+    key = (run, *weight.shape, act is not None, bias is not None, timing.size_class(rows))
     if key not in _verdicts:
         with torch.no_grad(), torch.autocast("cpu", enabled=False):
             xs = x.reshape(rows, -1).to(dtype)
@@ -178,7 +171,7 @@ def _verdict(
                     return fallback_bias_act(F.linear(xr, w), b, act).to(dtype)
                 return reference.linear(xr, w, b, act).to(dtype)
 
-            fast, plain = _best_times(lambda: linear(xs, weight, bias, act), fallback)
+            fast, plain = timing.best_times(lambda: linear(xs, weight, bias, act), fallback)
         wins = fast < plain * _TIE_MARGIN
         other = "F.linear + bias_act" if act is not None and b is not None else "F.linear"
         _verdicts[key] = (
@@ -190,22 +183,8 @@ def _verdict(
     return _verdicts[key]
 
 
-def _best_times(*fns: Callable[[], object], repeats: int = 9) -> list[float]:
-    """Best-of-`repeats` process CPU seconds per function, interleaved: CPU time (not wall time) so that being
-    descheduled on a shared machine does not decide the verdict, and interleaved so cache noise hits both alike."""
-    for fn in fns:
-        fn()  # warm-up: packing, oneDNN primitive creation, page faults
-    best = [float("inf")] * len(fns)
-    for _ in range(repeats):
-        for i, fn in enumerate(fns):
-            start = time.process_time()
-            fn()
-            best[i] = min(best[i], time.process_time() - start)
-    return best
-
-
 def verdicts() -> dict[tuple, tuple[bool, str]]:
-    """Every calibration made so far: (GEMM dtype, N, K, fused act, bias, small M) -> (oneDNN wins, timings)."""
+    """Every calibration made so far: (GEMM dtype, N, K, fused act, bias, size class) -> (oneDNN wins, timings)."""
     return dict(_verdicts)
 
 

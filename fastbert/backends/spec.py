@@ -40,6 +40,7 @@ class Backend:
     impls: dict[str, Callable[..., Any]] = field(default_factory=dict)
     device_check: Callable[[str], str | None] | None = None  # e.g. Triton on CPU only under TRITON_INTERPRET=1
     auto_devices: tuple[str, ...] | None = None  # devices automatic dispatch sends here (None: all of `devices`)
+    opt_in: str | None = None  # set: automatic dispatch uses it only inside ops.opt_in(name); says who asks for it
     _ready: tuple[bool, str | None] | None = field(default=None, repr=False)
 
     def unavailable(self) -> str | None:
