@@ -62,8 +62,10 @@ test: venv lint native cuda-check
 
 # The native CPU kernels are part of the fast path: built here too, but a machine without a compiler still benchmarks.
 bench: venv
+	$(PIP) -r requirements/bench.txt
 	$(MAKE) native || echo "make bench: the native CPU extension did not build (see above); fastbert runs without it"
 	$(PY) -m benchmarks.run_model $(BENCH_ARGS)
+	$(PY) -m benchmarks.bench_encode $(ENCODE_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -42,7 +42,8 @@ ALIASES = {"cpu": "onednn"}  # old backend names, accepted for a release
 
 
 _state = threading.local()
-_decisions: dict[str, str] = {}
+_decisions: dict[str, str] = {}  # op -> its last decision
+_decisions_by_dtype: dict[tuple[str, str], str] = {}  # (op, dtype) -> the last decision at that dtype
 
 
 def register_backend(backend: Backend, before: str | None = "torch") -> None:
@@ -126,7 +127,7 @@ def select(op: str, args: tuple, kwargs: dict) -> tuple[Callable, str]:
         reason = backend.refuses(op, device, dtype, call, forced=True)
         if reason:
             raise BackendUnavailable(f"{op}: forced backend {forced!r} cannot run on {device.type}/{dtype}: {reason}")
-        _record(op, f"{forced} (forced)")
+        _record(op, dtype, f"{forced} (forced)")
         return backend.function(op), forced
     why = []
     excluded = getattr(_state, "excluded", frozenset())
@@ -142,7 +143,7 @@ def select(op: str, args: tuple, kwargs: dict) -> tuple[Callable, str]:
         else:
             reason = backend.refuses(op, device, dtype, call)
         if reason is None:
-            _record(op, name + note + (f" (skipped {'; '.join(why)})" if why else ""))
+            _record(op, dtype, name + note + (f" (skipped {'; '.join(why)})" if why else ""))
             return backend.function(op), name
         why.append(f"{name}: {reason}")
     raise BackendUnavailable(f"{op}: no backend takes {device.type}/{dtype}: {'; '.join(why)}")
@@ -152,7 +153,8 @@ def _first_float(args: tuple) -> torch.dtype:
     return next((a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), torch.float32)
 
 
-def _record(op: str, decision: str) -> None:
+def _record(op: str, dtype: torch.dtype, decision: str) -> None:
+    _decisions_by_dtype[(op, str(dtype).removeprefix("torch."))] = decision
     if _decisions.get(op) != decision:
         _decisions[op] = decision
         log.debug("%s -> %s", op, decision)
@@ -174,7 +176,8 @@ def explain() -> str:
     lines.append("")
     if not _decisions:
         return "\n".join(lines + ["no fused op has run yet"])
-    return "\n".join(lines + [f"{op}: {decision}" for op, decision in sorted(_decisions.items())])
+    lines.append("each op, per dtype it ran in: the backend that ran it last (and why the ones before were skipped)")
+    return "\n".join(lines + [f"{op}: {d} (in {dtype})" for (op, dtype), d in sorted(_decisions_by_dtype.items())])
 
 
 def _dispatch(op: str, *args: Any, **kwargs: Any) -> torch.Tensor:

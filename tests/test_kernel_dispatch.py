@@ -20,7 +20,7 @@ def test_automatic_dispatch_keeps_cpu_tensors_off_triton(monkeypatch: pytest.Mon
     monkeypatch.delenv("FASTBERT_BACKEND", raising=False)
     _, name = ops.select("bias_act", _bias_act_args(), {})
     assert name != "triton"
-    assert "triton: runs cpu tensors only when forced" in ops.explain()
+    assert "triton: used for cpu tensors only when chosen by name" in ops.explain()
 
 
 def test_forced_triton_takes_cpu_tensors_under_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -68,7 +68,8 @@ class Backend:
         if device.type not in self.devices:
             return f"runs on {'/'.join(self.devices)}, not {device.type}"
         if not forced and self.auto_devices is not None and device.type not in self.auto_devices:
-            return f"runs {device.type} tensors only when forced (a test path, never a silent slow one)"
+            return (f"used for {device.type} tensors only when chosen by name (use_backend / FASTBERT_BACKEND): "
+                    f"automatic dispatch sends it {'/'.join(self.auto_devices)} tensors only")
         if self.device_check is not None and (reason := self.device_check(device.type)):
             return reason
         if dtype not in self.dtypes:
