@@ -19,7 +19,8 @@ bool cpu_has(const char* isa) {
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  if (std::string(isa) == "avx512bf16") return avx512 && __builtin_cpu_supports("avx512bf16");
+  if (std::string(isa) == "avx512bf16")
+    return avx512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
   if (std::string(isa) == "avx512") return avx512;
   if (std::string(isa) == "avx2") return avx2;
 #endif
