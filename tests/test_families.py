@@ -212,3 +212,23 @@ def test_optimize_takes_each_transformers_class(model_type: str) -> None:
     with torch.no_grad():
         a, b = fast(ids, attention_mask=mask).logits, hf(ids, attention_mask=mask).logits
     torch.testing.assert_close(a[mask.bool()], b[mask.bool()], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("model_type", list(CONFIGS))
+def test_onnx_export_matches_in_onnxruntime(model_type: str, tmp_path) -> None:
+    pytest.importorskip("onnxruntime")
+    from fastbert.onnx import Session, export, make_inputs
+
+    hf = hf_model(model_type, "ForSequenceClassification", initializer_range=0.3)
+    fast = fastbert.optimize(hf)
+    report = export(fast, tmp_path / "m.onnx", optimize_graph=True, progress=False)
+    assert max(report.parity.values()) <= 1e-4 and max(report.optimized_parity.values()) <= 1e-4
+    assert report.fused["Attention"] == fast.config.num_hidden_layers
+    session = Session(tmp_path / "m.onnx")
+    inputs = make_inputs(fast.config, 3, 9, seed=3)
+    got = session(**inputs)
+    with torch.no_grad():
+        want = hf(**inputs).logits
+    assert type(got).__name__ == "SequenceClassifierOutput"
+    first = inputs["attention_mask"][:, 0].bool()  # a sentence head reads the first token: rows where it is real
+    torch.testing.assert_close(got.logits[first], want[first], atol=1e-4, rtol=0)
