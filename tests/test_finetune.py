@@ -317,3 +317,29 @@ def test_question_answering_end_to_end(tmp_path, tiny_checkpoint, tok):
     check_loads_in_transformers(
         tmp_path / "qa" / "final", BertForQuestionAnswering, "BertForQuestionAnswering", tok(["Who?"], [CONTEXT])
     )
+
+
+def test_finetune_cli_on_a_roberta_checkpoint(tmp_path, tiny_roberta_dir):
+    """`fastbert finetune` on a RoBERTa checkpoint with its byte-level BPE tokenizer.json: a RobertaFor... head is
+    trained and saved under transformers' RoBERTa names, and transformers loads it with the same logits."""
+    import transformers
+
+    from fastbert import RobertaForSequenceClassification
+    from fastbert.cli import main
+
+    rows = ["premise,hypothesis,label"] + [f"a cat {i},a dog {i},{'yes' if i % 2 else 'no'}" for i in range(12)]
+    (tmp_path / "train.csv").write_text("\n".join(rows) + "\n")
+    args = ["finetune", "sequence", "--model", str(tiny_roberta_dir), "--train", str(tmp_path / "train.csv")]
+    args += ["--dev", str(tmp_path / "train.csv"), "--output-dir", str(tmp_path / "ft"), "--text-columns"]
+    args += ["premise", "hypothesis", "--label-column", "label", "--batch-size", "4", "--max-steps", "3"]
+    assert main(args) == 0
+    final = tmp_path / "ft" / "final"
+    assert json.loads((final / "config.json").read_text())["architectures"] == ["RobertaForSequenceClassification"]
+    tok = WordPieceTokenizer.from_pretrained(final)
+    batch = tok(["a cat 1", "a cat 22"], ["a dog 1", "a dog"])
+    assert tok.cls_id == 0 and not batch["token_type_ids"].any()
+    batch.pop("token_type_ids")
+    ours = RobertaForSequenceClassification.from_pretrained(final)
+    theirs = transformers.RobertaForSequenceClassification.from_pretrained(final).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(**batch).logits, theirs(**batch).logits, atol=1e-5, rtol=0)

@@ -63,32 +63,8 @@ def test_a_sentence_transformers_model_without_an_encoder_is_refused_clearly() -
         fastbert.optimize(pooling_only)
 
 
-def tiny_roberta_dir(path: Path) -> Path:
-    """A randomly initialised RoBERTa with a byte-level BPE tokenizer learnt on SENTENCES: a sentence-transformers
-    model on a RoBERTa encoder, built offline."""
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import ByteLevelBPETokenizer, processors
-
-    specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(SENTENCES * 5, vocab_size=300, special_tokens=specials, show_progress=False)
-    bpe.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
-    tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=bpe._tokenizer, model_max_length=64, **dict(zip(
-            ("bos_token", "pad_token", "eos_token", "unk_token", "mask_token"), specials, strict=True)),
-    )  # fmt: skip
-    tok.save_pretrained(path)
-    config = transformers.RobertaConfig(
-        vocab_size=tok.vocab_size, hidden_size=78, num_attention_heads=3, num_hidden_layers=2, intermediate_size=37,
-        max_position_embeddings=66,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    transformers.RobertaModel(config).save_pretrained(path)
-    return path
-
-
-def test_sentence_transformer_on_a_roberta_encoder(tmp_path: Path) -> None:
-    model = st.SentenceTransformer(str(tiny_roberta_dir(tmp_path)), device="cpu")
+def test_sentence_transformer_on_a_roberta_encoder(tiny_roberta_dir: Path) -> None:
+    model = st.SentenceTransformer(str(tiny_roberta_dir), device="cpu")
     before = model.encode(SENTENCES, convert_to_tensor=True)
     fastbert.optimize(model)
     assert isinstance(model[0].model, fastbert.RobertaModel)
