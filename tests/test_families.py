@@ -232,3 +232,40 @@ def test_onnx_export_matches_in_onnxruntime(model_type: str, tmp_path) -> None:
     assert type(got).__name__ == "SequenceClassifierOutput"
     first = inputs["attention_mask"][:, 0].bool()  # a sentence head reads the first token: rows where it is real
     torch.testing.assert_close(got.logits[first], want[first], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "native", "onednn", "triton"])
+@pytest.mark.parametrize("model_type", ["roberta", "distilbert", "albert", "electra"])
+def test_every_family_runs_unpadded_on_every_backend(model_type: str, backend: str) -> None:
+    hf = hf_model(model_type)
+    fast = fastbert.optimize(hf)
+    ids, mask = batch(hf.config, rows=3, seqlen=9)
+    with torch.no_grad():
+        want = hf(ids, attention_mask=mask).last_hidden_state
+        try:
+            with fastbert.use_backend(backend):
+                got = fast(ids, attention_mask=mask).last_hidden_state
+        except fastbert.BackendUnavailable as exc:
+            pytest.skip(f"{backend} cannot run here: {exc}")
+    valid = mask.bool()
+    torch.testing.assert_close(got[valid], want[valid], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("model_type", ["roberta", "albert"])
+def test_inputs_embeds_position_ids_and_attentions_match(model_type: str) -> None:
+    hf = hf_model(model_type)
+    hf.config._attn_implementation = "eager"  # attention probabilities come from eager attention only
+    fast = fastbert.optimize(hf)
+    ids, mask = batch(hf.config, rows=3, seqlen=7, full_pad_row=False)
+    embeds = hf.embeddings.word_embeddings(ids).detach()
+    positions = (torch.arange(7).flip(0) + 2).unsqueeze(0)
+    valid = mask.bool()
+    with torch.no_grad():
+        for kwargs in ({"inputs_embeds": embeds}, {"input_ids": ids, "position_ids": positions}):
+            a, b = fast(attention_mask=mask, **kwargs), hf(attention_mask=mask, **kwargs)
+            torch.testing.assert_close(a.last_hidden_state[valid], b.last_hidden_state[valid], atol=ATOL, rtol=0)
+        a = fast(ids, attention_mask=mask, output_attentions=True)
+        b = hf(ids, attention_mask=mask, output_attentions=True)
+    for x, y in zip(a.attentions, b.attentions, strict=True):
+        rows = valid[:, None, :, None] & valid[:, None, None, :]
+        torch.testing.assert_close(x[rows.expand_as(x)], y[rows.expand_as(y)], atol=ATOL, rtol=0)
