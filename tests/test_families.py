@@ -269,3 +269,18 @@ def test_inputs_embeds_position_ids_and_attentions_match(model_type: str) -> Non
     for x, y in zip(a.attentions, b.attentions, strict=True):
         rows = valid[:, None, :, None] & valid[:, None, None, :]
         torch.testing.assert_close(x[rows.expand_as(x)], y[rows.expand_as(y)], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("model_type", list(CONFIGS))
+def test_bf16_error_is_within_twice_transformers(model_type: str, tmp_path) -> None:
+    hf = hf_model(model_type)
+    hf.save_pretrained(tmp_path)
+    fast = fastbert.AutoModel.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    hf16 = type(hf).from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    ids, mask = batch(hf.config, rows=3)
+    valid = mask.bool()
+    with torch.no_grad():
+        want = hf(ids, attention_mask=mask).last_hidden_state[valid]
+        ours = fast(ids, attention_mask=mask).last_hidden_state[valid].float()
+        theirs = hf16(ids, attention_mask=mask).last_hidden_state[valid].float()
+    assert (ours - want).abs().max() <= 2 * (theirs - want).abs().max() + 1e-2
