@@ -93,6 +93,9 @@ class BertConfig:
         family = family_of(model_type)
         self.model_type = family.model_type
         values = copy.deepcopy({**_DEFAULTS, **family.config_defaults})
+        for hf_name, name in family.config_names:  # DistilBertConfig(dim=..., n_layers=...) as in transformers
+            if hf_name in kwargs:
+                kwargs[name] = kwargs.pop(hf_name)
         values.update(kwargs)
         if values.get("id2label") is None:
             if not _is_int(values["num_labels"]) or values["num_labels"] < 0:
@@ -149,8 +152,11 @@ class BertConfig:
         if self.backend not in (None, "auto", *ops.backends(), *ops.ALIASES):
             # the registry's names: a backend added with ops.register_backend is valid here too
             raise ValueError(f"backend must be None, 'auto' or one of {sorted(ops.backends())}, got {self.backend!r}")
-        if self.family.model_type == "albert" and getattr(self, "inner_group_num", 1) != 1:
-            raise ValueError("inner_group_num must be 1: ALBERT groups of several different layers are not supported")
+        if self.family.grouped_layers:  # ALBERT checkpoints number groups of whole shared layers
+            if getattr(self, "inner_group_num", 1) != 1:
+                raise ValueError("inner_group_num must be 1: ALBERT groups of several layers are not supported")
+            if self.layer_sharing != "all":
+                raise ValueError(f"layer_sharing must be 'all' for {self.model_type}, got {self.layer_sharing!r}")
         if self.position_embedding_type != "absolute":
             raise ValueError(f"only absolute position embeddings are supported, got {self.position_embedding_type!r}")
 
@@ -198,9 +204,6 @@ class BertConfig:
         """The config class of the dict's model_type (UnsupportedModelError for an architecture fastbert lacks)."""
         values = dict(values)
         family = family_of(values.pop("model_type", "bert"))
-        for hf_name, name in family.config_names:
-            if hf_name in values:
-                values[name] = values.pop(hf_name)
         return CONFIG_CLASSES[family.model_type](**values)
 
     @classmethod

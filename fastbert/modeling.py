@@ -36,7 +36,9 @@ class BertEmbeddings(nn.Module):
         dim, family = config.embedding_dim, config.family
         self.sinusoidal = bool(getattr(config, "sinusoidal_pos_embds", False))
         self.word_embeddings = nn.Embedding(config.vocab_size, dim, padding_idx=config.pad_token_id)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, dim)
+        # RoBERTa's row pad_token_id is never read for a real token; transformers starts it at zero
+        pad_position = config.pad_token_id if family.padded_positions else None
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, dim, padding_idx=pad_position)
         if family.token_types:
             self.token_type_embeddings = nn.Embedding(config.type_vocab_size, dim)
         else:
@@ -90,7 +92,7 @@ def sinusoidal_table(positions: int, dim: int) -> torch.Tensor:
 
 
 def family_positions(
-    config: BertConfig, input_ids: torch.Tensor | None, batch: int, seqlen: int, device: torch.device
+    config: BertConfig, input_ids: torch.Tensor | None, seqlen: int, device: torch.device
 ) -> torch.Tensor:
     """Default position ids [B or 1, S]: 0..S-1, or RoBERTa's (counted over non-pad ids, offset by the pad id)."""
     if not config.family.padded_positions:
@@ -348,7 +350,7 @@ class BertModel(PreTrainedModel):
         if ranges is not None:  # before any kernel gathers with these ids
             ranges.raise_if_bad(checked)
         if position_ids is None:
-            position_ids = family_positions(self.config, input_ids, batch, seqlen, device)
+            position_ids = family_positions(self.config, input_ids, seqlen, device)
         position_ids = position_ids.reshape(-1, seqlen).expand(batch, seqlen)
         if token_type_ids is None:
             token_type_ids = torch.zeros(batch, seqlen, dtype=torch.long, device=device)

@@ -169,7 +169,7 @@ def test_roberta_positions_count_non_pad_tokens_from_the_pad_id() -> None:
     config = fastbert.RobertaConfig(**SIZE, max_position_embeddings=40)
     ids = torch.tensor([[0, 5, 6, 2, 1, 1], [1, 1, 0, 7, 2, 1]])  # left and right padding
     expected = torch.tensor([[2, 3, 4, 5, 1, 1], [1, 1, 2, 3, 4, 1]])
-    assert torch.equal(fastbert.modeling.family_positions(config, ids, 2, 6, ids.device), expected)
+    assert torch.equal(fastbert.modeling.family_positions(config, ids, 6, ids.device), expected)
     with pytest.raises(ValueError, match="positions start at pad_token_id"):
         fastbert.RobertaModel(config)(torch.full((1, 39), 5))
 
@@ -284,3 +284,13 @@ def test_bf16_error_is_within_twice_transformers(model_type: str, tmp_path) -> N
         ours = fast(ids, attention_mask=mask).last_hidden_state[valid].float()
         theirs = hf16(ids, attention_mask=mask).last_hidden_state[valid].float()
     assert (ours - want).abs().max() <= 2 * (theirs - want).abs().max() + 1e-2
+
+
+def test_fresh_models_start_like_transformers_tables() -> None:
+    """DistilBERT's sinusoidal position table and RoBERTa's zero pad-position row, on a fresh (unloaded) model."""
+    hf = hf_model("distilbert")
+    config = fastbert.DistilBertConfig(**{k: v for k, v in hf.config.to_dict().items() if k != "model_type"})
+    fresh = fastbert.DistilBertModel(config).embeddings.position_embeddings.weight
+    torch.testing.assert_close(fresh, hf.embeddings.position_embeddings.weight, atol=1e-6, rtol=0)
+    roberta = fastbert.RobertaModel(fastbert.RobertaConfig(**SIZE, max_position_embeddings=40))
+    assert (roberta.embeddings.position_embeddings.weight[1] == 0).all()
