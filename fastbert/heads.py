@@ -233,6 +233,10 @@ class BertForSequenceClassification(PreTrainedModel):
         )
         return _finish(result, return_dict)
 
+    def output_layer(self) -> nn.Linear:
+        """The Linear that writes the logits (BERT's classifier, or the family head's out_proj)."""
+        return self.classifier.out_proj if isinstance(self.classifier, ClassificationHead) else self.classifier
+
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.config.problem_type is None:
             if self.num_labels == 1:

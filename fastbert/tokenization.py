@@ -32,10 +32,13 @@ class WordPieceTokenizer:
         self._tok = tokenizer
         vocab = tokenizer.get_vocab()
         missing = [t for t in SPECIAL_TOKENS if t not in vocab]
-        self.token_types = not missing  # RoBERTa's vocabulary: one token type, segment ids all 0
+        self.wordpiece = not missing
         if missing and any(t not in vocab for t in ROBERTA_SPECIAL_TOKENS):
             raise ValueError(f"vocabulary lacks BERT special tokens {missing} (and RoBERTa's {ROBERTA_SPECIAL_TOKENS})")
-        specials = SPECIAL_TOKENS if self.token_types else ROBERTA_SPECIAL_TOKENS
+        # whether batches carry token_type_ids: not for RoBERTa's vocabulary (one token type), nor for a model that
+        # has none (DistilBERT; fine-tuning sets it)
+        self.token_types = self.wordpiece
+        specials = SPECIAL_TOKENS if self.wordpiece else ROBERTA_SPECIAL_TOKENS
         self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (vocab[t] for t in specials)
         self.special_ids = frozenset((self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id))
 
@@ -97,7 +100,7 @@ class WordPieceTokenizer:
         """Write tokenizer.json, and for WordPiece vocab.txt (what transformers' BertTokenizerFast reads)."""
         os.makedirs(directory, exist_ok=True)
         self._tok.save(os.path.join(directory, "tokenizer.json"))
-        if not self.token_types:  # BPE: tokenizer.json is the whole tokenizer
+        if not self.wordpiece:  # BPE: tokenizer.json is the whole tokenizer
             return
         vocab = sorted(self._tok.get_vocab().items(), key=lambda kv: kv[1])
         with open(os.path.join(directory, "vocab.txt"), "w", encoding="utf-8") as f:
@@ -134,7 +137,7 @@ class WordPieceTokenizer:
     def pad(
         self, ids: Sequence[Sequence[int]], type_ids: Sequence[Sequence[int]] | None = None, pad_to: int | None = None
     ) -> dict[str, torch.Tensor]:
-        """Right-pad id lists into `input_ids`, `token_type_ids`, `attention_mask` tensors [B, S]."""
+        """Right-pad id lists into `input_ids`, `token_type_ids` (if `token_types`), `attention_mask` tensors [B, S]."""
         width = pad_to or max((len(x) for x in ids), default=0)
         out_ids = torch.full((len(ids), width), self.pad_id, dtype=torch.long)
         types = torch.zeros_like(out_ids)
@@ -142,9 +145,11 @@ class WordPieceTokenizer:
         for i, row in enumerate(ids):
             n = len(row)
             out_ids[i, :n] = torch.as_tensor(row, dtype=torch.long)
-            if type_ids is not None and self.token_types:
+            if type_ids is not None:
                 types[i, :n] = torch.as_tensor(type_ids[i], dtype=torch.long)
             mask[i, :n] = 1
+        if not self.token_types:
+            return {"input_ids": out_ids, "attention_mask": mask}
         return {"input_ids": out_ids, "token_type_ids": types, "attention_mask": mask}
 
     def __call__(

@@ -83,6 +83,7 @@ def finetune(
     if not os.path.isdir(model):
         raise FileNotFoundError(f"checkpoint directory {model} does not exist")
     config = BertConfig.from_pretrained(model)
+    tok.token_types = tok.token_types and config.family.token_types  # DistilBERT takes no token_type_ids
     for key, value in job.config_updates().items():
         setattr(config, key, value)
     torch.manual_seed(seed)
