@@ -94,8 +94,8 @@ class BertConfig:
         self.model_type = family.model_type
         values = copy.deepcopy({**_DEFAULTS, **family.config_defaults})
         for hf_name, name in family.config_names:  # DistilBertConfig(dim=..., n_layers=...) as in transformers
-            if hf_name in kwargs:
-                kwargs[name] = kwargs.pop(hf_name)
+            if hf_name in kwargs:  # fastbert's name wins where both are given (a config dict edited by name)
+                kwargs.setdefault(name, kwargs.pop(hf_name))
         values.update(kwargs)
         if values.get("id2label") is None:
             if not _is_int(values["num_labels"]) or values["num_labels"] < 0:
