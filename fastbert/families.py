@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 Pairs = tuple[tuple[str, str], ...]  # (transformers' name, fastbert's name); `*` stands for a layer number
+HEAD_KINDS = ("model", "sequence", "token", "qa", "mlm", "pretraining", "nsp", "choice")
+FAMILY_HEADS = ("model", "sequence", "token", "qa", "mlm")
 
 
 @dataclass(frozen=True)
@@ -40,15 +42,7 @@ class Family:
     classifier_dropout_first: bool = True  # RoBERTa/ELECTRA drop out before the dense layer too, DistilBERT not
     mlm_act: str | None = None  # the MLM transform's activation when fixed; None: config.hidden_act
     dropouts: Mapping[str, str] = field(default_factory=dict)  # head kind -> config field of its dropout
-
-    @property
-    def heads(self) -> tuple[str, ...]:
-        """The head kinds this family has classes for."""
-        return HEAD_KINDS if self.model_type == "bert" else FAMILY_HEADS
-
-
-HEAD_KINDS = ("model", "sequence", "token", "qa", "mlm", "pretraining", "nsp", "choice")
-FAMILY_HEADS = ("model", "sequence", "token", "qa", "mlm")
+    heads: tuple[str, ...] = FAMILY_HEADS  # the head kinds it has classes for (fastbert.auto)
 
 _ROBERTA = dict(
     prefix="roberta",
@@ -77,7 +71,7 @@ _ROBERTA = dict(
 FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (
-        Family("bert", "Bert", "bert"),
+        Family("bert", "Bert", "bert", heads=HEAD_KINDS),
         Family("roberta", "Roberta", **_ROBERTA),
         Family("xlm-roberta", "XLMRoberta", **_ROBERTA),
         Family(
@@ -208,30 +202,32 @@ def first_layer_of_group(group: int, layers: int, groups: int) -> int:
 def _renamer(pairs: Pairs, to_hf: bool, number: Callable[[int], int]) -> Callable[[str], str]:
     """Rename whole dot-separated pieces of a key, longest pattern first, in one left-to-right pass."""
     sources = sorted(((fb, hf) if to_hf else (hf, fb) for hf, fb in pairs), key=lambda p: -len(p[0]))
-    compiled = [(re.compile(re.escape(src).replace(r"\*", r"(\d+)")), dst) for src, dst in sources]
-    pattern = re.compile(r"(?<![^.])(?:" + "|".join(c.pattern for c, _ in compiled) + r")(?![^.])")
+    alternatives = []
+    for i, (src, _) in enumerate(sources):  # group p<i> is pattern i; n<i> its layer number, where it has one
+        alternatives.append(f"(?P<p{i}>" + re.escape(src).replace(r"\*", f"(?P<n{i}>" + r"\d+)") + ")")
+    pattern = re.compile(r"(?<![^.])(?:" + "|".join(alternatives) + r")(?![^.])")
 
     def replace(match: re.Match) -> str:
-        for regex, dst in compiled:  # the longest alternative that matched, as the combined pattern chose it
-            whole = regex.fullmatch(match.group(0))
-            if whole:
-                return dst.replace("*", str(number(int(whole.group(1))))) if whole.groups() else dst
-        raise AssertionError(match.group(0))
+        i = int(match.lastgroup[1:])  # the enclosing p<i> closes last
+        dst = sources[i][1]
+        return dst.replace("*", str(number(int(match.group(f"n{i}"))))) if "*" in dst else dst
 
-    return lambda key: pattern.sub(replace, key) if sources else key
+    return lambda key: pattern.sub(replace, key)
+
+
+def _layer_number(config: Any, to_hf: bool) -> Callable[[int], int]:
+    """Key layer numbers: kept, or ALBERT's layer i -> its group (saving) and group g -> its first layer (loading)."""
+    if not family_of(config.model_type).grouped_layers:
+        return int
+    if to_hf:
+        return config.group_of_layer
+    return lambda g: first_layer_of_group(g, config.num_hidden_layers, config.num_hidden_groups)
 
 
 def _rename_state(state: Mapping[str, Any], config: Any, head: str, to_hf: bool) -> dict[str, Any]:
     family = family_of(config.model_type)
     pairs = ((family.prefix, "bert"), *family.keys, *family.head_keys.get(head, ()))
-    layers, groups = config.num_hidden_layers, config.num_hidden_groups
-    if not family.grouped_layers:
-        number = int
-    elif to_hf:
-        number = lambda i: config.group_of_layer(i)  # noqa: E731
-    else:
-        number = lambda g: first_layer_of_group(g, layers, groups)  # noqa: E731
-    rename = _renamer(pairs, to_hf, number)
+    rename = _renamer(pairs, to_hf, _layer_number(config, to_hf))
     return {rename(k): v for k, v in state.items()}
 
 

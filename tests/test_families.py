@@ -294,3 +294,18 @@ def test_fresh_models_start_like_transformers_tables() -> None:
     torch.testing.assert_close(fresh, hf.embeddings.position_embeddings.weight, atol=1e-6, rtol=0)
     roberta = fastbert.RobertaModel(fastbert.RobertaConfig(**SIZE, max_position_embeddings=40))
     assert (roberta.embeddings.position_embeddings.weight[1] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", list(CONFIGS))
+def test_every_family_on_cuda_matches_transformers(model_type: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU: the Triton kernels and CUDA-graph replay (optimize's default there), fp32 with TF32 off."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    hf = hf_model(model_type).cuda()
+    fast = fastbert.optimize(hf)
+    ids, mask = (t.cuda() for t in batch(hf.config, rows=3))
+    with torch.no_grad():
+        want = hf(ids, attention_mask=mask).last_hidden_state
+        got = fast(ids, attention_mask=mask).last_hidden_state
+    valid = mask.bool()
+    torch.testing.assert_close(got[valid], want[valid], atol=ATOL, rtol=0)
