@@ -44,6 +44,7 @@ class Family:
     dropouts: Mapping[str, str] = field(default_factory=dict)  # head kind -> config field of its dropout
     heads: tuple[str, ...] = FAMILY_HEADS  # the head kinds it has classes for (fastbert.auto)
 
+
 _ROBERTA = dict(
     prefix="roberta",
     config_defaults={
