@@ -309,3 +309,17 @@ def test_every_family_on_cuda_matches_transformers(model_type: str, monkeypatch:
         got = fast(ids, attention_mask=mask).last_hidden_state
     valid = mask.bool()
     torch.testing.assert_close(got[valid], want[valid], atol=ATOL, rtol=0)
+
+
+def test_export_onnx_command_picks_the_family_class(tmp_path, capsys) -> None:
+    pytest.importorskip("onnxruntime")
+    from fastbert.cli import main
+
+    hf_model("electra", "ForTokenClassification", initializer_range=0.3).save_pretrained(tmp_path / "ckpt")
+    assert main(["export-onnx", str(tmp_path / "ckpt"), str(tmp_path / "m.onnx")]) == 0
+    from fastbert.onnx import Session
+
+    session = Session(tmp_path / "m.onnx")
+    assert session.model_class == "ElectraForTokenClassification" and session.config.model_type == "electra"
+    assert main(["export-onnx", str(tmp_path / "ckpt"), str(tmp_path / "c.onnx"), "--head", "BertForMultipleChoice"])
+    assert "Electra has no ForMultipleChoice" in capsys.readouterr().err
