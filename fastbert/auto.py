@@ -34,11 +34,12 @@ def _family_class(model_type: str, kind: str) -> type[PreTrainedModel]:
     base = HEADS["Bert" + SUFFIXES[kind]]
     if model_type == "bert":
         return base
-    attrs: dict[str, Any] = {"model_type": model_type, "__doc__": f"Drop-in for transformers' {family.name}"
-                             f"{SUFFIXES[kind]}: {base.__name__} with the {model_type} family's data."}  # fmt: skip
+    name = family.name + SUFFIXES[kind]
+    doc = f"Drop-in for transformers' {name}: {base.__name__} with the {model_type} family's data."
+    attrs: dict[str, Any] = {"model_type": model_type, "__doc__": doc, "__module__": __name__}
     if kind != "model":
         attrs[family.prefix] = property(lambda self: self.bert, doc="the encoder, under transformers' attribute name")
-    return type(family.name + SUFFIXES[kind], (base,), {"__module__": __name__, **attrs})
+    return type(name, (base,), attrs)
 
 
 CLASSES: dict[tuple[str, str], type[PreTrainedModel]] = {
@@ -51,8 +52,8 @@ def model_class(model_type: str, kind: str) -> type[PreTrainedModel]:
     """The fastbert class for a model_type and head kind; UnsupportedModelError or ValueError naming what exists."""
     family = family_of(model_type)
     if (family.model_type, kind) not in CLASSES:
-        raise ValueError(f"{family.name} has no {SUFFIXES[kind]} in fastbert; it has: "
-                         + ", ".join(family.name + SUFFIXES[k] for k in family.heads))  # fmt: skip
+        has = ", ".join(family.name + SUFFIXES[k] for k in family.heads)
+        raise ValueError(f"{family.name} has no {SUFFIXES[kind]} in fastbert; it has: {has}")
     return CLASSES[family.model_type, kind]
 
 
