@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastbert import outputs, reference
+from fastbert.auto import BY_NAME
 from fastbert.checkpoint import PreTrainedModel
 from fastbert.heads import HEADS, ClassificationHead
 from fastbert.modeling import ACT_OF_CONFIG, BertLayer, BertModel
@@ -50,8 +51,9 @@ INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
 def head_name(model: nn.Module) -> str:
     """The Bert class a fastbert model is (RobertaForMaskedLM -> BertForMaskedLM); TypeError for anything else."""
+    known = BY_NAME.get(type(model).__name__) is type(model)  # fastbert's own classes: a subclass may compute more
     bases = [c.__name__ for c in type(model).__mro__ if HEADS.get(c.__name__) is c and c.__name__ in SPECS]
-    if not isinstance(model, PreTrainedModel) or not bases:
+    if not isinstance(model, PreTrainedModel) or not known or not bases:
         raise TypeError(
             f"cannot export {type(model).__module__}.{type(model).__name__}: expected fastbert.BertModel or a head "
             f"from fastbert.heads ({', '.join(sorted(SPECS))}), or a family class built on one (RobertaModel, ...)"
