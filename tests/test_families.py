@@ -163,6 +163,25 @@ def test_round_trip_into_transformers_is_exact(model_type: str, suffix: str, tmp
     assert original.keys() == loaded.keys()
     for key, value in original.items():
         assert torch.equal(value, loaded[key]), key
+    again = type(fast).from_pretrained(tmp_path / "fast").state_dict()
+    assert all(torch.equal(v, again[k]) for k, v in fast.state_dict().items())
+
+
+@pytest.mark.parametrize("model_type", list(CONFIGS))
+def test_a_fresh_fastbert_model_loads_in_transformers(model_type: str, tmp_path) -> None:
+    """Built and saved by fastbert alone (its config class, its initialisation): transformers loads every weight."""
+    fields = {k: v for k, v in CONFIGS[model_type][1].items() if k != "sinusoidal_pos_embds"}
+    config = fastbert.BertConfig(model_type=model_type, **fields)
+    fast = _fast_class(model_type, "ForMaskedLM")(config).eval()
+    fast.save_pretrained(tmp_path)
+    hf_class = getattr(transformers, NAMES[model_type] + "ForMaskedLM")
+    hf, info = hf_class.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    ids, mask = batch(hf.config, rows=3)
+    valid = mask.bool()
+    with torch.no_grad():
+        a, b = fast(ids, attention_mask=mask).logits, hf.eval()(ids, attention_mask=mask).logits
+    torch.testing.assert_close(a[valid], b[valid], atol=ATOL, rtol=0)
 
 
 def test_roberta_positions_count_non_pad_tokens_from_the_pad_id() -> None:
