@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from fastbert.config import BertConfig
+from fastbert.families import family_of, to_fastbert_keys, to_hf_keys
 
 log = logging.getLogger("fastbert.checkpoint")
 
@@ -40,12 +41,12 @@ def sniff_format(path: str | os.PathLike) -> str:
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(9)
-    if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":  # torch.save zip archive / raw pickle protocol 2+
-        return "pickle"
-    if len(head) == 9:
+    if len(head) == 9:  # before the pickle test: a header length whose low byte is 0x80 starts with a pickle's byte
         n = int.from_bytes(head[:8], "little")
         if 0 < n <= size - 8 and head[8:9] == b"{":
             return "safetensors"
+    if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":  # torch.save zip archive / raw pickle protocol 2+
+        return "pickle"
     return "unknown"
 
 
@@ -105,12 +106,16 @@ def _normalise_keys(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
 class PreTrainedModel(nn.Module):
     """Loading, saving and initialisation shared by BertModel and every head."""
 
-    base_model_prefix = "bert"
+    base_model_prefix = "bert"  # fastbert's attribute for the encoder in every family; keys are renamed on load/save
+    model_type = "bert"  # the family this class is named for; BertModel and the Bert heads build any family's config
+    head_kind = "model"  # which of the family's head key renames apply (fastbert.families)
     # Parameters tied to another one; a checkpoint may omit them (transformers does) or carry an equal copy.
     tied_keys: tuple[str, ...] = ()
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
+        if type(self).model_type != "bert":
+            _check_family(type(self), config)
         self.config = config
 
     # ------------------------------------------------------------ initialisation
@@ -132,6 +137,8 @@ class PreTrainedModel(nn.Module):
         elif isinstance(module, nn.LayerNorm):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
+        elif hasattr(module, "init_family_weights"):  # after its children: a family's own tables (DistilBERT's)
+            module.init_family_weights()
 
     def tie_weights(self) -> None:
         """Heads with an MLM decoder tie it to the word embeddings here."""
@@ -174,7 +181,7 @@ class PreTrainedModel(nn.Module):
         A checkpoint without any head weights (a bare encoder) leaves the head freshly initialised, as transformers
         does for fine-tuning; `strict_heads=True` makes that an error too.
         """
-        state = self._adapt_prefix(_normalise_keys(state))
+        state = self._adapt_prefix(to_fastbert_keys(_normalise_keys(state), self.config, self.head_kind))
         state = {k: v for k, v in state.items() if not k.endswith(IGNORED_KEYS)}
         own = self.state_dict()
         unique = self.unique_state_dict()
@@ -237,6 +244,7 @@ class PreTrainedModel(nn.Module):
         if not os.path.isdir(directory):
             raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
         config = BertConfig.from_pretrained(directory)
+        _check_family(cls, config)
         for key, value in config_overrides.items():
             setattr(config, key, value)
         config.validate()
@@ -256,18 +264,32 @@ class PreTrainedModel(nn.Module):
         config["dtype"] = str(dtype).removeprefix("torch.")
         with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2, sort_keys=True)
-        tensors = {k: v.detach().contiguous().cpu() for k, v in self.unique_state_dict().items()}
+        state = to_hf_keys(self.unique_state_dict(), self.config, self.head_kind)
+        tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
         save_file(tensors, os.path.join(directory, WEIGHTS_NAME), metadata={"format": "pt"})
 
     @classmethod
     def from_hf(cls: type[M], hf_model: nn.Module) -> M:
-        """Convert a live transformers BERT model (any head) into this fastbert class, weights copied."""
+        """Convert a live transformers model (a supported family, any head) into this fastbert class, weights copied."""
         hf_config = hf_model.config.to_dict()
-        config = BertConfig.from_dict({k: v for k, v in hf_config.items() if k in _hf_fields()})
+        family = family_of(hf_config.get("model_type", "bert"))
+        keep = _hf_fields() | {hf for hf, _ in family.config_names} | set(family.extra_fields) | {"model_type"}
+        config = BertConfig.from_dict({k: v for k, v in hf_config.items() if k in keep})
+        _check_family(cls, config)
         param = next(hf_model.parameters())
         model = cls(config)
         model.load_checkpoint_state(hf_model.state_dict())
         return model.to(device=param.device, dtype=param.dtype).train(hf_model.training)
+
+
+def _check_family(cls: type, config: BertConfig) -> None:
+    """A class named for one family takes only that family's configs (BertModel only BERT's, when loading)."""
+    if config.model_type != cls.model_type:
+        name = config.family.name + cls.__name__.removeprefix(family_of(cls.model_type).name)
+        raise CheckpointError(
+            f"{cls.__name__} takes a {cls.model_type!r} model, but the config describes a {config.model_type!r} one: "
+            f"use fastbert.{name} or fastbert.AutoModel"
+        )
 
 
 def _is_base_key(key: str) -> bool:

@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from fastbert import ops
+from fastbert.families import Family, UnsupportedModelError, family_of
 
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 SHARING = ("none", "all", "attention", "ffn")
@@ -81,12 +82,22 @@ def _label_map(id2label: Any) -> dict[int, Any]:
 
 
 class BertConfig:
-    """Model hyper-parameters; attribute names are transformers' so existing code and checkpoints carry over."""
+    """Model hyper-parameters; attribute names are transformers' so existing code and checkpoints carry over.
+
+    `model_type` picks the family (bert, roberta, xlm-roberta, distilbert, albert, electra): its defaults here, its
+    behaviour in the model. RobertaConfig and the others below are this class with their model_type preset.
+    """
 
     model_type = "bert"
 
     def __init__(self, **kwargs: Any) -> None:
-        values = copy.deepcopy(_DEFAULTS)
+        model_type = kwargs.pop("model_type", type(self).model_type)
+        family = family_of(model_type)
+        self.model_type = family.model_type
+        values = copy.deepcopy({**_DEFAULTS, **family.config_defaults})
+        for hf_name, name in family.config_names:  # DistilBertConfig(dim=..., n_layers=...) as in transformers
+            if hf_name in kwargs:  # fastbert's name wins where both are given (a config dict edited by name)
+                kwargs.setdefault(name, kwargs.pop(hf_name))
         values.update(kwargs)
         if values.get("id2label") is None:
             if not _is_int(values["num_labels"]) or values["num_labels"] < 0:
@@ -147,10 +158,20 @@ class BertConfig:
             raise ValueError(
                 f"quantize must be None or 'int8' (dynamic int8 GEMMs on CPU, inference), got {self.quantize!r}"
             )
+        if self.family.grouped_layers:  # ALBERT checkpoints number groups of whole shared layers
+            if getattr(self, "inner_group_num", 1) != 1:
+                raise ValueError("inner_group_num must be 1: ALBERT groups of several layers are not supported")
+            if self.layer_sharing != "all":
+                raise ValueError(f"layer_sharing must be 'all' for {self.model_type}, got {self.layer_sharing!r}")
         if self.position_embedding_type != "absolute":
             raise ValueError(f"only absolute position embeddings are supported, got {self.position_embedding_type!r}")
 
     # ---------------------------------------------------------- derived values
+    @property
+    def family(self) -> Family:
+        """What this model_type changes in the one model definition (fastbert.families)."""
+        return family_of(self.model_type)
+
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
@@ -170,21 +191,26 @@ class BertConfig:
 
     # -------------------------------------------------------------- (de)serialise
     def to_dict(self) -> dict[str, Any]:
+        """transformers' field names for this family (AutoConfig reads them), plus fastbert's where not default."""
+        family = self.family
         out = {k: copy.deepcopy(v) for k, v in self.__dict__.items() if not k.startswith("_")}
-        out["model_type"] = self.model_type
         out["id2label"] = {str(k): v for k, v in self.id2label.items()}
+        defaults = {**_DEFAULTS, **family.config_defaults}
         for name in _FASTBERT_FIELDS:  # keep HF-only configs free of fastbert fields at their defaults
-            if out.get(name) == _DEFAULTS[name]:
+            if name not in family.native_fields and out.get(name) == defaults[name]:
                 out.pop(name)
+        for name in family.config_absent:
+            out.pop(name, None)
+        for hf_name, name in family.config_names:
+            out[hf_name] = out.pop(name)
         return out
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> BertConfig:
+        """The config class of the dict's model_type (UnsupportedModelError for an architecture fastbert lacks)."""
         values = dict(values)
-        model_type = values.pop("model_type", "bert")
-        if model_type not in ("bert", "fastbert"):
-            raise ValueError(f"config.json describes a {model_type!r} model, not a BERT encoder")
-        return cls(**values)
+        family = family_of(values.pop("model_type", "bert"))
+        return CONFIG_CLASSES[family.model_type](**values)
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> BertConfig:
@@ -192,6 +218,8 @@ class BertConfig:
         with open(path, encoding="utf-8") as f:
             try:
                 return cls.from_dict(json.load(f))
+            except UnsupportedModelError as exc:
+                raise UnsupportedModelError(f"{os.fspath(path)}: {exc}") from None
             except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors too
                 raise ValueError(f"{os.fspath(path)}: {exc}") from None
 
@@ -215,3 +243,15 @@ class BertConfig:
 
     def __repr__(self) -> str:
         return f"BertConfig {self.to_json_string()}"
+
+
+def _config_class(model_type: str, name: str) -> type[BertConfig]:
+    return type(f"{name}Config", (BertConfig,), {"model_type": model_type, "__doc__": f"BertConfig for {model_type}."})
+
+
+CONFIG_CLASSES: dict[str, type[BertConfig]] = {"bert": BertConfig}
+RobertaConfig = CONFIG_CLASSES["roberta"] = _config_class("roberta", "Roberta")
+XLMRobertaConfig = CONFIG_CLASSES["xlm-roberta"] = _config_class("xlm-roberta", "XLMRoberta")
+DistilBertConfig = CONFIG_CLASSES["distilbert"] = _config_class("distilbert", "DistilBert")
+AlbertConfig = CONFIG_CLASSES["albert"] = _config_class("albert", "Albert")
+ElectraConfig = CONFIG_CLASSES["electra"] = _config_class("electra", "Electra")

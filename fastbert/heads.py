@@ -30,7 +30,7 @@ class BertPredictionHeadTransform(nn.Module):
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.embedding_dim)
-        self.act = ACT_OF_CONFIG[config.hidden_act]
+        self.act = ACT_OF_CONFIG[config.family.mlm_act or config.hidden_act]  # RoBERTa's, ELECTRA's: always gelu
         self.LayerNorm = nn.LayerNorm(config.embedding_dim, eps=config.layer_norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,6 +104,8 @@ def _mlm_loss(logits: torch.Tensor, labels: torch.Tensor | None, vocab: int) -> 
 
 
 class BertForMaskedLM(_WithMLMDecoder):
+    head_kind = "mlm"
+
     def __init__(self, config: BertConfig) -> None:
         super().__init__(config)
         self.bert = BertModel(config, add_pooling_layer=False)
@@ -121,6 +123,8 @@ class BertForMaskedLM(_WithMLMDecoder):
 
 class BertForPreTraining(_WithMLMDecoder):
     """MLM + NSP (BERT) or MLM + SOP (ALBERT): the second head predicts `next_sentence_label` either way."""
+
+    head_kind = "pretraining"
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__(config)
@@ -149,6 +153,8 @@ class BertForPreTraining(_WithMLMDecoder):
 
 
 class BertForNextSentencePrediction(PreTrainedModel):
+    head_kind = "nsp"
+
     def __init__(self, config: BertConfig) -> None:
         super().__init__(config)
         self.bert = BertModel(config)
@@ -166,29 +172,70 @@ class BertForNextSentencePrediction(PreTrainedModel):
         return _finish(result, return_dict)
 
 
-def _classifier_dropout(config: BertConfig) -> float:
+def _classifier_dropout(config: BertConfig, head: str = "") -> float:
+    """The head's dropout: the family's own field (DistilBERT's seq_classif_dropout, qa_dropout) or BERT's rule."""
+    own = config.family.dropouts.get(head)
+    if own is not None:
+        return getattr(config, own)
+    if head == "qa":  # BERT's QA head has none
+        return 0.0
     return config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
 
 
+class ClassificationHead(nn.Module):
+    """RoBERTa's, ELECTRA's and DistilBERT's sentence head on the first token: dense -> act -> dropout -> out_proj."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.act = config.family.classifier_act
+        self.dropout_first = config.family.classifier_dropout_first
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dropout = nn.Dropout(_classifier_dropout(config, "sequence"))
+        self.out_proj = nn.Linear(config.hidden_size, config.num_labels)
+
+    def forward(self, first_token: torch.Tensor) -> torch.Tensor:  # [B, H] -> [B, num_labels]
+        x = self.dropout(first_token) if self.dropout_first else first_token
+        x = self.dense(x)
+        x = torch.tanh(x) if self.act == "tanh" else reference.activation(x, ACT_OF_CONFIG[self.act])
+        return self.out_proj(self.dropout(x))
+
+
 class BertForSequenceClassification(PreTrainedModel):
-    """Single-label (CE), regression (num_labels == 1, MSE) or multi-label (BCE), picked as transformers does."""
+    """Single-label (CE), regression (num_labels == 1, MSE) or multi-label (BCE), picked as transformers does.
+
+    BERT and ALBERT classify the pooler's output; RoBERTa, ELECTRA and DistilBERT the first token through their
+    own `ClassificationHead` (no pooler).
+    """
+
+    head_kind = "sequence"
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__(config)
         self.num_labels = config.num_labels
-        self.bert = BertModel(config)
-        self.dropout = nn.Dropout(_classifier_dropout(config))
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        if config.family.classifier_act is None:
+            self.bert = BertModel(config)
+            self.dropout = nn.Dropout(_classifier_dropout(config, "sequence"))
+            self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        else:
+            self.bert = BertModel(config, add_pooling_layer=False)
+            self.classifier = ClassificationHead(config)
         self.post_init()
 
     def forward(self, input_ids=None, labels=None, return_dict: bool = True, **kwargs):
         out = self.bert(input_ids, **_encoder_kwargs(kwargs))
-        logits = self.classifier(self.dropout(out.pooler_output))
+        if isinstance(self.classifier, ClassificationHead):
+            logits = self.classifier(out.last_hidden_state[:, 0])
+        else:
+            logits = self.classifier(self.dropout(out.pooler_output))
         loss = None if labels is None else self._loss(logits, labels)
         result = SequenceClassifierOutput(
             loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions
         )
         return _finish(result, return_dict)
+
+    def output_layer(self) -> nn.Linear:
+        """The Linear that writes the logits (BERT's classifier, or the family head's out_proj)."""
+        return self.classifier.out_proj if isinstance(self.classifier, ClassificationHead) else self.classifier
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.config.problem_type is None:
@@ -211,6 +258,8 @@ class BertForSequenceClassification(PreTrainedModel):
 
 
 class BertForTokenClassification(PreTrainedModel):
+    head_kind = "token"
+
     def __init__(self, config: BertConfig) -> None:
         super().__init__(config)
         self.num_labels = config.num_labels
@@ -233,17 +282,20 @@ class BertForTokenClassification(PreTrainedModel):
 
 
 class BertForQuestionAnswering(PreTrainedModel):
+    head_kind = "qa"
+
     def __init__(self, config: BertConfig) -> None:
         super().__init__(config)
         self.num_labels = config.num_labels
         self.bert = BertModel(config, add_pooling_layer=False)
+        self.dropout = nn.Dropout(_classifier_dropout(config, "qa"))  # DistilBERT's qa_dropout; 0 elsewhere
         self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
     def forward(self, input_ids=None, start_positions=None, end_positions=None, return_dict: bool = True, **kwargs):
         """Span positions outside the input are ignored in the loss (clamped to S, the ignore index)."""
         out = self.bert(input_ids, **_encoder_kwargs(kwargs))
-        logits = self.qa_outputs(out.last_hidden_state)
+        logits = self.qa_outputs(self.dropout(out.last_hidden_state))
         start_logits, end_logits = (t.squeeze(-1).contiguous() for t in logits.split(1, dim=-1))
         loss = None
         if start_positions is not None and end_positions is not None:
@@ -266,6 +318,8 @@ class BertForQuestionAnswering(PreTrainedModel):
 
 class BertForMultipleChoice(PreTrainedModel):
     """Inputs [B, num_choices, S]; one score per choice."""
+
+    head_kind = "choice"
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__(config)

@@ -26,17 +26,37 @@ ACT_OF_CONFIG = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "
 
 
 class BertEmbeddings(nn.Module):
-    """word + position + token-type, LayerNorm, dropout; with `embedding_size` < hidden, then a projection E -> H."""
+    """word + position + token-type, LayerNorm, dropout; with `embedding_size` < hidden, then a projection E -> H.
+
+    A family without token types (DistilBERT) adds a zero row instead, so every backend's fused op serves it as is.
+    """
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
-        dim = config.embedding_dim
+        dim, family = config.embedding_dim, config.family
+        self.sinusoidal = bool(getattr(config, "sinusoidal_pos_embds", False))
         self.word_embeddings = nn.Embedding(config.vocab_size, dim, padding_idx=config.pad_token_id)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, dim)
-        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, dim)
+        # RoBERTa's row pad_token_id is never read for a real token; transformers starts it at zero
+        pad_position = config.pad_token_id if family.padded_positions else None
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, dim, padding_idx=pad_position)
+        if family.token_types:
+            self.token_type_embeddings = nn.Embedding(config.type_vocab_size, dim)
+        else:
+            self.register_buffer("no_token_types", torch.zeros(1, dim), persistent=False)
         self.LayerNorm = nn.LayerNorm(dim, eps=config.layer_norm_eps)
         self.dropout_p = config.hidden_dropout_prob
-        self.projection = nn.Linear(dim, config.hidden_size) if dim != config.hidden_size else None
+        project = dim != config.hidden_size or family.always_project
+        self.projection = nn.Linear(dim, config.hidden_size) if project else None
+
+    def type_table(self) -> torch.Tensor:
+        """[type_vocab_size, E], or one zero row where the family has no token types."""
+        return self.token_type_embeddings.weight if hasattr(self, "token_type_embeddings") else self.no_token_types
+
+    def init_family_weights(self) -> None:
+        """DistilBERT's `sinusoidal_pos_embds`: fixed sin/cos position table, as transformers initialises it."""
+        if self.sinusoidal:
+            with torch.no_grad():
+                self.position_embeddings.weight.copy_(sinusoidal_table(*self.position_embeddings.weight.shape))
 
     def forward(
         self,
@@ -51,7 +71,7 @@ class BertEmbeddings(nn.Module):
             position_ids,
             self.word_embeddings.weight,
             self.position_embeddings.weight,
-            self.token_type_embeddings.weight,
+            self.type_table(),
             self.LayerNorm.weight,
             self.LayerNorm.bias,
             self.LayerNorm.eps,
@@ -60,6 +80,28 @@ class BertEmbeddings(nn.Module):
             inputs_embeds=inputs_embeds,
         )
         return ops.linear(x, self.projection.weight, self.projection.bias) if self.projection is not None else x
+
+
+def sinusoidal_table(positions: int, dim: int) -> torch.Tensor:
+    """transformers' DistilBERT table: sin on even columns, cos on odd, angle pos / 10000^(2 * (j // 2) / dim)."""
+    pos = torch.arange(positions, dtype=torch.float64).unsqueeze(1)
+    j = torch.arange(dim, dtype=torch.float64)
+    angle = pos / torch.pow(10000.0, 2 * torch.div(j, 2, rounding_mode="floor") / dim)
+    table = torch.where(j.remainder(2) == 0, torch.sin(angle), torch.cos(angle))
+    return table.float()
+
+
+def family_positions(
+    config: BertConfig, input_ids: torch.Tensor | None, seqlen: int, device: torch.device
+) -> torch.Tensor:
+    """Default position ids [B or 1, S]: 0..S-1, or RoBERTa's (counted over non-pad ids, offset by the pad id)."""
+    if not config.family.padded_positions:
+        return torch.arange(seqlen, device=device).unsqueeze(0)
+    pad = config.pad_token_id
+    if input_ids is None:  # nothing says which embeddings are padding: sequential, as transformers does
+        return torch.arange(pad + 1, seqlen + pad + 1, device=device).unsqueeze(0)
+    real = input_ids.ne(pad).long()
+    return torch.cumsum(real, dim=1) * real + pad
 
 
 class BertSelfAttention(nn.Module):
@@ -224,13 +266,16 @@ def _pad_probs(probs: torch.Tensor, seqlen: int) -> torch.Tensor:
 
 
 class BertModel(PreTrainedModel):
-    """Drop-in for `transformers.BertModel`: same checkpoints, same forward contract, same outputs."""
+    """Drop-in for `transformers.BertModel`: same checkpoints, same forward contract, same outputs.
+
+    Built from a RobertaConfig, DistilBertConfig, ... it is that family's model (fastbert.families says how).
+    """
 
     def __init__(self, config: BertConfig, add_pooling_layer: bool = True) -> None:
         super().__init__(config)
         self.embeddings = BertEmbeddings(config)
         self.encoder = BertEncoder(config)
-        self.pooler = BertPooler(config) if add_pooling_layer else None
+        self.pooler = BertPooler(config) if add_pooling_layer and config.family.pooler else None
         self.cuda_graphs: CudaGraphs | None = None  # small-batch replay on a GPU: fastbert.cuda_graphs.enable(model)
         self.post_init()
 
@@ -314,7 +359,7 @@ class BertModel(PreTrainedModel):
         if ranges is not None:  # before any kernel gathers with these ids
             ranges.raise_if_bad(checked)
         if position_ids is None:
-            position_ids = torch.arange(seqlen, device=device)
+            position_ids = family_positions(self.config, input_ids, seqlen, device)
         position_ids = position_ids.reshape(-1, seqlen).expand(batch, seqlen)
         if token_type_ids is None:
             token_type_ids = torch.zeros(batch, seqlen, dtype=torch.long, device=device)

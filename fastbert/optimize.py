@@ -1,5 +1,5 @@
-"""`fastbert.optimize(model)`: one line from a live transformers BERT (or a fastbert model), or a sentence-transformers
-SentenceTransformer / CrossEncoder built on one, to the fast path."""
+"""`fastbert.optimize(model)`: one line from a live transformers encoder of a supported family (or a fastbert model),
+or a sentence-transformers SentenceTransformer / CrossEncoder built on one, to the fast path."""
 
 from __future__ import annotations
 
@@ -9,22 +9,12 @@ import inspect
 import torch
 from torch import nn
 
-import fastbert
 from fastbert import cuda_graphs as graphs
+from fastbert.auto import BY_NAME
 from fastbert.checkpoint import PreTrainedModel
 from fastbert.config import QUANTIZE_CHOICES
 
-# transformers class name -> the fastbert class with the same contract
-CLASSES = (
-    "BertModel",
-    "BertForMaskedLM",
-    "BertForPreTraining",
-    "BertForNextSentencePrediction",
-    "BertForSequenceClassification",
-    "BertForTokenClassification",
-    "BertForQuestionAnswering",
-    "BertForMultipleChoice",
-)
+CLASSES = tuple(BY_NAME)  # transformers class names, each with the fastbert class of the same contract
 
 
 def optimize(
@@ -37,7 +27,8 @@ def optimize(
 ) -> nn.Module:
     """Convert (weights copied; the original is untouched) and set up for inference.
 
-    - a transformers BertModel or Bert head becomes its fastbert class (`from_hf`); a fastbert model is used as is;
+    - a transformers model (BERT, RoBERTa, XLM-RoBERTa, DistilBERT, ALBERT, ELECTRA; the bare encoder or a head)
+      becomes its fastbert class (`from_hf`); a fastbert model is used as is;
     - moved to `device` / cast to `dtype` (bf16 or fp16 runs every GEMM in that dtype; statistics stay fp32);
     - eval mode; `freeze` turns off requires_grad so the inference-only fast paths (oneDNN prepacked GEMMs) apply
       even outside `torch.no_grad()`;
@@ -60,9 +51,10 @@ def optimize(
         name = type(model).__name__
         if name not in CLASSES or not hasattr(model, "config"):
             raise TypeError(
-                f"optimize() takes a transformers BERT model ({', '.join(CLASSES)}) or a fastbert one, got {name}"
+                f"optimize() takes a transformers model of a supported family ({', '.join(CLASSES)}) or a fastbert "
+                f"one, got {name}"
             )
-        model = getattr(fastbert, name).from_hf(model)
+        model = BY_NAME[name].from_hf(model)
     model = model.to(device=device, dtype=dtype).eval()
     if quantize is not None:
         model.config.quantize = quantize

@@ -2,6 +2,8 @@
 
 `WordPieceTokenizer` produces BERT's `[CLS] A [SEP] B [SEP]` layout with segment ids and pair truncation, as
 torch tensors ready for `BertModel`. No hand-written tokeniser: the `tokenizers` Rust core does the work.
+A RoBERTa checkpoint's tokenizer.json (byte-level BPE, `<s> A </s></s> B </s>`) loads too: its specials take the
+same roles and its segment ids are all 0, as RoBERTa has one token type.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+ROBERTA_SPECIAL_TOKENS = ("<pad>", "<unk>", "<s>", "</s>", "<mask>")  # the same roles, in the same order
 
 
 def _require_tokenizers():
@@ -23,15 +26,20 @@ def _require_tokenizers():
 
 
 class WordPieceTokenizer:
-    """A BERT WordPiece tokenizer: ids, segment ids and attention masks for single texts or pairs."""
+    """A BERT WordPiece tokenizer (or a RoBERTa BPE one): ids, segment ids and attention masks for texts or pairs."""
 
     def __init__(self, tokenizer) -> None:  # a tokenizers.Tokenizer
         self._tok = tokenizer
         vocab = tokenizer.get_vocab()
         missing = [t for t in SPECIAL_TOKENS if t not in vocab]
-        if missing:
-            raise ValueError(f"vocabulary lacks BERT special tokens {missing}")
-        self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (vocab[t] for t in SPECIAL_TOKENS)
+        self.wordpiece = not missing
+        if missing and any(t not in vocab for t in ROBERTA_SPECIAL_TOKENS):
+            raise ValueError(f"vocabulary lacks BERT special tokens {missing} (and RoBERTa's {ROBERTA_SPECIAL_TOKENS})")
+        # whether batches carry token_type_ids: not for RoBERTa's vocabulary (one token type), nor for a model that
+        # has none (DistilBERT; fine-tuning sets it)
+        self.token_types = self.wordpiece
+        specials = SPECIAL_TOKENS if self.wordpiece else ROBERTA_SPECIAL_TOKENS
+        self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (vocab[t] for t in specials)
         self.special_ids = frozenset((self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id))
 
     @property
@@ -89,9 +97,11 @@ class WordPieceTokenizer:
         return cls(BertWordPieceTokenizer(tok.get_vocab(), lowercase=lowercase)._tokenizer)
 
     def save(self, directory: str | os.PathLike) -> None:
-        """Write tokenizer.json and vocab.txt (what transformers' BertTokenizerFast reads)."""
+        """Write tokenizer.json, and for WordPiece vocab.txt (what transformers' BertTokenizerFast reads)."""
         os.makedirs(directory, exist_ok=True)
         self._tok.save(os.path.join(directory, "tokenizer.json"))
+        if not self.wordpiece:  # BPE: tokenizer.json is the whole tokenizer
+            return
         vocab = sorted(self._tok.get_vocab().items(), key=lambda kv: kv[1])
         with open(os.path.join(directory, "vocab.txt"), "w", encoding="utf-8") as f:
             f.writelines(token + "\n" for token, _ in vocab)
@@ -127,7 +137,7 @@ class WordPieceTokenizer:
     def pad(
         self, ids: Sequence[Sequence[int]], type_ids: Sequence[Sequence[int]] | None = None, pad_to: int | None = None
     ) -> dict[str, torch.Tensor]:
-        """Right-pad id lists into `input_ids`, `token_type_ids`, `attention_mask` tensors [B, S]."""
+        """Right-pad id lists into `input_ids`, `token_type_ids` (if `token_types`), `attention_mask` tensors [B, S]."""
         width = pad_to or max((len(x) for x in ids), default=0)
         out_ids = torch.full((len(ids), width), self.pad_id, dtype=torch.long)
         types = torch.zeros_like(out_ids)
@@ -138,6 +148,8 @@ class WordPieceTokenizer:
             if type_ids is not None:
                 types[i, :n] = torch.as_tensor(type_ids[i], dtype=torch.long)
             mask[i, :n] = 1
+        if not self.token_types:
+            return {"input_ids": out_ids, "attention_mask": mask}
         return {"input_ids": out_ids, "token_type_ids": types, "attention_mask": mask}
 
     def __call__(

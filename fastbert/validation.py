@@ -82,10 +82,16 @@ def check_inputs(
     batch, seqlen = int(shape[0]), int(shape[1])
     if seqlen == 0:
         raise ValueError("empty sequence length: input has shape [batch, 0]; every sequence needs at least 1 position")
-    if seqlen > config.max_position_embeddings:
+    family = config.family
+    # RoBERTa counts positions from pad_token_id + 1, so its longest sequence is that much shorter
+    offset = config.pad_token_id + 1 if family.padded_positions and position_ids is None else 0
+    if seqlen + offset > config.max_position_embeddings:
         raise ValueError(
             f"sequence length {seqlen} is longer than max_position_embeddings={config.max_position_embeddings}"
+            + (f" - {offset} ({family.model_type} positions start at pad_token_id + 1)" if offset else "")
         )
+    if token_type_ids is not None and not family.token_types:
+        raise TypeError(f"{family.name} models have no token types: pass no token_type_ids")
     if attention_mask is not None:
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype not in _MASK_DTYPES:
             raise TypeError(f"attention_mask must be a bool, integer or float tensor, got {attention_mask!r:.60}")

@@ -42,6 +42,40 @@ def minilm_dir() -> Path:
     return Path(mod.MODEL_DIR)
 
 
+ROBERTA_TEXTS = [
+    "A man is playing a guitar.",
+    "The cat sits on the mat, quietly watching the birds outside.",
+    "a cat, a dog, yes, no, short",
+    "A very long sentence that keeps going on and on " * 6,
+]
+
+
+@pytest.fixture
+def tiny_roberta_dir(tmp_path: Path) -> Path:
+    """A randomly initialised RoBERTa (hidden 78, 3 heads) with a byte-level BPE tokenizer learnt on a few sentences:
+    a RoBERTa checkpoint directory as transformers writes it, built offline."""
+    path = tmp_path / "roberta"
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import ByteLevelBPETokenizer, processors
+
+    specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(ROBERTA_TEXTS * 5, vocab_size=300, special_tokens=specials, show_progress=False)
+    bpe.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=bpe._tokenizer, model_max_length=64, **dict(zip(
+            ("bos_token", "pad_token", "eos_token", "unk_token", "mask_token"), specials, strict=True)),
+    )  # fmt: skip
+    tok.save_pretrained(path)
+    config = transformers.RobertaConfig(
+        vocab_size=tok.vocab_size, hidden_size=78, num_attention_heads=3, num_hidden_layers=2, intermediate_size=37,
+        max_position_embeddings=66,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.RobertaModel(config).save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     if not SHARED_DATA.is_dir():

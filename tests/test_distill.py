@@ -215,3 +215,21 @@ def test_saved_student_holds_the_full_precision_teacher_layers(teacher_dir, tmp_
     for key, value in student.items():
         source = key.replace("encoder.layer.1.", "encoder.layer.3.")
         assert torch.equal(value, teacher[source]), key
+
+
+def test_a_roberta_teacher_gives_a_roberta_student(tiny_roberta_dir, tmp_path):
+    """Distillation takes a teacher of another family (RoBERTa with its BPE tokenizer): the student is that family's
+    class, saved under its transformers names."""
+    transformers = pytest.importorskip("transformers")
+    from fastbert import RobertaModel
+
+    cfg = tiny(tmp_path, max_steps=2, checkpoint_every=0, objectives=Objectives(cosine=1.0, hidden_mse=1.0))
+    result = distill(str(tiny_roberta_dir), corpus(24), cfg)
+    assert type(result.student) is RobertaModel and result.student.config.num_hidden_layers == 2
+    theirs = transformers.RobertaModel.from_pretrained(result.student_dir).eval()
+    ids = torch.tensor([[0, 40, 41, 42, 2, 1], [0, 50, 51, 2, 1, 1]])
+    mask = (ids != 1).long()
+    with torch.no_grad():
+        a = RobertaModel.from_pretrained(result.student_dir)(ids, attention_mask=mask).last_hidden_state
+        b = theirs(input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(a[mask.bool()], b[mask.bool()], atol=1e-5, rtol=0)

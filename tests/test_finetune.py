@@ -317,3 +317,55 @@ def test_question_answering_end_to_end(tmp_path, tiny_checkpoint, tok):
     check_loads_in_transformers(
         tmp_path / "qa" / "final", BertForQuestionAnswering, "BertForQuestionAnswering", tok(["Who?"], [CONTEXT])
     )
+
+
+def test_finetune_cli_on_a_roberta_checkpoint(tmp_path, tiny_roberta_dir):
+    """`fastbert finetune` on a RoBERTa checkpoint with its byte-level BPE tokenizer.json: a RobertaFor... head is
+    trained and saved under transformers' RoBERTa names, and transformers loads it with the same logits; regression
+    folds its standardisation into the RoBERTa head's out_proj."""
+    import transformers
+
+    from fastbert import RobertaForSequenceClassification
+    from fastbert.cli import main
+
+    rows = ["premise,hypothesis,label"] + [f"a cat {i},a dog {i},{i % 3}" for i in range(12)]
+    (tmp_path / "train.csv").write_text("\n".join(rows) + "\n")
+    tok = WordPieceTokenizer.from_pretrained(tiny_roberta_dir)
+    batch = tok(["a cat 1", "a cat 22"], ["a dog 1", "a dog"])
+    assert tok.cls_id == 0 and "token_type_ids" not in batch
+    for task in ("sequence", "regression"):
+        args = ["finetune", task, "--model", str(tiny_roberta_dir), "--train", str(tmp_path / "train.csv")]
+        args += ["--dev", str(tmp_path / "train.csv"), "--output-dir", str(tmp_path / task), "--text-columns"]
+        args += ["premise", "hypothesis", "--label-column", "label", "--batch-size", "4", "--max-steps", "3"]
+        assert main(args) == 0
+        final = tmp_path / task / "final"
+        config = json.loads((final / "config.json").read_text())
+        assert config["architectures"] == ["RobertaForSequenceClassification"]
+        ours = RobertaForSequenceClassification.from_pretrained(final)
+        theirs = transformers.RobertaForSequenceClassification.from_pretrained(final).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(ours(**batch).logits, theirs(**batch).logits, atol=1e-5, rtol=0)
+
+
+def test_finetune_on_a_distilbert_checkpoint_passes_no_token_types(tmp_path, minilm_dir):
+    """DistilBERT has no token types: the fine-tuning batches leave token_type_ids out."""
+    from fastbert import DistilBertConfig, DistilBertForTokenClassification, DistilBertModel
+
+    config = DistilBertConfig(
+        vocab_size=30522, dim=32, n_layers=2, n_heads=2, hidden_dim=64, max_position_embeddings=64
+    )
+    DistilBertModel(config).save_pretrained(tmp_path / "distil")
+    shutil.copy(minilm_dir / "vocab.txt", tmp_path / "distil" / "vocab.txt")
+    lines = [f"the B-X\ncat{i} O\nsat I-X\n" for i in range(8)]
+    (tmp_path / "train.conll").write_text("\n".join(lines))
+    result = finetune(
+        "token",
+        str(tmp_path / "distil"),
+        str(tmp_path / "train.conll"),
+        str(tmp_path / "ft"),
+        dev=str(tmp_path / "train.conll"),
+        batch_size=4,
+        loop={"max_steps": 2},
+    )
+    assert result["step"] == 2
+    DistilBertForTokenClassification.from_pretrained(tmp_path / "ft" / "final", strict_heads=True)

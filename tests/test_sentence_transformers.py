@@ -61,3 +61,13 @@ def test_a_sentence_transformers_model_without_an_encoder_is_refused_clearly() -
     pooling_only = st.SentenceTransformer(modules=[st.models.Pooling(8)], device="cpu")
     with pytest.raises(TypeError, match="holds no transformers encoder"):
         fastbert.optimize(pooling_only)
+
+
+def test_sentence_transformer_on_a_roberta_encoder(tiny_roberta_dir: Path) -> None:
+    model = st.SentenceTransformer(str(tiny_roberta_dir), device="cpu")
+    before = model.encode(SENTENCES, convert_to_tensor=True)
+    fastbert.optimize(model)
+    assert isinstance(model[0].model, fastbert.RobertaModel)
+    calls = calls_of(model[0].model)
+    after = model.encode(SENTENCES, convert_to_tensor=True)
+    assert calls and (after - before).abs().max().item() <= 1e-5

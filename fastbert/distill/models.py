@@ -11,32 +11,35 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fastbert.auto import BY_NAME, model_class
 from fastbert.checkpoint import PreTrainedModel
+from fastbert.config import BertConfig
 from fastbert.distill.losses import mean_pool
 from fastbert.distill.objectives import Objectives, weighted_losses
-from fastbert.heads import HEADS, BertForMaskedLM
 from fastbert.modeling import BertModel
 
-MLM_ARCHITECTURES = ("BertForMaskedLM", "BertForPreTraining")
+# checkpoints whose MLM head the teacher keeps (loaded as the family's ForMaskedLM)
+MLM_ARCHITECTURES = ("BertForPreTraining", "AlbertForPreTraining", *(n for n in BY_NAME if n.endswith("ForMaskedLM")))
 
 
 def load_teacher(teacher: str | os.PathLike | nn.Module) -> PreTrainedModel:
-    """A checkpoint directory (MLM head kept when it has one), a fastbert model, or a live transformers BERT model."""
+    """A checkpoint directory (MLM head kept when it has one), a fastbert model, or a live transformers model of a
+    supported family."""
     if isinstance(teacher, PreTrainedModel):
         return teacher
     if isinstance(teacher, nn.Module):
         name = type(teacher).__name__
-        if name not in HEADS or not hasattr(teacher, "config"):
-            raise TypeError(f"cannot use a {name} as teacher: expected a fastbert or transformers BERT model")
-        return HEADS[name].from_hf(teacher)
+        if name not in BY_NAME or not hasattr(teacher, "config"):
+            raise TypeError(f"cannot use a {name} as teacher: expected a fastbert or transformers encoder model")
+        return BY_NAME[name].from_hf(teacher)
     path = os.fspath(teacher)
     config = os.path.join(path, "config.json")
     if not os.path.isfile(config):
         raise FileNotFoundError(f"teacher {path} is not a checkpoint directory (no config.json)")
     with open(config, encoding="utf-8") as f:
         architectures = json.load(f).get("architectures") or []
-    cls = BertForMaskedLM if any(a in MLM_ARCHITECTURES for a in architectures) else BertModel
-    return cls.from_pretrained(path)
+    kind = "mlm" if any(a in MLM_ARCHITECTURES for a in architectures) else "model"
+    return model_class(BertConfig.from_pretrained(path).model_type, kind).from_pretrained(path)
 
 
 def has_mlm_head(model: nn.Module) -> bool:

@@ -16,15 +16,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fastbert.auto import model_class
 from fastbert.checkpoint import PreTrainedModel
 from fastbert.distill.data import TeacherCache, collate, read_corpus, tokenize_corpus
 from fastbert.distill.models import DistillStudent, has_mlm_head, load_teacher, teacher_targets
 from fastbert.distill.objectives import Objectives
 from fastbert.distill.student import block_end_map, init_from_teacher, student_config, uniform_layer_map
 from fastbert.errors import UsageError
-from fastbert.heads import BertForMaskedLM
 from fastbert.masking import MLMMasker
-from fastbert.modeling import BertModel
 from fastbert.tokenization import WordPieceTokenizer
 from fastbert.train import (
     PRECISION_CHOICES,
@@ -123,10 +122,8 @@ def build_student(teacher: PreTrainedModel, cfg: DistillConfig) -> tuple[PreTrai
     layers = cfg.num_layers if cfg.num_layers is not None else max(1, t_cfg.num_hidden_layers // 2)
     layer_map = list(cfg.layer_map) if cfg.layer_map is not None else uniform_layer_map(t_cfg.num_hidden_layers, layers)
     s_cfg = student_config(t_cfg, layers, cfg.hidden_size, **cfg.student_overrides)
-    if cfg.objectives.uses_logits:
-        student: PreTrainedModel = BertForMaskedLM(s_cfg)
-    else:
-        student = BertModel(s_cfg)  # with a pooler (the teacher's if it has one) so BertModel.from_pretrained works
+    # the teacher's family; with a pooler where it has one, so its Model class's from_pretrained works
+    student = model_class(s_cfg.model_type, "mlm" if cfg.objectives.uses_logits else "model")(s_cfg)
     if cfg.init not in ("auto", "copy", "random"):
         raise ValueError(f"init must be 'auto', 'copy' or 'random', got {cfg.init!r}")
     if cfg.init != "random":

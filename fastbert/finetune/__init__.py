@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from fastbert.auto import model_class
 from fastbert.checkpoint import load_checkpoint_dir
 from fastbert.config import BertConfig
 from fastbert.errors import UsageError
@@ -82,10 +83,11 @@ def finetune(
     if not os.path.isdir(model):
         raise FileNotFoundError(f"checkpoint directory {model} does not exist")
     config = BertConfig.from_pretrained(model)
+    tok.token_types = tok.token_types and config.family.token_types  # DistilBERT takes no token_type_ids
     for key, value in job.config_updates().items():
         setattr(config, key, value)
     torch.manual_seed(seed)
-    net = job.model_class(config)
+    net = model_class(config.model_type, job.model_class.head_kind)(config)  # RobertaFor... on a RoBERTa checkpoint
     net.load_checkpoint_state(load_checkpoint_dir(model))
     sampler = LengthGroupedBatchSampler(
         [len(f["input_ids"]) for f in train_feats], batch_size, seed, rank=env.rank, world_size=env.world_size

@@ -28,7 +28,7 @@ def predict(
     for b in range(0, len(order), batch_size):
         idx = order[b : b + batch_size]
         batch = collate([feats[i] for i in idx])
-        inputs = {k: batch[k].to(device) for k in ("input_ids", "token_type_ids", "attention_mask")}
+        inputs = {k: batch[k].to(device) for k in ("input_ids", "token_type_ids", "attention_mask") if k in batch}
         result = model(**inputs)
         for name in ("logits", "start_logits", "end_logits"):
             if name in result:
@@ -97,8 +97,8 @@ class SequenceTask:
         """Fold the target standardisation into the regression head so the saved model predicts in data units."""
         if self.regression:
             with torch.no_grad():
-                model.classifier.weight.mul_(self.std)
-                model.classifier.bias.mul_(self.std).add_(self.mean)
+                model.output_layer().weight.mul_(self.std)
+                model.output_layer().bias.mul_(self.std).add_(self.mean)
 
     def collate(self, feats: list[Feature]) -> dict[str, torch.Tensor]:
         batch = self.tok.pad([f["input_ids"] for f in feats], [f["token_type_ids"] for f in feats])

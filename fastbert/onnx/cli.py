@@ -14,7 +14,9 @@ from fastbert.onnx.graph import SPECS
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", help="a transformers- or fastbert-saved checkpoint directory")
     parser.add_argument("output", help="where to write the .onnx file")
-    parser.add_argument("--head", choices=sorted(SPECS), help="model class (default: the config's architectures)")
+    parser.add_argument(
+        "--head", choices=sorted(SPECS), help="model class, for any family (default: the config's architectures)"
+    )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--opset", type=ranged(int, OPSET), default=OPSET)
     parser.add_argument("--optimize", action="store_true", help="also write onnxruntime's fused graph")
@@ -25,23 +27,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _head_of(checkpoint: str) -> str:
-    """The first of the config's `architectures` that fastbert can export, else BertModel."""
+    """The head kind of the first of the config's `architectures` fastbert has a class for, else the bare model."""
+    from fastbert.auto import BY_NAME
+
     path = os.path.join(checkpoint, "config.json")
     if not os.path.isfile(path):
-        return "BertModel"
+        return "model"
     with open(path, encoding="utf-8") as f:
         architectures = json.load(f).get("architectures") or []
-    return next((a for a in architectures if a in SPECS), "BertModel")
+    return next((BY_NAME[a].head_kind for a in architectures if a in BY_NAME), "model")
 
 
 def run(args: argparse.Namespace) -> int:
     """Export and print the report; bad paths, bad checkpoints and failed checks are one-line errors (fastbert.cli)."""
+    from fastbert.auto import model_class
+    from fastbert.config import BertConfig
     from fastbert.heads import HEADS
     from fastbert.onnx.exporter import export
 
     if not os.path.isdir(args.checkpoint):
         raise DataError(f"checkpoint directory {args.checkpoint} does not exist")
-    model = HEADS[args.head or _head_of(args.checkpoint)].from_pretrained(args.checkpoint)
+    kind = HEADS[args.head].head_kind if args.head else _head_of(args.checkpoint)
+    model_type = BertConfig.from_pretrained(args.checkpoint).model_type  # the family's class of that head
+    model = model_class(model_type, kind).from_pretrained(args.checkpoint)
     export(
         model,
         args.output,

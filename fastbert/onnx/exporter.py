@@ -22,7 +22,7 @@ import fastbert
 from fastbert.checkpoint import PreTrainedModel
 from fastbert.errors import CheckError
 from fastbert.onnx import int8 as int8_graph
-from fastbert.onnx.graph import INPUTS, ReferenceGraph, output_names, spec_of
+from fastbert.onnx.graph import INPUTS, ReferenceGraph, head_name, output_names, spec_of
 from fastbert.onnx.parity import check_parity, parity_shapes
 
 OPSET = 17
@@ -76,7 +76,7 @@ def _check_path(path: str | os.PathLike) -> str:
 def dynamic_axes(model: nn.Module) -> dict[str, dict[int, str]]:
     """Every input and output gets symbolic batch (and sequence, or choices for multiple choice) axes."""
     spec = spec_of(model)
-    choice = type(model).__name__ == "BertForMultipleChoice"
+    choice = head_name(model) == "BertForMultipleChoice"
     inputs = {0: "batch", 1: "choices", 2: "sequence"} if choice else {0: "batch", 1: "sequence"}
     axes = {name: dict(inputs) for name in INPUTS}
     for name, per_token in zip(spec.outputs, spec.per_token, strict=True):
@@ -89,7 +89,7 @@ def dynamic_axes(model: nn.Module) -> dict[str, dict[int, str]]:
 
 def _sample(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A small export sample (batch 2, length 16) whose shape the parity check never uses."""
-    shape = (2, 2, 16) if type(model).__name__ == "BertForMultipleChoice" else (2, 16)
+    shape = (2, 2, 16) if head_name(model) == "BertForMultipleChoice" else (2, 16)
     ids = torch.randint(0, model.config.vocab_size, shape)
     mask = torch.ones(shape, dtype=torch.long)
     mask[1, ..., 10:] = 0
@@ -122,6 +122,7 @@ def _annotate(path: str, model: PreTrainedModel) -> None:
     proto = onnx.load(path)
     meta = {
         "fastbert.model_class": type(model).__name__,
+        "fastbert.head": head_name(model),  # the Bert class it is, whose outputs the graph has
         "fastbert.config": model.config.to_json_string(),
         "fastbert.version": fastbert.__version__,
     }
@@ -152,12 +153,14 @@ def _check_symbolic(path: str, model: nn.Module) -> None:
 
 
 def expected_fusions(model: PreTrainedModel) -> dict[str, int]:
-    """Fused-node counts a fully optimized export must show: one embedding, per layer 1 Attention, 2 SkipLN, 1 GELU."""
+    """Fused-node counts a fully optimized export must show: one embedding (none for RoBERTa's), per layer 1 Attention,
+    2 SkipLN, 1 GELU."""
     config = model.config
     layers = config.num_hidden_layers
     gelu = {"gelu": "BiasGelu", "gelu_new": "FastGelu", "gelu_pytorch_tanh": "FastGelu"}.get(config.hidden_act)
-    has_mlm = type(model).__name__ in ("BertForMaskedLM", "BertForPreTraining")
-    counts = {"EmbedLayerNormalization": 1, "Attention": layers, "SkipLayerNormalization": 2 * layers}
+    has_mlm = head_name(model) in ("BertForMaskedLM", "BertForPreTraining")
+    embedding = 0 if config.family.padded_positions else 1  # RoBERTa's positions are not a pattern onnxruntime fuses
+    counts = {"EmbedLayerNormalization": embedding, "Attention": layers, "SkipLayerNormalization": 2 * layers}
     if gelu:
         counts[gelu] = layers + int(has_mlm)  # the MLM transform's dense + GELU fuses too
     return counts

@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastbert import outputs, reference
+from fastbert.auto import BY_NAME
 from fastbert.checkpoint import PreTrainedModel
-from fastbert.heads import HEADS
+from fastbert.heads import HEADS, ClassificationHead
 from fastbert.modeling import ACT_OF_CONFIG, BertLayer, BertModel
 
 
@@ -48,15 +49,21 @@ SPECS: dict[str, HeadSpec] = {
 INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 
 
+def head_name(model: nn.Module) -> str:
+    """The Bert class a fastbert model is (RobertaForMaskedLM -> BertForMaskedLM); TypeError for anything else."""
+    known = BY_NAME.get(type(model).__name__) is type(model)  # fastbert's own classes: a subclass may compute more
+    bases = [c.__name__ for c in type(model).__mro__ if HEADS.get(c.__name__) is c and c.__name__ in SPECS]
+    if not isinstance(model, PreTrainedModel) or not known or not bases:
+        raise TypeError(
+            f"cannot export {type(model).__module__}.{type(model).__name__}: expected fastbert.BertModel or a head "
+            f"from fastbert.heads ({', '.join(sorted(SPECS))}), or a family class built on one (RobertaModel, ...)"
+        )
+    return bases[0]
+
+
 def spec_of(model: nn.Module) -> HeadSpec:
     """The HeadSpec of a fastbert model; TypeError for anything else (a transformers model included)."""
-    name = type(model).__name__
-    if not isinstance(model, PreTrainedModel) or name not in SPECS or HEADS.get(name) is not type(model):
-        raise TypeError(
-            f"cannot export {type(model).__module__}.{name}: expected fastbert.BertModel or a head from "
-            f"fastbert.heads ({', '.join(sorted(SPECS))})"
-        )
-    return SPECS[name]
+    return SPECS[head_name(model)]
 
 
 def output_names(model: nn.Module) -> tuple[str, ...]:
@@ -86,6 +93,7 @@ class ReferenceGraph(nn.Module):
         config = model.config
         self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
         self.act = ACT_OF_CONFIG[config.hidden_act]
+        self.mlm_act = ACT_OF_CONFIG[config.family.mlm_act or config.hidden_act]
         # transformers' position_ids buffer: sliced to the input length, the pattern EmbedLayerNormalization matches
         positions = torch.arange(config.max_position_embeddings).unsqueeze(0)
         self.register_buffer("position_ids", positions, persistent=False)
@@ -96,7 +104,7 @@ class ReferenceGraph(nn.Module):
         attention_mask: torch.Tensor,  # same shape, int64 0/1
         token_type_ids: torch.Tensor,  # same shape, int64
     ) -> tuple[torch.Tensor, ...]:
-        name = type(self.model).__name__
+        name = head_name(self.model)
         if name == "BertForMultipleChoice":
             choices = input_ids.size(1)
             input_ids, attention_mask, token_type_ids = (
@@ -113,6 +121,8 @@ class ReferenceGraph(nn.Module):
         if name == "BertForNextSentencePrediction":
             return (_linear(pooled, m.cls.seq_relationship),)
         if name == "BertForSequenceClassification":
+            if isinstance(m.classifier, ClassificationHead):  # RoBERTa, ELECTRA, DistilBERT: on the first token
+                return (m.classifier(hidden[:, 0]),)
             return (_linear(pooled, m.classifier),)
         if name == "BertForTokenClassification":
             return (_linear(hidden, m.classifier),)
@@ -126,10 +136,13 @@ class ReferenceGraph(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [B, S, H] (zero at padding), [B, H] or None
         emb = self.bert.embeddings
         dtype = emb.word_embeddings.weight.dtype
-        positions = self.position_ids[:, : input_ids.size(1)]
-        x = F.embedding(input_ids, emb.word_embeddings.weight) + F.embedding(
-            token_type_ids, emb.token_type_embeddings.weight
-        )
+        if self.bert.config.family.padded_positions:  # RoBERTa: counted over non-pad ids, from pad_token_id + 1
+            pad = self.bert.config.pad_token_id
+            real = input_ids.ne(pad).long()
+            positions = torch.cumsum(real, dim=1) * real + pad
+        else:
+            positions = self.position_ids[:, : input_ids.size(1)]
+        x = F.embedding(input_ids, emb.word_embeddings.weight) + F.embedding(token_type_ids, emb.type_table())
         x = x + F.embedding(positions, emb.position_embeddings.weight)
         x = _layer_norm(x, emb.LayerNorm)
         if emb.projection is not None:
@@ -160,5 +173,5 @@ class ReferenceGraph(nn.Module):
         return _layer_norm(_linear(inner, layer.output.dense) + h, layer.output.LayerNorm)
 
     def _mlm(self, head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:  # [B, S, H] -> [B, S, V]
-        x = reference.activation(_linear(hidden, head.transform.dense), self.act)
+        x = reference.activation(_linear(hidden, head.transform.dense), self.mlm_act)
         return _linear(_layer_norm(x, head.transform.LayerNorm), head.decoder)

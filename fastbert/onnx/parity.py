@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from fastbert.checkpoint import PreTrainedModel
 from fastbert.config import BertConfig
 from fastbert.errors import CheckError
-from fastbert.onnx.graph import output_names, spec_of
+from fastbert.onnx.graph import head_name, output_names, spec_of
 from fastbert.onnx.session import Session
 
 BATCHES, LENGTHS = (1, 3), (1, 8, 128, 512)
@@ -24,15 +24,19 @@ FP16_FLOOR = 1e-3
 
 
 def parity_shapes(config: BertConfig) -> list[tuple[int, int]]:
-    """(batch, seqlen) pairs checked on export; lengths above max_position_embeddings are dropped."""
-    return [(b, s) for b in BATCHES for s in LENGTHS if s <= config.max_position_embeddings]
+    """(batch, seqlen) pairs checked on export; lengths the position table cannot take are dropped."""
+    longest = config.max_position_embeddings
+    if config.family.padded_positions:  # RoBERTa's positions start at pad_token_id + 1
+        longest -= config.pad_token_id + 1
+    return [(b, s) for b in BATCHES for s in LENGTHS if s <= longest]
 
 
 def make_inputs(
     config: BertConfig, batch: int, seqlen: int, choices: int | None = None, seed: int = 0
 ) -> dict[str, torch.Tensor]:
-    """Random ids and token types. One row: full length. Several: row 0 right-padded, row 1 left-padded, row 2
-    fully padded, further rows right-padded; ragged lengths are random in [1, seqlen - 1] (1 when seqlen is 1)."""
+    """Random ids and token types (none for a family without). One row: full length. Several: row 0 right-padded,
+    row 1 left-padded, row 2 fully padded, further rows right-padded; ragged lengths are random in [1, seqlen - 1]
+    (1 when seqlen is 1)."""
     gen = torch.Generator().manual_seed(seed)
     shape = (batch, seqlen) if choices is None else (batch, choices, seqlen)
     ids = torch.randint(0, config.vocab_size, shape, generator=gen)
@@ -46,7 +50,8 @@ def make_inputs(
     mask = (positions < lengths).long()
     if choices is not None:
         mask = mask.unsqueeze(1).expand(shape).contiguous()
-    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
+    inputs = {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
+    return inputs if config.family.token_types else {k: v for k, v in inputs.items() if k != "token_type_ids"}
 
 
 def _errors(
@@ -87,7 +92,7 @@ def check_parity(
         raise ValueError("an fp16 graph is checked against the fp32 PyTorch model, not against another graph")
     session = Session(path)
     other = reference if isinstance(reference, PreTrainedModel) else Session(reference)
-    choices = 2 if type(model).__name__ == "BertForMultipleChoice" else None
+    choices = 2 if head_name(model) == "BertForMultipleChoice" else None
     results = {}
     for batch, seqlen in tqdm(shapes, desc=f"parity {os.path.basename(path)}", disable=not progress, leave=False):
         inputs = make_inputs(model.config, batch, seqlen, choices)

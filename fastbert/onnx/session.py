@@ -67,7 +67,7 @@ class Session:
         self.path = path
         self.model_class = meta["fastbert.model_class"]
         self.config = BertConfig.from_dict(json.loads(meta["fastbert.config"]))
-        self.spec = SPECS[self.model_class]
+        self.spec = SPECS[meta.get("fastbert.head", self.model_class)]
         self.input_types = {i.name: _ORT_TO_NUMPY[i.type] for i in self.session.get_inputs()}
         self.output_names = [o.name for o in self.session.get_outputs()]
 
@@ -98,7 +98,7 @@ class Session:
             raise ValueError("input_ids is required (inputs_embeds cannot be fed to an exported graph)")
         mask = _as_tensor("attention_mask", attention_mask)
         types = _as_tensor("token_type_ids", token_type_ids)
-        choice = self.model_class == "BertForMultipleChoice"
+        choice = self.spec is SPECS["BertForMultipleChoice"]
         if choice and ids.dim() != 3:
             raise ValueError(f"{self.model_class} takes input_ids [batch, num_choices, seqlen], got {tuple(ids.shape)}")
         flat = [None if t is None else (t.reshape(-1, t.shape[-1]) if choice else t) for t in (ids, mask, types)]

@@ -1,0 +1,242 @@
+"""The encoder families fastbert runs on its one model definition, and how each differs from BERT, as data.
+
+A `Family` says how transformers names the family's config fields and checkpoint keys, how positions are counted,
+whether there are token types, a pooler and an embedding projection, and how its heads are laid out. The model
+(modeling.py, heads.py) reads these flags; checkpoint.py renames keys with `to_fastbert_keys` / `to_hf_keys`.
+Inside fastbert every family keeps BERT's module names (`bert.encoder.layer.N.attention.self.query`, ...).
+This module imports nothing of fastbert's, so config, checkpoint and model can all read it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+Pairs = tuple[tuple[str, str], ...]  # (transformers' name, fastbert's name); `*` stands for a layer number
+HEAD_KINDS = ("model", "sequence", "token", "qa", "mlm", "pretraining", "nsp", "choice")
+FAMILY_HEADS = ("model", "sequence", "token", "qa", "mlm")
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture: everything fastbert needs to load, run and save its checkpoints."""
+
+    model_type: str  # transformers' config.model_type
+    name: str  # prefix of its class names: "Roberta" -> RobertaModel, RobertaForMaskedLM, RobertaConfig
+    prefix: str  # transformers' base_model_prefix: the heads' `roberta.` in `roberta.encoder.layer.0...`
+    config_names: Pairs = ()  # config fields transformers names differently (DistilBERT's dim, n_layers, ...)
+    config_defaults: Mapping[str, Any] = field(default_factory=dict)  # transformers' defaults that differ from BERT's
+    config_absent: tuple[str, ...] = ()  # fields fixed for this family, not written to its config.json
+    native_fields: tuple[str, ...] = ()  # fastbert's own fields that are this family's transformers fields too
+    extra_fields: tuple[str, ...] = ()  # transformers-only fields kept when converting a live model
+    padded_positions: bool = False  # RoBERTa: position = cumsum(id != pad) * (id != pad) + pad
+    token_types: bool = True  # False: no token_type_embeddings (DistilBERT)
+    pooler: bool = True  # the bare model has a pooler
+    always_project: bool = False  # an E -> H projection even when E == H (ALBERT's embedding_hidden_mapping_in)
+    grouped_layers: bool = False  # checkpoint keys number ALBERT groups, not layers
+    keys: Pairs = ()  # base-model key pieces
+    head_keys: Mapping[str, Pairs] = field(default_factory=dict)  # per head kind ("sequence", "mlm", ...)
+    classifier_act: str | None = None  # None: BERT's pooler + classifier; else <s> -> dense -> act -> out_proj
+    classifier_dropout_first: bool = True  # RoBERTa/ELECTRA drop out before the dense layer too, DistilBERT not
+    mlm_act: str | None = None  # the MLM transform's activation when fixed; None: config.hidden_act
+    dropouts: Mapping[str, str] = field(default_factory=dict)  # head kind -> config field of its dropout
+    heads: tuple[str, ...] = FAMILY_HEADS  # the head kinds it has classes for (fastbert.auto)
+
+
+_ROBERTA = dict(
+    prefix="roberta",
+    config_defaults={
+        "vocab_size": 50265,
+        "max_position_embeddings": 514,
+        "type_vocab_size": 1,
+        "layer_norm_eps": 1e-5,
+        "pad_token_id": 1,
+        "bos_token_id": 0,
+        "eos_token_id": 2,
+    },
+    padded_positions=True,
+    head_keys={
+        "mlm": (
+            ("lm_head.dense", "cls.predictions.transform.dense"),
+            ("lm_head.layer_norm", "cls.predictions.transform.LayerNorm"),
+            ("lm_head.decoder", "cls.predictions.decoder"),
+            ("lm_head.bias", "cls.predictions.bias"),
+        )
+    },
+    classifier_act="tanh",
+    mlm_act="gelu",
+)
+
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        Family("bert", "Bert", "bert", heads=HEAD_KINDS),
+        Family("roberta", "Roberta", **_ROBERTA),
+        Family("xlm-roberta", "XLMRoberta", **_ROBERTA),
+        Family(
+            "distilbert",
+            "DistilBert",
+            "distilbert",
+            config_names=(
+                ("dim", "hidden_size"),
+                ("n_layers", "num_hidden_layers"),
+                ("n_heads", "num_attention_heads"),
+                ("hidden_dim", "intermediate_size"),
+                ("dropout", "hidden_dropout_prob"),
+                ("attention_dropout", "attention_probs_dropout_prob"),
+                ("activation", "hidden_act"),
+            ),
+            config_defaults={"num_hidden_layers": 6, "qa_dropout": 0.1, "seq_classif_dropout": 0.2},
+            config_absent=("type_vocab_size", "layer_norm_eps", "position_embedding_type", "classifier_dropout"),
+            extra_fields=("sinusoidal_pos_embds", "qa_dropout", "seq_classif_dropout"),
+            token_types=False,
+            pooler=False,
+            keys=(
+                ("transformer.layer", "encoder.layer"),
+                ("attention.q_lin", "attention.self.query"),
+                ("attention.k_lin", "attention.self.key"),
+                ("attention.v_lin", "attention.self.value"),
+                ("attention.out_lin", "attention.output.dense"),
+                ("sa_layer_norm", "attention.output.LayerNorm"),
+                ("ffn.lin1", "intermediate.dense"),
+                ("ffn.lin2", "output.dense"),
+                ("output_layer_norm", "output.LayerNorm"),
+            ),
+            head_keys={
+                "sequence": (("pre_classifier", "classifier.dense"), ("classifier", "classifier.out_proj")),
+                "mlm": (
+                    ("vocab_transform", "cls.predictions.transform.dense"),
+                    ("vocab_layer_norm", "cls.predictions.transform.LayerNorm"),
+                    ("vocab_projector.bias", "cls.predictions.bias"),
+                    ("vocab_projector", "cls.predictions.decoder"),
+                ),
+            },
+            classifier_act="relu",
+            classifier_dropout_first=False,
+            dropouts={"sequence": "seq_classif_dropout", "qa": "qa_dropout"},
+        ),
+        Family(
+            "albert",
+            "Albert",
+            "albert",
+            config_names=(("classifier_dropout_prob", "classifier_dropout"),),
+            config_defaults={
+                "vocab_size": 30000,
+                "embedding_size": 128,
+                "hidden_act": "gelu_new",
+                "hidden_dropout_prob": 0.0,
+                "attention_probs_dropout_prob": 0.0,
+                "classifier_dropout": 0.1,
+                "layer_sharing": "all",
+                "bos_token_id": 2,
+                "eos_token_id": 3,
+            },
+            native_fields=("embedding_size", "num_hidden_groups"),
+            extra_fields=("inner_group_num",),
+            always_project=True,
+            grouped_layers=True,
+            keys=(
+                ("encoder.embedding_hidden_mapping_in", "embeddings.projection"),
+                ("encoder.albert_layer_groups.*.albert_layers.0", "encoder.layer.*"),
+                ("attention.query", "attention.self.query"),
+                ("attention.key", "attention.self.key"),
+                ("attention.value", "attention.self.value"),
+                ("attention.dense", "attention.output.dense"),
+                ("attention.LayerNorm", "attention.output.LayerNorm"),
+                ("ffn", "intermediate.dense"),
+                ("ffn_output", "output.dense"),
+                ("full_layer_layer_norm", "output.LayerNorm"),
+                ("pooler", "pooler.dense"),
+            ),
+            head_keys={
+                "mlm": (
+                    ("predictions.dense", "cls.predictions.transform.dense"),
+                    ("predictions.LayerNorm", "cls.predictions.transform.LayerNorm"),
+                    ("predictions", "cls.predictions"),
+                )
+            },
+        ),
+        Family(
+            "electra",
+            "Electra",
+            "electra",
+            config_defaults={"embedding_size": 128},
+            native_fields=("embedding_size",),
+            pooler=False,
+            keys=(("embeddings_project", "embeddings.projection"),),
+            head_keys={
+                "mlm": (
+                    ("generator_predictions.dense", "cls.predictions.transform.dense"),
+                    ("generator_predictions.LayerNorm", "cls.predictions.transform.LayerNorm"),
+                    ("generator_lm_head.bias", "cls.predictions.bias"),
+                    ("generator_lm_head", "cls.predictions.decoder"),
+                )
+            },
+            classifier_act="gelu",
+            mlm_act="gelu",
+        ),
+    )
+}
+
+
+class UnsupportedModelError(ValueError):
+    """A checkpoint or config of an architecture fastbert does not run."""
+
+
+def family_of(model_type: str) -> Family:
+    """The Family for a config's model_type; UnsupportedModelError naming what is supported otherwise."""
+    family = FAMILIES.get("bert" if model_type == "fastbert" else model_type)
+    if family is None:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported by fastbert; supported: {', '.join(FAMILIES)}"
+        )
+    return family
+
+
+def first_layer_of_group(group: int, layers: int, groups: int) -> int:
+    """The first layer ALBERT's assignment (layer i uses group i * G // L) gives to `group`."""
+    return -(-group * layers // groups)
+
+
+def _renamer(pairs: Pairs, to_hf: bool, number: Callable[[int], int]) -> Callable[[str], str]:
+    """Rename whole dot-separated pieces of a key, longest pattern first, in one left-to-right pass."""
+    sources = sorted(((fb, hf) if to_hf else (hf, fb) for hf, fb in pairs), key=lambda p: -len(p[0]))
+    alternatives = []
+    for i, (src, _) in enumerate(sources):  # group p<i> is pattern i; n<i> its layer number, where it has one
+        alternatives.append(f"(?P<p{i}>" + re.escape(src).replace(r"\*", f"(?P<n{i}>" + r"\d+)") + ")")
+    pattern = re.compile(r"(?<![^.])(?:" + "|".join(alternatives) + r")(?![^.])")
+
+    def replace(match: re.Match) -> str:
+        i = int(match.lastgroup[1:])  # the enclosing p<i> closes last
+        dst = sources[i][1]
+        return dst.replace("*", str(number(int(match.group(f"n{i}"))))) if "*" in dst else dst
+
+    return lambda key: pattern.sub(replace, key)
+
+
+def _layer_number(config: Any, to_hf: bool) -> Callable[[int], int]:
+    """Key layer numbers: kept, or ALBERT's layer i -> its group (saving) and group g -> its first layer (loading)."""
+    if not family_of(config.model_type).grouped_layers:
+        return int
+    if to_hf:
+        return config.group_of_layer
+    return lambda g: first_layer_of_group(g, config.num_hidden_layers, config.num_hidden_groups)
+
+
+def _rename_state(state: Mapping[str, Any], config: Any, head: str, to_hf: bool) -> dict[str, Any]:
+    family = family_of(config.model_type)
+    pairs = ((family.prefix, "bert"), *family.keys, *family.head_keys.get(head, ()))
+    rename = _renamer(pairs, to_hf, _layer_number(config, to_hf))
+    return {rename(k): v for k, v in state.items()}
+
+
+def to_fastbert_keys(state: Mapping[str, Any], config: Any, head: str) -> dict[str, Any]:
+    """A transformers state dict of `config`'s family, head kind `head`, under fastbert's (BERT's) key names."""
+    return _rename_state(state, config, head, to_hf=False)
+
+
+def to_hf_keys(state: Mapping[str, Any], config: Any, head: str) -> dict[str, Any]:
+    """fastbert's keys back to the family's transformers names, for save_pretrained."""
+    return _rename_state(state, config, head, to_hf=True)
