@@ -39,6 +39,7 @@ from fastbert.train import (
     resolve_precision,
     run_eval,
 )
+from fastbert.train import loop as train_loop
 
 
 @dataclass
@@ -59,7 +60,7 @@ class DistillConfig:
     grad_accum: int = 1
     epochs: float = 1.0
     max_steps: int | None = None  # overrides epochs
-    max_minutes: float | None = None  # wall-time budget: the LR schedule is shortened to end inside it
+    max_minutes: float | None = None  # wall-time budget of training and held-out evaluations, the one before included
     lr: float = 1e-4
     warmup_ratio: float = 0.05
     weight_decay: float = 0.01
@@ -199,7 +200,8 @@ def _check(cfg: DistillConfig, teacher: PreTrainedModel, tokenizer: WordPieceTok
     if obj.uses_logits and not has_mlm_head(teacher):
         raise ValueError(
             "objectives kl/mlm/logits_mse need a teacher with an MLM head (BertForMaskedLM or BertForPreTraining); "
-            f"this teacher is a {type(teacher).__name__}"
+            f"this teacher is a {type(teacher).__name__} (a sentence encoder: use Objectives.sentence_embedding(), "
+            "--preset sentence)"
         )
     if cfg.cache_teacher and (obj.masks_inputs or obj.uses_logits or obj.attention):
         raise ValueError(
@@ -319,14 +321,28 @@ def distill(
         if on_step is not None:
             on_step(step, record)
 
+    t_eval = train_loop.clock()
     eval_before = run_eval(module, evaluate, env, cfg.precision)["eval_loss"]  # the initial student: same on resume
+    eval_seconds = train_loop.clock() - t_eval  # inside the budget, and its estimate of one evaluation
     sampler = LengthGroupedBatchSampler(
         [len(r) for r in ids], cfg.batch_size, cfg.seed, rank=env.rank, world_size=env.world_size
     )
     loop = dataclasses.replace(loop, precision=cfg.precision)
     kept = {"projections": module.projections}  # trained, checkpointed, but not part of the saved student
     dataset = range(len(ids))  # corpus indices: make_batch turns a batch of them into tensors
-    result = fit(module, dataset, make_batch, sampler, loop, env, evaluate, "distill", state=kept, on_step=after_step)
+    result = fit(
+        module,
+        dataset,
+        make_batch,
+        sampler,
+        loop,
+        env,
+        evaluate,
+        "distill",
+        state=kept,
+        on_step=after_step,
+        eval_seconds=eval_seconds,
+    )
     if cache is not None:
         cache.flush()
     student_dir = os.path.join(cfg.output_dir, "student")

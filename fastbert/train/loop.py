@@ -31,13 +31,13 @@ class LoopConfig:
     lr: float = 5e-5
     epochs: float = 3.0
     max_steps: int | None = None  # optimizer steps; overrides epochs
-    max_minutes: float | None = None  # wall-time budget: the schedule is shortened to end inside it
+    max_minutes: float | None = None  # wall-time budget, evaluations included: training stops to end inside it
     warmup_ratio: float = 0.1
     weight_decay: float = 0.01
     grad_accum: int = 1
     precision: str = "auto"  # fp32 | bf16 | fp16 | auto: bf16 where it is fast here, else fp32
     max_grad_norm: float = 1.0
-    eval_every: int = 0  # optimizer steps; 0 = only at the end
+    eval_every: int = 0  # optimizer steps, at most a third of the run (MIN_EVALS); 0 = only at the end
     save_every: int = 0  # optimizer steps; 0 = only the final model
     log_every: int = 10
     resume: bool | str = False  # True: the newest checkpoint in output_dir/checkpoints, if any; str: that step-N
@@ -66,6 +66,20 @@ class LoopConfig:
 
 
 Evaluate = Callable[[nn.Module], dict[str, float]]
+MIN_EVALS = 3  # with eval_every set, a run evaluates at least this often (the final evaluation included)
+clock = time.perf_counter  # the loop's wall clock (tests replace it with a fake one)
+
+
+def eval_interval(eval_every: int, total: int) -> int:
+    """Steps between evaluations: `eval_every`, shortened so a run of `total` steps evaluates MIN_EVALS times."""
+    return min(eval_every, max(1, math.ceil(total / MIN_EVALS)))
+
+
+def budget_steps(budget: float, elapsed: float, step: int, train_s: float, eval_s: float, interval: int) -> int:
+    """The last step a budget allows: the steps left (each with its share of periodic evaluations) must fit in the
+    time left after the final evaluation. `train_s`: time spent on the `step` steps so far, evaluations excluded."""
+    per_step = train_s / max(1, step) + (eval_s / interval if interval else 0.0)
+    return step + max(0, int((budget - elapsed - eval_s) / max(per_step, 1e-9)))
 
 
 def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -135,6 +149,7 @@ def fit(
     finish: Callable[[nn.Module], None] | None = None,
     state: dict[str, Any] | None = None,
     on_step: Callable[[int, dict[str, Any]], None] | None = None,
+    eval_seconds: float | None = None,
 ) -> dict[str, Any]:
     """Train `model` (already seeded and built identically on every rank); returns the last metrics and history.
 
@@ -142,8 +157,11 @@ def fit(
     `output_dir/history.json` (loss averaged over ranks with any `.losses` parts, lr, grad norm, eval metrics, elapsed
     seconds per logged step). `state`: more objects with a state_dict that checkpoints hold (e.g. trainable modules
     the saved model leaves out); `on_step(step, record)` runs after every optimizer step ({} if none was logged).
-    Resumes exactly (data order depends only on (seed, epoch), every rank's RNG state is restored); a wall-time budget
-    shortens the LR schedule once the step time is known, so decay still ends at 0.
+    Resumes exactly (data order depends only on (seed, epoch), every rank's RNG state is restored). A wall-time budget
+    covers training and every evaluation, the final one included: from the measured step and evaluation times the loop
+    stops early enough, and from step 10 fits the LR schedule to the steps that fit, so decay still ends at 0.
+    `eval_seconds`: the time of an evaluation the caller ran just before (counted in the budget, and the estimate of
+    one evaluation); with a budget and none given, the loop times one before training (recorded at the start step).
     """
     cfg = _with_precision(cfg, env)
     if cfg.strategy == "fsdp" and env.distributed and cfg.save_every:
@@ -165,25 +183,34 @@ def fit(
     schedule = scheduler.lr_lambdas[0]
     scaler = torch.amp.GradScaler(env.device.type) if cfg.precision == "fp16" else None
     ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
-    step, history, elapsed_before = 0, [], 0.0
+    step, history, elapsed_before, extra = 0, [], 0.0, {}
     stateful = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler, **(state or {})}
     if env.distributed:  # the model is built alike everywhere; from here each rank draws its own masks and dropout
         torch.manual_seed(torch.initial_seed() + env.rank)
     last = resume_checkpoint(cfg)
     if last:
         saved = load_checkpoint(last, wrapped, env.rank, **stateful)
-        step, history = saved["step"], saved["extra"].get("history", [])
-        elapsed_before = saved["extra"].get("elapsed", 0.0)
+        step, extra = saved["step"], saved["extra"]
+        history, elapsed_before = extra.get("history", []), extra.get("elapsed", 0.0)
         if env.is_main:
             print(f"resumed from {last} at step {step}", flush=True)
     micro = step * cfg.grad_accum
     epoch, offset = divmod(micro, batches)
     budget = cfg.max_minutes * 60 if cfg.max_minutes else None
-    start = time.perf_counter() - elapsed_before
-    bar = progress(schedule.total, desc, env.is_main, initial=step)
+    start = clock() - elapsed_before - (0.0 if last else eval_seconds or 0.0)
     metrics: dict[str, float] = {}
+    eval_total = extra.get("eval_total", eval_seconds or 0.0)  # seconds spent evaluating, in the budget's clock
+    if budget and evaluate and eval_seconds is None and "eval_seconds" not in extra:  # its cost is reserved: time one
+        t_eval = clock()
+        metrics = run_eval(wrapped, evaluate, env, cfg.precision)
+        eval_seconds = clock() - t_eval
+        eval_total += eval_seconds
+        history.append({"step": step, **metrics, "elapsed_s": round(clock() - start, 2)})
+    eval_seconds = extra.get("eval_seconds", eval_seconds or 0.0)
+    last_eval = extra.get("last_eval", step)
+    bar = progress(schedule.total, desc, env.is_main, initial=step)
     sums: dict[str, torch.Tensor] = {}  # loss (and its parts) summed over the optimizer steps since the last record
-    seen, tokens, eval_seconds, grad_norm = 0, 0, 0.0, None
+    seen, tokens, grad_norm = 0, 0, None
     wrapped.train()
     while step < schedule.total:
         sampler.set_epoch(epoch, offset)
@@ -221,7 +248,8 @@ def fit(
             step, seen = step + 1, seen + 1
             bar.update(1)
             record: dict[str, Any] = {}
-            evaluating = evaluate and cfg.eval_every and step % cfg.eval_every == 0 and step < schedule.total
+            interval = eval_interval(cfg.eval_every, schedule.total) if evaluate and cfg.eval_every else 0
+            evaluating = interval and step - last_eval >= interval and step < schedule.total
             if step % cfg.log_every == 0 or step == schedule.total or evaluating:
                 means = torch.stack(list(sums.values())) / seen  # on env.device: NCCL reduces no CPU tensor
                 if env.distributed:  # the loss over all ranks' batches, not rank 0's alone
@@ -234,18 +262,23 @@ def fit(
                     record["grad_norm"] = float(grad_norm)
                 sums, seen = {}, 0
                 if evaluating:
-                    t_eval = time.perf_counter()
+                    t_eval = clock()
                     metrics = run_eval(wrapped, evaluate, env, cfg.precision)
-                    eval_seconds = time.perf_counter() - t_eval
+                    eval_seconds = clock() - t_eval
+                    eval_total, last_eval = eval_total + eval_seconds, step
                     record.update(metrics)
-                record["elapsed_s"] = round(time.perf_counter() - start, 2)
+                record["elapsed_s"] = round(clock() - start, 2)
                 history.append(record)
-                tok_s = tokens / max(1e-9, time.perf_counter() - start - elapsed_before)  # this process's, this session
+                tok_s = tokens / max(1e-9, clock() - start - elapsed_before)  # this process's, this session
                 scores = {k: f"{v:.4g}" for k, v in metrics.items()}
                 bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{tok_s:.0f}", **scores)
-            if budget and step >= 10:  # fit the schedule into the budget from the step time so far
-                per_step = (time.perf_counter() - start) / step
-                fit_steps = max(step, min(total, int((budget - eval_seconds) / per_step)))  # may grow back
+            if budget:  # stop where the budget ends, the final evaluation included; from step 10 fit the schedule
+                elapsed = clock() - start
+                eval_s = eval_seconds if evaluate else 0.0
+                allowed = budget_steps(budget, elapsed, step, elapsed - eval_total, eval_s, interval)
+                fit_steps = max(step, min(total, allowed)) if step >= 10 else min(schedule.total, max(step, allowed))
+                if step < 10 and allowed > step:  # too few steps to fit a schedule to: only stop if it must
+                    fit_steps = schedule.total
                 total_now = torch.tensor(fit_steps, device=env.device)
                 if env.distributed:  # every rank must stop at the same step: rank 0 decides
                     torch.distributed.broadcast(total_now, src=0)
@@ -253,7 +286,8 @@ def fit(
                 schedule.warmup = min(schedule.warmup, max(1, int(cfg.warmup_ratio * schedule.total)))
                 bar.total = schedule.total
             if cfg.save_every and step % cfg.save_every == 0 and step < schedule.total:
-                extra = {"history": history, "elapsed": time.perf_counter() - start}
+                timing = {"eval_total": eval_total, "eval_seconds": eval_seconds, "last_eval": last_eval}
+                extra = {"history": history, "elapsed": clock() - start, **timing}
                 rng = gather_rng_states(env)
                 if env.is_main:
                     save_resumable(ckpt_dir, step, wrapped, extra, rng, cfg.keep_checkpoints, stateful)
@@ -267,7 +301,7 @@ def fit(
     bar.close()
     if evaluate:
         metrics = run_eval(wrapped, evaluate, env, cfg.precision)
-        elapsed = round(time.perf_counter() - start, 2)
+        elapsed = round(clock() - start, 2)
         history.append({"step": step, "epoch": round(micro / batches, 3), **metrics, "elapsed_s": elapsed})
     final = os.path.join(cfg.output_dir, cfg.final_dir)
     try:
@@ -276,7 +310,7 @@ def fit(
         last = latest_checkpoint(ckpt_dir)
         kept = f"the last good checkpoint is {last}" if last else "no resumable checkpoint was written (--save-every)"
         raise OSError(f"the trained model could not be written to {final} ({exc}); {kept}") from exc
-    result = {"step": step, "metrics": metrics, "history": history, "train_seconds": time.perf_counter() - start}
+    result = {"step": step, "metrics": metrics, "history": history, "train_seconds": clock() - start}
     if env.is_main:
         with open(os.path.join(cfg.output_dir, "history.json"), "w", encoding="utf-8") as f:
             json.dump({"config": {k: v for k, v in asdict(cfg).items() if k != "history"}, **result}, f, indent=1)
