@@ -342,3 +342,20 @@ def test_export_onnx_command_picks_the_family_class(tmp_path, capsys) -> None:
     assert session.model_class == "ElectraForTokenClassification" and session.config.model_type == "electra"
     assert main(["export-onnx", str(tmp_path / "ckpt"), str(tmp_path / "c.onnx"), "--head", "BertForMultipleChoice"])
     assert "Electra has no ForMultipleChoice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model_type", list(CONFIGS))
+def test_every_family_quantizes_to_int8(model_type: str) -> None:
+    from fastbert.backends import int8
+
+    if int8.unavailable_reason() is not None:
+        pytest.skip(int8.unavailable_reason())
+    hf = hf_model(model_type)
+    fast = fastbert.optimize(hf, quantize="int8")
+    ids, mask = batch(hf.config, rows=3)
+    with torch.no_grad(), fastbert.ops.use_backend("int8"):  # every GEMM int8, whatever this CPU's timings say
+        out = fast(ids, attention_mask=mask).last_hidden_state
+    ref = hf(ids, attention_mask=mask).last_hidden_state
+    valid = mask.bool()
+    cos = torch.nn.functional.cosine_similarity(out[valid], ref[valid], dim=-1)
+    assert cos.min().item() > 0.99 and not torch.allclose(out[valid], ref[valid], atol=ATOL)  # int8 ran, stayed close
