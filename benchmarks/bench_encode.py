@@ -90,22 +90,6 @@ def st_embedder(st_model) -> Embedder:
     return lambda sentences: st_model.encode(sentences, batch_size=BATCH, convert_to_tensor=True)
 
 
-def ort_session(path: str):
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = torch.get_num_threads()
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # no spinning between interleaved rows
-    session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-    names = {i.name for i in session.get_inputs()}
-
-    def run(ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
-        feed = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "token_type_ids": types.numpy()}
-        return torch.from_numpy(session.run(None, {k: v for k, v in feed.items() if k in names})[0])
-
-    return run
-
-
 def openvino_runner(path: str):
     import openvino as ov
 
@@ -141,18 +125,12 @@ def build(name: str, st_model, workdir: str) -> Embedder:
         return st_embedder(model)
     if name == "onnxruntime fp32 (fastbert export)":
         return sorted_batches(st_model, session_runner(BertModel.from_hf(st_model[0].model).eval()))
-    if not os.path.exists(plain):
-        onnxruntime_runner(st_model[0].model, workdir)  # writes the plain export
     if name == "onnxruntime fp32 (plain export)":
-        return sorted_batches(st_model, ort_session(plain))
+        return sorted_batches(st_model, onnxruntime_runner(st_model[0].model, workdir))
     if name == "onnxruntime dynamic int8":
-        from onnxruntime.quantization import QuantType, quantize_dynamic
-
-        quantized = os.path.join(workdir, "transformers_bert_int8.onnx")
-        if not os.path.exists(quantized):
-            quantize_dynamic(plain, quantized, weight_type=QuantType.QInt8)
-        return sorted_batches(st_model, ort_session(quantized))
+        return sorted_batches(st_model, onnxruntime_runner(st_model[0].model, workdir, quantize=True))
     if name == "OpenVINO fp32":
+        onnxruntime_runner(st_model[0].model, workdir)  # writes the plain export OpenVINO reads
         return sorted_batches(st_model, openvino_runner(plain))
     raise ValueError(f"unknown system {name!r}")
 

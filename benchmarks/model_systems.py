@@ -2,7 +2,8 @@
 last hidden state `[B, S, H]` (padded, any dtype), on the same inputs.
 
 transformers (eager, sdpa, torch.compile of sdpa), onnxruntime on transformers' own export, and fastbert (plain, and
-with CUDA graphs on a GPU). Low precision is what a user would run: on CPU transformers under autocast (its supported
+with CUDA graphs on a GPU); on CPU, the dynamic int8 paths in the fp32 table: fastbert int8, onnxruntime int8 and
+torch dynamic int8. Low precision is what a user would run: on CPU transformers under autocast (its supported
 CPU recipe) and fastbert with weights in that dtype; on GPU every model cast to that dtype.
 
 Extra rows: a module listed in `EXTRA_SYSTEMS` that imports cleanly joins the suite. It defines `NAME` (the row's
@@ -29,6 +30,7 @@ from fastbert.ops import exclude_backends
 
 Runner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 EXTRA_SYSTEMS = ("benchmarks.onnx_row",)  # fastbert.onnx.Session, provided by the ONNX work
+INT8_SYSTEMS = ("fastbert int8", "onnxruntime int8", "torch dynamic int8")  # CPU rows of the fp32 table
 
 
 @dataclass
@@ -78,10 +80,13 @@ def fastbert_runner(
     graphs: bool = False,
     autocast: bool = False,
     exclude: tuple[str, ...] = (),
+    quantize: str | None = None,
 ) -> Runner:
     """fastbert converted from the same weights, cast to `dtype` (or fp32 weights under autocast to `dtype`);
-    `exclude` leaves backends out of the dispatch (the native row's counterpart)."""
-    model = fastbert.optimize(hf, dtype=None if autocast else dtype, device=device, cuda_graphs=graphs)
+    `exclude` leaves backends out of the dispatch (the native row's counterpart); `quantize="int8"` its int8 row."""
+    model = fastbert.optimize(
+        hf, dtype=None if autocast else dtype, device=device, cuda_graphs=graphs, quantize=quantize
+    )
 
     def run(ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
         with _autocast(device, dtype) if autocast else contextlib.nullcontext(), exclude_backends(*exclude):
@@ -99,26 +104,35 @@ class _LastHidden(nn.Module):
         return self.model(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
 
 
-def onnxruntime_runner(hf: nn.Module, workdir: str) -> Runner:
-    """transformers' eager model exported with torch.onnx (dynamic batch and length), run by onnxruntime on CPU."""
+def onnxruntime_runner(hf: nn.Module, workdir: str, quantize: bool = False) -> Runner:
+    """transformers' eager model exported with torch.onnx (dynamic batch and length), run by onnxruntime on CPU;
+    `quantize`: that graph through onnxruntime's dynamic int8 quantisation (QInt8 weights), as CPU users do."""
     import onnxruntime as ort
 
-    wrapper = _LastHidden(transformers_model(hf, "eager", torch.device("cpu"))).eval()
-    names = ["input_ids", "attention_mask", "token_type_ids"]
-    example = (torch.ones(2, 8, dtype=torch.long),) * 3
     path = os.path.join(workdir, "transformers_bert.onnx")
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            wrapper,
-            example,
-            path,
-            input_names=names,
-            output_names=["last_hidden_state"],
-            dynamic_axes={n: {0: "batch", 1: "seq"} for n in [*names, "last_hidden_state"]},
-            opset_version=17,
-            dynamo=False,
-        )
+    if not os.path.exists(path):
+        wrapper = _LastHidden(transformers_model(hf, "eager", torch.device("cpu"))).eval()
+        names = ["input_ids", "attention_mask", "token_type_ids"]
+        example = (torch.ones(2, 8, dtype=torch.long),) * 3
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(
+                wrapper,
+                example,
+                path,
+                input_names=names,
+                output_names=["last_hidden_state"],
+                dynamic_axes={n: {0: "batch", 1: "seq"} for n in [*names, "last_hidden_state"]},
+                opset_version=17,
+                dynamo=False,
+            )
+    if quantize:
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        quantized = os.path.join(workdir, "transformers_bert_int8.onnx")
+        if not os.path.exists(quantized):
+            quantize_dynamic(path, quantized, weight_type=QuantType.QInt8)
+        path = quantized
     options = ort.SessionOptions()
     options.intra_op_num_threads = torch.get_num_threads()
     # no spinning: idle pool threads would steal the CPU from the systems timed next in the interleaved rounds
@@ -130,6 +144,15 @@ def onnxruntime_runner(hf: nn.Module, workdir: str) -> Runner:
         return torch.from_numpy(session.run(None, feed)[0])
 
     return run
+
+
+def torch_dynamic_int8_runner(hf: nn.Module) -> Runner:
+    """transformers (sdpa) with every nn.Linear through torch.ao.quantization.quantize_dynamic (qint8 weights)."""
+    model = transformers_model(hf, "sdpa", torch.device("cpu"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecated upstream, and still what many CPU users run
+        torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=True)
+    return hf_runner(model, torch.device("cpu"), torch.float32)[0]
 
 
 def failure(exc: BaseException) -> str:
@@ -174,6 +197,14 @@ def _build(name: str, hf: nn.Module, device: torch.device, dtype: torch.dtype, w
         if device.type != "cpu" or dtype != torch.float32:
             return System(name, "-", None, "the pinned onnxruntime build runs fp32 on CPU only")
         return System(name, "fp32", onnxruntime_runner(hf, workdir))
+    if name in INT8_SYSTEMS:
+        if device.type != "cpu" or dtype != torch.float32:
+            return System(name, "-", None, "int8 rows are CPU rows of the fp32 table (dynamic int8 of the fp32 model)")
+        if name == "fastbert int8":
+            return System(name, "int8", fastbert_runner(hf, device, dtype, quantize="int8"))
+        if name == "onnxruntime int8":
+            return System(name, "int8", onnxruntime_runner(hf, workdir, quantize=True))
+        return System(name, "int8", torch_dynamic_int8_runner(hf))
     if name == "fastbert":
         return System(name, "weights" if dtype != torch.float32 else "fp32", fastbert_runner(hf, device, dtype))
     if name == "fastbert without native":

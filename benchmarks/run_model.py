@@ -38,6 +38,9 @@ CPU_SYSTEMS = (
     "fastbert",
     "fastbert without native",
     "fastbert autocast",
+    "fastbert int8",
+    "onnxruntime int8",
+    "torch dynamic int8",
 )
 GPU_SYSTEMS = (
     "transformers eager",
