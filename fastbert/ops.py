@@ -87,27 +87,25 @@ def use_backend(name: str | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def exclude_backends(*names: str) -> Iterator[None]:
+def _extended(attribute: str, names: tuple[str, ...]) -> Iterator[None]:
+    """Add backend names to one of this thread's dispatch sets inside a block."""
+    names = tuple(canonical(n) for n in names)
+    previous = getattr(_state, attribute, frozenset())
+    setattr(_state, attribute, previous | frozenset(names))
+    try:
+        yield
+    finally:
+        setattr(_state, attribute, previous)
+
+
+def exclude_backends(*names: str) -> contextlib.AbstractContextManager:
     """Leave these backends out of the automatic choice inside a block (to measure a path with and without one)."""
-    names = tuple(canonical(n) for n in names)
-    previous = getattr(_state, "excluded", frozenset())
-    _state.excluded = previous | frozenset(names)
-    try:
-        yield
-    finally:
-        _state.excluded = previous
+    return _extended("excluded", names)
 
 
-@contextlib.contextmanager
-def opt_in(*names: str) -> Iterator[None]:
+def opt_in(*names: str) -> contextlib.AbstractContextManager:
     """Let automatic dispatch use these opt-in backends inside a block (a model quantized to int8 runs in one)."""
-    names = tuple(canonical(n) for n in names)
-    previous = getattr(_state, "opted_in", frozenset())
-    _state.opted_in = previous | frozenset(names)
-    try:
-        yield
-    finally:
-        _state.opted_in = previous
+    return _extended("opted_in", names)
 
 
 def _first_tensor(args: tuple) -> torch.Tensor:
