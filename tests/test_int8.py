@@ -39,11 +39,12 @@ def ext(request: pytest.FixtureRequest):  # the extension with one ISA's kernels
 def reference(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str | None = None, ln: tuple | None = None
 ) -> torch.Tensor:
-    """The quantised arithmetic in fp64: the same integers (quantize_rows / quantize_weight), exact products and sums,
-    then dequantisation, bias and the epilogue (residual + LayerNorm when `ln` = (residual, weight, bias, eps))."""
-    q = int8.quantize_weight(weight)
+    """The quantised arithmetic in fp64: the same integers (quantize_rows, for activations and weight channels), exact
+    products and sums, then dequantisation, bias and the epilogue (residual + LayerNorm when `ln` = (residual, weight,
+    bias, eps))."""
+    qw, sw = int8.quantize_rows(weight)
     qx, sx = int8.quantize_rows(x)
-    out = (qx.double() @ q.values.double().T) * sx.double() * q.scale.double()
+    out = (qx.double() @ qw.double().T) * sx.double() * sw.double().T
     if bias is not None:
         out = out + bias.double()
     if ln is not None:
@@ -93,10 +94,13 @@ def test_strided_rows_and_no_bias(ext) -> None:
 
 def test_weight_quantisation_is_per_channel_and_symmetric() -> None:
     w = torch.tensor([[0.5, -1.0, 0.25], [0.0, 0.0, 0.0], [3.0, 1.5, -3.0]])
+    values, _ = int8.quantize_rows(w)
     q = int8.quantize_weight(w)
-    assert q.values.abs().max().item() == int8.LEVELS
-    assert q.values[1].eq(0).all() and q.scale[1].item() == 0  # an all-zero channel stays zero
-    torch.testing.assert_close(q.values.float() * q.scale[:, None], w, atol=q.scale.max().item() / 2, rtol=0)
+    assert values.abs().max().item() == int8.LEVELS
+    assert values[1].eq(0).all() and q.scale[1].item() == 0  # an all-zero channel stays zero
+    torch.testing.assert_close(values * q.scale[:, None], w, atol=q.scale.max().item() / 2, rtol=0)
+    unpacked = q.packed.permute(0, 2, 1, 3).reshape(-1, q.packed.shape[1] * 2)[: w.shape[0], : w.shape[1]]
+    assert torch.equal(unpacked.float(), values)  # the kernel's layout holds exactly these integers
 
 
 def test_bad_kernel_arguments_raise() -> None:

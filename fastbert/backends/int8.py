@@ -29,11 +29,10 @@ _TIE_MARGIN = 1.0  # int8 changes the numbers: it must be faster outright to be 
 
 
 class QuantizedWeight(NamedTuple):
-    """A weight quantised per output channel: `packed` in the kernel's layout, `scale` [N], `values` [N, K]."""
+    """A weight quantised per output channel, as the kernel reads it (the integers: `quantize_rows(weight)`)."""
 
     packed: torch.Tensor  # [ceil(N / 32) * 2, ceil(K / 2), 16, 2] int16 holding int8 values
     scale: torch.Tensor  # [N] fp32: w ~ values * scale[:, None]
-    values: torch.Tensor  # [N, K] int8 values (as int16), for references and ONNX export
 
 
 _weights = WeightCache()  # (weight) -> QuantizedWeight
@@ -54,22 +53,20 @@ def unavailable_reason() -> str | None:
 
 
 def quantize_weight(weight: torch.Tensor) -> QuantizedWeight:
-    """Symmetric per-output-channel int8 of an [N, K] weight, packed for the kernel (computed in fp32)."""
-    w = weight.detach().float()
-    n, k = w.shape
-    amax = w.abs().amax(dim=1)
-    scale = amax / LEVELS
-    inv = torch.where(amax > 0, torch.full_like(amax, LEVELS) / amax, torch.zeros_like(amax))
-    values = torch.round(w * inv[:, None]).to(torch.int16)
-    padded = values.new_zeros(-(-n // PANEL_COLUMNS) * PANEL_COLUMNS, k + k % 2)
-    padded[:n, :k] = values
+    """Symmetric per-output-channel int8 of an [N, K] weight (an output channel is a row: `quantize_rows`), packed for
+    the kernel. Only the pack and the scales are kept: the integers are needed by references, not at run time."""
+    values, scale = quantize_rows(weight.detach().float())
+    n, k = values.shape
+    padded = torch.zeros(-(-n // PANEL_COLUMNS) * PANEL_COLUMNS, k + k % 2, dtype=torch.int16)
+    padded[:n, :k] = values.to(torch.int16)
     packed = padded.view(padded.shape[0] // 16, 16, padded.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()
-    return QuantizedWeight(packed, scale.contiguous(), values)
+    return QuantizedWeight(packed, scale[:, 0].contiguous())
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row symmetric int8 of [M, K] fp32 rows: (values [M, K] as fp32 integers, scale [M, 1]). The same fp32
-    operations as the kernel (a true division for 127 / max|x|, round half to even), so both give the same integers."""
+    operations as the kernel's activation quantisation (a true division for 127 / max|x|, round half to even), so both
+    give the same integers; weights are quantised by the same rule, per output channel."""
     amax = x.abs().amax(dim=-1, keepdim=True)
     inv = torch.where(amax > 0, torch.full_like(amax, LEVELS) / amax, torch.zeros_like(amax))
     return torch.round(x * inv), amax / LEVELS
@@ -137,10 +134,9 @@ def _verdict(op: str, call: dict) -> tuple[bool, str]:
     rows = x.numel() // x.shape[-1]
     key = (*weight.shape, call.get("act"), op == "dense_residual_layernorm", timing.size_class(rows))
     if key not in _verdicts:
-        args = {k: v for k, v in call.items()}
         mine = linear if op == "linear" else dense_residual_layernorm
         with torch.no_grad():
-            fast, plain = timing.best_times(lambda: mine(**args), lambda: fallback[op](**args))
+            fast, plain = timing.best_times(lambda: mine(**call), lambda: fallback[op](**call))
         wins = fast * _TIE_MARGIN < plain
         shape = f"[{rows}, {weight.shape[1]}] x [{weight.shape[1]}, {weight.shape[0]}]"
         epilogue = " + residual + LayerNorm" if key[3] else (f" + {key[2]}" if key[2] else "")
