@@ -54,7 +54,8 @@ $(CUDA_CHECK)/bind.o: csrc/cuda/bind.cpp csrc/cuda/launch.h csrc/bind_utils.h $(
 # to AVX2, the native kernels' AVX2 build. `make test` runs the CPU-dependent tests this way too, every time.
 AVX2_ENV   := FASTBERT_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
 AVX2_TESTS := tests/test_capabilities.py tests/test_fastpath.py tests/test_precision.py tests/test_native.py \
-              tests/test_bench_model.py tests/test_model_equivalence.py tests/test_kernel_dispatch.py tests/test_int8.py
+              tests/test_bench_model.py tests/test_model_equivalence.py tests/test_kernel_dispatch.py tests/test_int8.py \
+              tests/test_gemm.py
 
 test: venv lint native cuda-check
 	$(PY) -m pytest -q tests benchmarks --benchmark-disable

@@ -13,7 +13,9 @@ inline void check_device(const at::Tensor& t, const at::Device& device, const ch
 
 // A [rows, n] view whose last dim is contiguous (a copy only when no such view exists).
 inline at::Tensor as_rows(const at::Tensor& x, int64_t n) {
-  at::Tensor v = x.reshape({-1, n});
+  // rows = the leading dims' product, spelled out when n == 0 (reshape cannot infer -1 from zero elements)
+  const int64_t rows = n > 0 ? -1 : c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);
+  at::Tensor v = x.reshape({rows, n});
   return (v.stride(1) == 1 || n == 1) ? v : v.contiguous();
 }
 

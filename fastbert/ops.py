@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from fastbert import capabilities, reference
-from fastbert.backends import int8, native, onednn
+from fastbert.backends import gemm, int8, native, onednn
 from fastbert.backends import triton as triton_backend
 from fastbert.backends.spec import COMPOUND_OPS, FLOATS, KERNEL_OPS, OPS, Backend, BackendUnavailable
 
@@ -322,20 +322,22 @@ TORCH = Backend(
     impls={"linear": _torch_linear, "dense_residual_layernorm": _composed_dense_residual_layernorm},
 )
 _BACKENDS: dict[str, Backend] = {
-    b.name: b for b in (triton_backend.SPEC, native.SPEC, int8.SPEC, onednn.SPEC, TORCH)
+    b.name: b for b in (triton_backend.SPEC, native.SPEC, int8.SPEC, gemm.SPEC, onednn.SPEC, TORCH)
 }
-_AUTO_ORDER = ("triton", "native", "int8", "onednn", "torch")
+_AUTO_ORDER = ("triton", "native", "int8", "gemm", "onednn", "torch")
 onednn.fallback_bias_act = bias_act  # what oneDNN's first-use timing compares itself with
 
 
-def _without_int8(op: str) -> Callable[..., torch.Tensor]:
-    """The op as it would dispatch with the int8 backend left out: what int8's first-use timing compares with."""
+def _without(backend: str, op: str) -> Callable[..., torch.Tensor]:
+    """The op as it would dispatch with `backend` left out: what a backend that chooses by first-use timing (int8,
+    gemm) compares itself with."""
 
     def run(**call: Any) -> torch.Tensor:  # the call by name, in parameter order (as select builds it)
-        with exclude_backends("int8"):
+        with exclude_backends(backend):
             return _dispatch(op, *call.values())
 
     return run
 
 
-int8.fallback.update({op: _without_int8(op) for op in int8.SPEC.ops})
+for _measured in (int8, gemm):
+    _measured.fallback.update({op: _without(_measured.SPEC.name, op) for op in _measured.SPEC.ops})

@@ -45,7 +45,7 @@ def max_err(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None) 
     return (a.double() - b.double()).abs().max().item()
 
 
-@pytest.mark.parametrize("gemm", ["onednn", "torch"])
+@pytest.mark.parametrize("gemm", ["gemm", "onednn", "torch"])
 def test_unpadded_padded_and_transformers_agree(gemm: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Packed output == padded output at valid rows == transformers; padded rows are zeros; the padded row is finite."""
     monkeypatch.setenv("FASTBERT_CPU_GEMM", gemm)
@@ -240,7 +240,7 @@ def test_cuda_graph_bucket_layout_computes_the_same_encoder(lengths: list[int]) 
     assert max_err(static[: packing.total], direct) <= ATOL
 
 
-@pytest.mark.parametrize("gemm", ["onednn", "torch"])
+@pytest.mark.parametrize("gemm", ["gemm", "onednn", "torch"])
 def test_every_row_padded(gemm: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Zero real tokens: zeros at every position, a finite pooler output, and transformers' pooler on those zeros."""
     monkeypatch.setenv("FASTBERT_CPU_GEMM", gemm)

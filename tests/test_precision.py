@@ -46,7 +46,7 @@ def run(model: torch.nn.Module, autocast: torch.dtype | None = None) -> torch.Te
         return model(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
 
 
-@pytest.mark.parametrize("gemm", ["onednn", "torch"])
+@pytest.mark.parametrize("gemm", ["gemm", "onednn", "torch"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_weights_error_within_twice_transformers(
     dtype: torch.dtype, gemm: str, monkeypatch: pytest.MonkeyPatch
@@ -61,7 +61,7 @@ def test_low_precision_weights_error_within_twice_transformers(
     assert error(ours, reference_fp64, mask) <= 2 * error(theirs, reference_fp64, mask) + FLOOR[dtype]
 
 
-@pytest.mark.parametrize("gemm", ["onednn", "torch"])
+@pytest.mark.parametrize("gemm", ["gemm", "onednn", "torch"])
 def test_autocast_matches_transformers_autocast_and_keeps_fp32_residual_stream(
     gemm: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

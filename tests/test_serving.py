@@ -82,7 +82,7 @@ def test_a_forced_backend_runs_its_ops_and_leaves_the_others_to_the_automatic_ch
 
 
 def test_a_fixed_gemm_choice_repeats_bit_for_bit_across_processes() -> None:
-    """FASTBERT_CPU_GEMM=onednn|torch skips the first-use timing, so every process runs the same GEMMs."""
+    """FASTBERT_CPU_GEMM=gemm|onednn|torch skips the first-use timing, so every process runs the same GEMMs."""
     code = (
         "import torch, fastbert, sys\n"
         "torch.manual_seed(0)\n"
@@ -91,7 +91,7 @@ def test_a_fixed_gemm_choice_repeats_bit_for_bit_across_processes() -> None:
         "with torch.no_grad(): out = m(ids).last_hidden_state\n"
         "sys.stdout.write(out.numpy().tobytes().hex())\n"
     )
-    for choice in ("onednn", "torch"):
+    for choice in ("gemm", "onednn", "torch"):
         env = {**os.environ, "FASTBERT_CPU_GEMM": choice}
         runs = [
             subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout

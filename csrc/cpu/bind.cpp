@@ -236,22 +236,22 @@ at::Tensor attention(const at::Tensor& qkv_in, const at::Tensor& cu_seqlens, int
 }
 
 
-// act(x @ W^T + bias), or LayerNorm(x @ W^T + bias + residual), with W int8 per channel (packed by the int8 backend)
-// and x quantised to int8 per row here: see int8_linear.inc.
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale,
-                       const std::optional<at::Tensor>& bias, const std::optional<std::string>& act,
-                       const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& ln_weight,
-                       const std::optional<at::Tensor>& ln_bias, double eps, const std::optional<at::Tensor>& out_opt) {
+// act(x @ W^T + bias), or LayerNorm(x @ W^T + bias + residual), W packed in panels of 16 columns (linear.inc): the
+// shared checks and arguments of fp32_linear and int8_linear. `k_per_step` is 1 (fp32) or 2 (int8 pairs).
+at::Tensor run_linear(void (*kernel)(const LinearArgs&, int), const at::Tensor& x, const at::Tensor& packed,
+                      at::ScalarType packed_type, int64_t k_per_step, int64_t n, const float* w_scale,
+                      const std::optional<at::Tensor>& bias, const std::optional<std::string>& act,
+                      const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& ln_weight,
+                      const std::optional<at::Tensor>& ln_bias, double eps, const std::optional<at::Tensor>& out_opt) {
   check_device(x, kCpu, "x");
   check_device(packed, kCpu, "packed");
-  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, "int8_linear takes float32 x, got ", x.scalar_type());
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, "x must be float32, got ", x.scalar_type());
   TORCH_CHECK_VALUE(x.dim() >= 1, "x must be [*, K], got a scalar");
-  const int64_t k = x.size(-1), n = w_scale.numel();
-  const int64_t expected = (n + 31) / 32 * 32 * ((k + 1) / 2) * 2;
-  TORCH_CHECK_VALUE(packed.scalar_type() == at::kShort && packed.is_contiguous() && packed.numel() == expected,
-                    "packed must be the int16 pack of an [", n, ", ", k, "] weight (", expected, " elements), got ",
-                    packed.scalar_type(), " with ", packed.numel());
-  at::Tensor ws = params(w_scale, n, kCpu, "w_scale");
+  const int64_t k = x.size(-1);
+  const int64_t expected = (n + 31) / 32 * 32 * ((k + k_per_step - 1) / k_per_step) * k_per_step;
+  TORCH_CHECK_VALUE(packed.scalar_type() == packed_type && packed.is_contiguous() && packed.numel() == expected,
+                    "packed must be the ", c10::toString(packed_type), " pack of an [", n, ", ", k, "] weight (",
+                    expected, " elements), got ", packed.scalar_type(), " with ", packed.numel());
   at::Tensor b = bias ? params(*bias, n, kCpu, "bias") : at::Tensor();
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = n;
@@ -270,12 +270,11 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   at::Tensor out = output(out_opt, shape, x);
   const int64_t m = rows.size(0);
   if (out.numel() == 0) return out;
-  if (k == 0) return out.zero_().add_(b.defined() ? b : at::zeros({n}, x.options()));  // an empty sum
-  Int8LinearArgs a{};
+  LinearArgs a{};
   a.x = rows.data_ptr<float>();
   a.x_stride = rows.stride(0);
-  a.weight = packed.data_ptr<int16_t>();
-  a.w_scale = ws.data_ptr<float>();
+  a.weight = packed.data_ptr();
+  a.w_scale = w_scale;
   a.bias = b.defined() ? b.data_ptr<float>() : nullptr;
   a.has_act = act.has_value();
   a.act = act ? Act(act_code(*act)) : Act::gelu;
@@ -288,8 +287,29 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   a.n = n;
   a.k = k;
   const int64_t macs = m * n * k;  // compute-bound: a thread per ~256k multiply-adds at least
-  kernels().int8_linear(a, int(std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, macs >> 18))));
+  kernel(a, int(std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, macs >> 18))));
   return out;
+}
+
+// fp32 x, fp32 W packed by fastbert.backends.gemm: see linear.inc.
+at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::optional<at::Tensor>& bias,
+                       const std::optional<std::string>& act, const std::optional<at::Tensor>& residual,
+                       const std::optional<at::Tensor>& ln_weight, const std::optional<at::Tensor>& ln_bias,
+                       double eps, const std::optional<at::Tensor>& out) {
+  TORCH_CHECK_VALUE(n >= 0, "n must be >= 0, got ", n);
+  return run_linear(kernels().fp32_linear, x, packed, at::kFloat, 1, n, nullptr, bias, act, residual, ln_weight,
+                    ln_bias, eps, out);
+}
+
+// W int8 per channel (packed by fastbert.backends.int8), x quantised to int8 per row here: see linear.inc.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale,
+                       const std::optional<at::Tensor>& bias, const std::optional<std::string>& act,
+                       const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& ln_weight,
+                       const std::optional<at::Tensor>& ln_bias, double eps, const std::optional<at::Tensor>& out) {
+  const int64_t n = w_scale.numel();
+  at::Tensor ws = params(w_scale, n, kCpu, "w_scale");
+  return run_linear(kernels().int8_linear, x, packed, at::kShort, 2, n, ws.data_ptr<float>(), bias, act, residual,
+                    ln_weight, ln_bias, eps, out);
 }
 
 }  // namespace
@@ -313,6 +333,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear,
         "act(x @ W^T + bias) or LayerNorm(x @ W^T + bias + residual), W int8 per channel, x int8 per row",
         py::arg("x"), py::arg("packed"), py::arg("w_scale"), py::arg("bias") = py::none(), py::arg("act") = py::none(),
+        py::arg("residual") = py::none(), py::arg("ln_weight") = py::none(), py::arg("ln_bias") = py::none(),
+        py::arg("eps") = 1e-12, py::arg("out") = py::none());
+  m.def("fp32_linear", &fp32_linear,
+        "act(x @ W^T + bias) or LayerNorm(x @ W^T + bias + residual), W fp32 packed in panels of 16 columns",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), py::arg("act") = py::none(),
         py::arg("residual") = py::none(), py::arg("ln_weight") = py::none(), py::arg("ln_bias") = py::none(),
         py::arg("eps") = 1e-12, py::arg("out") = py::none());
   m.def("isa", [] { return std::string(kernels().isa); }, "the instruction set of the kernels in use");

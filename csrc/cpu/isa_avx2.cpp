@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -11,6 +12,6 @@
 #include <immintrin.h>
 #pragma GCC target("avx2,fma")
 #define FASTBERT_ISA avx2
-#define FASTBERT_VEC_BITS 256  // int8_linear.inc's integer vectors (0: scalar)
+#define FASTBERT_VEC_BITS 256  // linear.inc's vectors (0: scalar)
 #include "isa_body.inc"
 #endif

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -11,6 +12,6 @@
 #include <immintrin.h>
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,prefer-vector-width=512")
 #define FASTBERT_ISA avx512
-#define FASTBERT_VEC_BITS 512  // int8_linear.inc's integer vectors (0: scalar)
+#define FASTBERT_VEC_BITS 512  // linear.inc's vectors (0: scalar)
 #include "isa_body.inc"
 #endif

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -13,8 +14,8 @@
 #include <immintrin.h>
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,avx2,fma,prefer-vector-width=512")
 #define FASTBERT_ISA avx512bf16
-#define FASTBERT_VEC_BITS 512  // int8_linear.inc's integer vectors (0: scalar)
-#define FASTBERT_VNNI 1        // int8_linear.inc: vpdpwssd, multiply-add-accumulate in one instruction
+#define FASTBERT_VEC_BITS 512  // linear.inc's vectors (0: scalar)
+#define FASTBERT_VNNI 1        // linear.inc: vpdpwssd, multiply-add-accumulate in one instruction
 #define FASTBERT_BF16_PAIRS 1  // attention.inc: bf16 attention on vdpbf16ps (GCC defines no ISA macro for a target pragma)
 #include "isa_body.inc"
 #endif

@@ -3,10 +3,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
 
 #define FASTBERT_ISA generic
-#define FASTBERT_VEC_BITS 0  // int8_linear.inc's integer vectors (0: scalar)
+#define FASTBERT_VEC_BITS 0  // linear.inc's vectors (0: scalar)
 #include "isa_body.inc"

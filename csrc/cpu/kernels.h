@@ -52,11 +52,13 @@ struct AttentionArgs {
   void* out;                  // [T, nH, D] contiguous
 };
 
-struct Int8LinearArgs {
+// out = act(x @ W^T + bias), or LayerNorm(x @ W^T + bias + residual), W packed in panels (linear.inc)
+struct LinearArgs {
   const float* x;             // [M, K] fp32, row stride x_stride
   int64_t x_stride;
-  const int16_t* weight;      // packed int8 values as int16 [ceil(N / 32) * 2][ceil(K / 2)][16][2] (int8_linear.inc)
-  const float* w_scale;       // [N] per output channel
+  const void* weight;         // packed panels: fp32 [ceil(N / 32) * 2][K][16] (fp32_linear), or int8 values as int16
+                              // [ceil(N / 32) * 2][ceil(K / 2)][16][2] (int8_linear)
+  const float* w_scale;       // [N] per output channel (int8_linear only)
   const float* bias;          // [N] or null
   bool has_act;
   Act act;                    // applied when has_act
@@ -74,7 +76,8 @@ struct KernelTable {
   void (*bias_act)(const RowsArgs&, DType, int threads);
   void (*bias_residual_layernorm)(const RowsArgs&, DType, int threads);
   void (*attention)(const AttentionArgs&, DType, int threads);
-  void (*int8_linear)(const Int8LinearArgs&, int threads);
+  void (*fp32_linear)(const LinearArgs&, int threads);
+  void (*int8_linear)(const LinearArgs&, int threads);
 };
 
 const KernelTable& kernels_avx512bf16();

@@ -5,12 +5,12 @@
 weight layout gets close to the roof, and fusing bias + GELU into the GEMM saves a pass over the FFN's [T, 4H]
 activations. Whether it wins is measured on this machine, not assumed: at first use per (dtype, weight shape, size
 class) both paths are timed on the actual input, and the verdict (with its timings) is what the dispatch reports in
-`fastbert.explain()`. `FASTBERT_CPU_GEMM=onednn|torch` skips the measurement. Inference only (the prepacked op has no
-autograd). Under CPU autocast the GEMM runs in the autocast dtype on a cached copy of the weight in that dtype, where
-autocast itself would recast the fp32 weight on every call. Packs are cached per weight tensor and rebuilt when it
-changes (in-place update, new storage) or dies. On a CPU without bf16 dot products (`fastbert.capabilities`), a bf16
-GEMM runs as an fp32 GEMM on a cached fp32 pack of the bf16-rounded weight, rounded once to bf16 on store: the same
-arithmetic at fp32 speed, where oneDNN's bf16 would be emulated or refused.
+`fastbert.explain()`. `FASTBERT_CPU_GEMM=gemm|onednn|torch` skips the measurement (fastbert.backends.gemm).
+Inference only (the prepacked op has no autograd). Under CPU autocast the GEMM runs in the autocast dtype on a cached
+copy of the weight in that dtype, where autocast itself would recast the fp32 weight on every call. Packs are cached
+per weight tensor and rebuilt when it changes (in-place update, new storage) or dies. On a CPU without bf16 dot
+products (`fastbert.capabilities`), a bf16 GEMM runs as an fp32 GEMM on a cached fp32 pack of the bf16-rounded weight,
+rounded once to bf16 on store: the same arithmetic at fp32 speed, where oneDNN's bf16 would be emulated or refused.
 
 `attention`: on a CPU reading `cu_seqlens` costs nothing, so each sequence gets its own unmasked SDPA call (torch's
 flash CPU kernel) straight on the packed tensor: no padded copy, no mask, no work on padding.
@@ -83,7 +83,7 @@ def refuses_linear(
     mode = os.environ.get("FASTBERT_CPU_GEMM", "auto")
     if mode == "torch":
         return "FASTBERT_CPU_GEMM=torch"
-    if mode == "onednn" or forced or x.numel() == 0:
+    if mode in ("gemm", "onednn") or forced or x.numel() == 0:  # gemm: what fastbert's GEMM refuses, oneDNN takes
         return None
     wins, why = _verdict(x, weight, bias, act, dtype)
     return None if wins else why

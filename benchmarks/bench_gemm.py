@@ -1,0 +1,164 @@
+"""The encoder's GEMMs with their epilogues, side by side in one run: fastbert's fp32 kernel (the `gemm` backend),
+oneDNN with a prepacked weight, torch (F.linear, then the epilogue), and fastbert's int8 kernel for scale.
+
+Per layer of a BERT encoder with hidden size H on M tokens: QKV [M, H] x [H, 3H]; attention output [M, H] x [H, H]
++ residual + LayerNorm; FFN in [M, H] x [H, 4H] + GELU; FFN out [M, 4H] x [4H, H] + residual + LayerNorm.
+FLOPs = 2 M N K (the epilogues' few per output are not counted); bytes at least 4 (M K + N K + M N) for fp32 (and
+4 M N more for a residual), so at these sizes every GEMM is compute-bound (>= 40 FLOPs per byte): the roof is the FMA
+peak measured in the same run (`arithmetic_peak`), and GFLOP/s are reported next to it.
+Timing: the systems' calls interleaved for --budget seconds per shape, fastest call kept (bench_native's rule).
+
+    python -m benchmarks.bench_gemm                      # MiniLM (H 384) and BERT-base (H 768) shapes
+    python -m benchmarks.bench_gemm --hidden 384 --rows 64 512 --budget 1
+
+Results: benchmarks/results/gemm_cpu-<cpu kind>.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks import model_report
+from benchmarks.bench_native import cpu_best_seconds
+from benchmarks.plotting import pyplot
+from fastbert import capabilities
+from fastbert.backends import gemm, int8, native, onednn
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+SYSTEMS = ("fastbert gemm", "oneDNN", "torch", "fastbert int8")
+
+
+def layers(hidden: int) -> list[tuple[str, int, int, str | None]]:
+    """(name, K, N, epilogue) of one encoder layer's GEMMs; the epilogue is an activation or "layernorm"."""
+    return [("QKV", hidden, 3 * hidden, None), ("attention out", hidden, hidden, "layernorm"),
+            ("FFN in", hidden, 4 * hidden, "gelu"), ("FFN out", 4 * hidden, hidden, "layernorm")]  # fmt: skip
+
+
+def system_calls(m: int, k: int, n: int, epilogue: str | None) -> dict[str, Callable[[], torch.Tensor]]:
+    """Each system's call for one GEMM + epilogue on the same operands."""
+    g = torch.Generator().manual_seed(m + k + n)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k**0.5, torch.randn(n, generator=g)
+    if epilogue == "layernorm":
+        res, lw, lb = torch.randn(m, n, generator=g), torch.ones(n), torch.zeros(n)
+        ln = (res, lw, lb, 1e-12)
+        return {
+            "fastbert gemm": lambda: gemm.dense_residual_layernorm(x, w, b, *ln),
+            "oneDNN": lambda: onednn.dense_residual_layernorm(x, w, b, *ln),
+            "torch": lambda: F.layer_norm(F.linear(x, w, b) + res, (n,), lw, lb, 1e-12),
+            "fastbert int8": lambda: int8.dense_residual_layernorm(x, w, b, *ln),
+        }
+    act = (lambda t: F.gelu(t)) if epilogue == "gelu" else (lambda t: t)
+    return {
+        "fastbert gemm": lambda: gemm.linear(x, w, b, epilogue),
+        "oneDNN": lambda: onednn.linear(x, w, b, epilogue),
+        "torch": lambda: act(F.linear(x, w, b)),
+        "fastbert int8": lambda: int8.linear(x, w, b, epilogue),
+    }
+
+
+def run(hiddens: list[int], rows: list[int], budget: float) -> dict:
+    cpu, reason = native.load("_native_cpu")
+    if cpu is None:
+        raise SystemExit(f"bench_gemm: fastbert's GEMMs need the native CPU extension ({reason})")
+    peak = cpu.arithmetic_peak("fp32", 0.5)
+    results = []
+    for hidden in hiddens:
+        for m in rows:
+            for name, k, n, epilogue in layers(hidden):
+                calls = system_calls(m, k, n, epilogue)
+                for fn in calls.values():
+                    fn()  # packs, primitives, quantised weights: built before timing
+                best = cpu_best_seconds(calls, budget)
+                flops = 2 * m * n * k
+                gflops = {s: flops / best[s] / 1e9 for s in SYSTEMS}
+                results.append({"hidden": hidden, "layer": name, "m": m, "k": k, "n": n, "epilogue": epilogue,
+                                "gflops": gflops})  # fmt: skip
+                print(f"H {hidden} M {m} {name}: " + ", ".join(f"{s} {v:.0f}" for s, v in gflops.items()), flush=True)
+    return {
+        "device": model_report.device_name(torch.device("cpu")),
+        "cpu_kind": capabilities.cpu_kind(),
+        "threads": torch.get_num_threads(),
+        "versions": model_report.versions(),
+        "commit": model_report.git_commit(),
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "load_average": os.getloadavg(),
+        "fma_peak_gflops": peak / 1e9 if peak else None,
+        "results": results,
+    }
+
+
+def markdown(doc: dict) -> str:
+    peak = doc["fma_peak_gflops"]
+    lines = [
+        "# The encoder's GEMMs with their epilogues (fp32; int8 for scale)",
+        "",
+        f"{doc['device']}, CPU kind {doc['cpu_kind']}, {doc['threads']} threads; commit {doc['commit']}; "
+        f"{doc['date_utc']}; load average {', '.join(f'{x:.2f}' for x in doc['load_average'])}; FMA peak "
+        + (f"{peak:.0f} GFLOP/s" if peak else "n/a"),
+        "",
+        "GFLOP/s (2 M N K per second; int8: multiply-adds x 2), and fastbert gemm's share of the FMA peak.",
+        "",
+        "| H | M | layer | " + " | ".join(SYSTEMS) + " | gemm / oneDNN | gemm / torch | gemm % of peak |",
+        "|---:|---:|---|" + "---:|" * (len(SYSTEMS) + 3),
+    ]
+    for r in doc["results"]:
+        g = r["gflops"]
+        share = f"{100 * g['fastbert gemm'] / peak:.0f}%" if peak else "n/a"
+        lines.append(f"| {r['hidden']} | {r['m']} | {r['layer']} | " + " | ".join(f"{g[s]:.0f}" for s in SYSTEMS)
+                     + f" | {g['fastbert gemm'] / g['oneDNN']:.2f}x | {g['fastbert gemm'] / g['torch']:.2f}x | "
+                     f"{share} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def plot(doc: dict, path: str) -> bool:
+    plt = pyplot()
+    if plt is None:
+        return False
+    rows = doc["results"]
+    fig, ax = plt.subplots(figsize=(max(8, 0.55 * len(rows) + 2), 4.5))
+    width = 0.8 / len(SYSTEMS)
+    for i, system in enumerate(SYSTEMS):
+        ax.bar([j + i * width for j in range(len(rows))], [r["gflops"][system] for r in rows], width, label=system)
+    if doc["fma_peak_gflops"]:
+        ax.axhline(doc["fma_peak_gflops"], color="k", linestyle="--", linewidth=1, label="fp32 FMA peak")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
+    ax.set_xticklabels([f"H{r['hidden']} M{r['m']}\n{r['layer']}" for r in rows], fontsize=7)
+    ax.set_ylabel("GFLOP/s (higher is better)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle(f"Encoder GEMMs with epilogues, {doc['device']} ({doc['cpu_kind']}, {doc['threads']} threads)",
+                 fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_gemm", description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, nargs="+", default=[384, 768], help="hidden sizes (MiniLM, BERT-base)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[64, 512], help="tokens per GEMM (M)")
+    parser.add_argument("--budget", type=float, default=1.5, help="seconds of interleaved calls per shape")
+    parser.add_argument("--out", default=RESULTS, help="directory for gemm_cpu-<kind>.{json,md,png}")
+    args = parser.parse_args(argv)
+    doc = run(args.hidden, args.rows, args.budget)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"gemm_cpu-{doc['cpu_kind']}")
+    with open(stem + ".json", "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
+    with open(stem + ".md", "w", encoding="utf-8") as f:
+        f.write(markdown(doc))
+    plot(doc, stem + ".png")
+    print(markdown(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""The `gemm` backend: fastbert's own fp32 GEMMs on CPU (the native extension's `fp32_linear`), with the epilogues
+fused on each tile while it is in L1: bias + GELU for the FFN's first GEMM, bias + residual + LayerNorm for the output
+projections (csrc/cpu/linear.inc). Weights are packed once into panels of 16 columns and cached until they change.
+
+Why its own kernel: at the encoder's shapes (a few hundred rows of K = 384..3072) torch's MKL GEMM and oneDNN leave
+15-30% of a core's FMA throughput idle, more at small M, and neither fuses LayerNorm; this tile reaches about 85% of
+the FMA peak on AVX2 (`python -m benchmarks.bench_gemm`). Never silently slower: at first use per (weight shape,
+epilogue, size class) it is timed against the path that would run without it (oneDNN or torch, themselves chosen by
+measurement), on the call's own input; explain() lists every verdict. `FASTBERT_CPU_GEMM=gemm|onednn|torch` skips
+the measurement: the first of gemm, oneDNN, torch from the one named that can take a call takes it, so every process
+runs the same GEMMs. The same limits and first-use timing serve the int8 backend, whose kernel shares this one's
+tiling and epilogue.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+
+from fastbert.backends import native, timing
+from fastbert.backends.spec import Backend
+from fastbert.weight_stamp import WeightCache
+
+PANEL = 16  # output columns per packed panel
+PANEL_COLUMNS = 32  # the pack pads N to a multiple of this (the widest tile, AVX-512's 32 columns)
+GEMM_OPS = ("linear", "dense_residual_layernorm")
+_TIE_MARGIN = 1.0  # its epilogues are in both timings: faster outright, or the other path keeps the call
+
+_packs = WeightCache()  # (weight) -> packed fp32 panels
+# (N, K, act, residual + LayerNorm, size class) -> (gemm wins, why)
+_verdicts: dict[tuple, tuple[bool, str]] = {}
+
+# The path a GEMM takes without this backend: the dispatcher puts its own `linear` and `dense_residual_layernorm`
+# here, with this backend excluded, so the first-use timing compares against what would really run.
+fallback: dict[str, Callable[..., torch.Tensor]] = {}
+
+
+def unavailable_reason() -> str | None:
+    """Why fastbert's GEMMs cannot run here, or None: they need the native CPU extension."""
+    cpu, reason = native.load("_native_cpu")
+    if cpu is None:
+        return f"needs the native CPU extension ({reason})"
+    return None if hasattr(cpu, "fp32_linear") else "the native CPU extension predates fp32_linear: rebuild it"
+
+
+def pack_panels(values: torch.Tensor, k_per_step: int) -> torch.Tensor:
+    """An [N, K] weight (fp32, or int8 values as int16) as the kernels read it: [ceil(N / 32) * 2, steps, 16,
+    k_per_step], N zero-padded to 32 and K to a whole step, where a step is one k (fp32) or a k pair (int8)."""
+    n, k = values.shape
+    padded = values.new_zeros(-(-n // PANEL_COLUMNS) * PANEL_COLUMNS, -(-k // k_per_step) * k_per_step)
+    padded[:n, :k] = values
+    steps = padded.shape[1] // k_per_step
+    return padded.view(padded.shape[0] // PANEL, PANEL, steps, k_per_step).permute(0, 2, 1, 3).contiguous()
+
+
+def packed(weight: torch.Tensor) -> torch.Tensor:
+    """The cached fp32 panels of `weight`, rebuilt if the weight changes."""
+    return _packs.get(weight, (), (), lambda: pack_panels(weight.detach().float(), 1))
+
+
+def linear(
+    x: torch.Tensor,  # [*, K] fp32
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+    act: str | None = None,
+) -> torch.Tensor:  # [*, N] fp32
+    """act(x @ weight^T + bias), bias and activation applied on each tile of the GEMM."""
+    cpu, _ = native.load("_native_cpu")
+    return cpu.fp32_linear(x, packed(weight), weight.shape[0], bias, act)
+
+
+def dense_residual_layernorm(
+    x: torch.Tensor,  # [T, K] fp32
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor,  # [N]
+    residual: torch.Tensor,  # [T, N] fp32
+    ln_weight: torch.Tensor,  # [N]
+    ln_bias: torch.Tensor,  # [N]
+    eps: float,
+    dropout_p: float = 0.0,
+    training: bool = False,
+) -> torch.Tensor:  # [T, N]
+    """LayerNorm(x @ weight^T + bias + residual), the epilogue on each block of whole rows while it is in cache."""
+    cpu, _ = native.load("_native_cpu")
+    return cpu.fp32_linear(x, packed(weight), weight.shape[0], bias, None, residual, ln_weight, ln_bias, eps)
+
+
+def refuses_call(call: dict, forced: bool, verdict: Callable[[], tuple[bool, str]]) -> str | None:
+    """The limits of fastbert's GEMM kernels (fp32 and int8): inference on fp32 CPU tensors; then, unless forced by
+    name, the measured `verdict()` for this shape."""
+    x, weight = call["x"], call["weight"]
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in call.values()):
+        return "forward only: inputs require grad"
+    if call.get("training") and call.get("dropout_p", 0.0) > 0:
+        return "no dropout in the GEMM epilogue"
+    if torch.is_autocast_enabled("cpu"):
+        return "under autocast: these GEMMs take and give fp32"
+    if torch.compiler.is_compiling():
+        return "under torch.compile/export tracing"
+    tensors = [t for t in call.values() if isinstance(t, torch.Tensor)]
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+        return "takes fp32 CPU tensors only"
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        return "not an [N, K] weight matching x"
+    if weight.shape[1] == 0:
+        return "K = 0: an empty product, left to torch"
+    if forced or x.numel() == 0:
+        return None
+    wins, why = verdict()
+    return None if wins else why
+
+
+def judge(
+    verdicts: dict[tuple, tuple[bool, str]],
+    op: str,
+    call: dict,
+    mine: Callable[..., torch.Tensor],
+    other: Callable[..., torch.Tensor],
+    names: tuple[str, str],
+    margin: float,
+) -> tuple[bool, str]:
+    """Time `mine` against `other` (the path that runs without it) once per (weight shape, epilogue, size class), on
+    this call's input; the verdict says which ran faster, as explain() shows it. `names`: (mine, other) in words."""
+    x, weight = call["x"], call["weight"]
+    rows = x.numel() // x.shape[-1]
+    key = (*weight.shape, call.get("act"), op == "dense_residual_layernorm", timing.size_class(rows))
+    if key not in verdicts:
+        with torch.no_grad():
+            fast, plain = timing.best_times(lambda: mine(**call), lambda: other(**call))
+        wins = fast * margin < plain
+        shape = f"[{rows}, {weight.shape[1]}] x [{weight.shape[1]}, {weight.shape[0]}]"
+        epilogue = " + residual + LayerNorm" if key[3] else (f" + {key[2]}" if key[2] else "")
+        verdicts[key] = (
+            wins,
+            f"{names[0] if wins else names[1]} for {shape}{epilogue}: {names[0]} {fast * 1e3:.2f} ms vs {names[1]} "
+            f"{plain * 1e3:.2f} ms CPU time",
+        )
+    return verdicts[key]
+
+
+def summary(verdicts: dict[tuple, tuple[bool, str]], what: str, rest: str) -> str | None:
+    """explain()'s paragraph for a backend chosen per GEMM shape by first-use timing; None before any was judged."""
+    if not verdicts:
+        return None
+    chosen = sum(wins for wins, _ in verdicts.values())
+    lines = [why for _, why in verdicts.values()]
+    return f"{what}, timed at first use: {chosen} of {len(lines)} shapes run here ({rest})\n  " + "\n  ".join(lines)
+
+
+def _refuses(op: str, call: dict, forced: bool) -> str | None:
+    mode = os.environ.get("FASTBERT_CPU_GEMM", "auto")
+    if mode in ("onednn", "torch") and not forced:
+        return f"FASTBERT_CPU_GEMM={mode}"
+    mine = linear if op == "linear" else dense_residual_layernorm
+    forced = forced or mode == "gemm"
+    return refuses_call(
+        call, forced, lambda: judge(_verdicts, op, call, mine, fallback[op], ("gemm", "oneDNN/torch"), _TIE_MARGIN)
+    )
+
+
+def verdicts() -> dict[tuple, tuple[bool, str]]:
+    """Every first-use timing so far: (N, K, act, residual + LayerNorm, size class) -> (gemm wins, why)."""
+    return dict(_verdicts)
+
+
+def describe() -> str | None:
+    """Which fp32 GEMM shapes run on fastbert's kernel here and why the others do not, for explain()."""
+    return summary(_verdicts, "fp32 GEMMs on fastbert's kernel", "the rest run on oneDNN or torch, measured faster")
+
+
+SPEC = Backend(
+    "gemm",
+    devices=("cpu",),
+    dtypes=(torch.float32,),
+    module=sys.modules[__name__],
+    ops=GEMM_OPS,
+    limits={op: (lambda call, forced, op=op: _refuses(op, call, forced)) for op in GEMM_OPS},
+)
