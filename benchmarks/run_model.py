@@ -184,9 +184,9 @@ def flops_per_batch(hf: nn.Module, lengths: torch.Tensor) -> float:
 
 
 def measure_peak(device: torch.device, dtype: torch.dtype) -> float:
-    """FLOP/s of a large matmul at `dtype` on this device now: the best of torch.matmul and (CPU) oneDNN prepacked.
-    bf16 on a CPU without bf16 dot products is measured as fastbert runs it (fp32 GEMMs on upcast operands): torch's
-    emulated bf16 matmul would take minutes and set no ceiling anyone should aim at."""
+    """FLOP/s of a large matmul at `dtype` on this device now: the best of torch.matmul and, on CPU, oneDNN prepacked
+    and fastbert's own fp32 GEMM. bf16 on a CPU without bf16 dot products is measured as fastbert runs it (fp32 GEMMs
+    on upcast operands): torch's emulated bf16 matmul would take minutes and set no ceiling anyone should aim at."""
     n = 2048 if device.type == "cpu" else 8192
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
@@ -194,10 +194,12 @@ def measure_peak(device: torch.device, dtype: torch.dtype) -> float:
     if not (dtype == torch.bfloat16 and capabilities.bf16_via_fp32(device)):
         candidates.append(lambda: torch.matmul(a, b))
     if device.type == "cpu":
-        from fastbert.backends import onednn
+        from fastbert.backends import gemm, onednn
 
+        bt = b.t().contiguous()
+        if gemm.unavailable_reason() is None and dtype == torch.float32:
+            candidates.append(lambda: gemm.linear(a, bt))
         if onednn.unavailable_reason() is None and dtype in (torch.float32, torch.bfloat16):
-            bt = b.t().contiguous()
             candidates.append(lambda: onednn.linear(a, bt))
         elif not candidates:  # no oneDNN: the rule on torch's fp32 matmul
             a32, b32 = a.float(), b.float()
