@@ -67,6 +67,7 @@ bench: venv
 	$(MAKE) native || echo "make bench: the native CPU extension did not build (see above); fastbert runs without it"
 	$(PY) -m benchmarks.run_model $(BENCH_ARGS)
 	$(PY) -m benchmarks.bench_encode $(ENCODE_ARGS)
+	$(PY) -m benchmarks.bench_gemm
 
 clean:
 	rm -rf $(VENV) build *.egg-info

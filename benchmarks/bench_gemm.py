@@ -66,9 +66,7 @@ def system_calls(m: int, k: int, n: int, epilogue: str | None) -> dict[str, Call
 
 
 def run(hiddens: list[int], rows: list[int], budget: float) -> dict:
-    cpu, reason = native.load("_native_cpu")
-    if cpu is None:
-        raise SystemExit(f"bench_gemm: fastbert's GEMMs need the native CPU extension ({reason})")
+    cpu, _ = native.load("_native_cpu")
     peaks = [cpu.arithmetic_peak("fp32", 0.5)]  # measured before and after the GEMMs: the higher is the roof
     results = []
     for hidden in hiddens:
@@ -151,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=1.5, help="seconds of interleaved calls per shape")
     parser.add_argument("--out", default=RESULTS, help="directory for gemm_cpu-<kind>.{json,md,png}")
     args = parser.parse_args(argv)
+    if (reason := gemm.unavailable_reason()) is not None:  # make bench goes on without the native extension
+        print(f"bench_gemm: skipped, fastbert's GEMMs {reason}")
+        return 0
     doc = run(args.hidden, args.rows, args.budget)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"gemm_cpu-{doc['cpu_kind']}")

@@ -214,7 +214,7 @@ def _build(name: str, hf: nn.Module, device: torch.device, dtype: torch.dtype, w
         if device.type != "cpu":
             return System(name, "-", None, "the native comparison row is a CPU row")
         mode = "weights" if dtype != torch.float32 else "fp32"
-        return System(name, mode, fastbert_runner(hf, device, dtype, exclude=("native",)))
+        return System(name, mode, fastbert_runner(hf, device, dtype, exclude=("native", "gemm")))  # no csrc/ kernels
     if name == "fastbert autocast":
         if dtype == torch.float32:
             return System(name, "-", None, "autocast is a low-precision mode")

@@ -146,3 +146,16 @@ def test_grad_autocast_and_bf16_go_elsewhere() -> None:
         assert "autocast" in gemm.refuses_call({**call, "x": x.detach()}, True, lambda: (True, ""))
     assert "fp32" in gemm.refuses_call({**call, "x": x.detach().bfloat16()}, True, lambda: (True, ""))
     assert "K = 0" in gemm.refuses_call({"x": torch.randn(4, 0), "weight": torch.randn(6, 0)}, True, lambda: (1, ""))
+
+
+def test_gemm_benchmark_writes_every_system(tmp_path) -> None:
+    """benchmarks/bench_gemm.py on a tiny shape: every system timed, results written as JSON, Markdown (and a plot)."""
+    import json
+
+    from benchmarks import bench_gemm
+
+    assert bench_gemm.main(["--hidden", "16", "--rows", "7", "--budget", "0.01", "--out", str(tmp_path)]) == 0
+    doc = json.loads(next(tmp_path.glob("gemm_cpu-*.json")).read_text())
+    assert [r["layer"] for r in doc["results"]] == ["QKV", "attention out", "FFN in", "FFN out"]
+    assert all(v > 0 for r in doc["results"] for v in r["gflops"].values())
+    assert all(s in next(tmp_path.glob("gemm_cpu-*.md")).read_text() for s in bench_gemm.SYSTEMS)
