@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
@@ -315,14 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=RESULTS, help="directory for encode_cpu-<kind>.{json,md,png}")
     args = parser.parse_args(argv)
     doc = run(tuple(args.systems), args.passes, args.stsb)
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"encode_cpu-{doc['cpu_kind']}")
-    with open(stem + ".json", "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=1)
-    with open(stem + ".md", "w", encoding="utf-8") as f:
-        f.write(markdown(doc))
-    plot(doc, stem + ".png")
-    print(markdown(doc))
+    print(model_report.write_results(args.out, f"encode_cpu-{doc['cpu_kind']}", doc, markdown, plot))
     return 0
 
 

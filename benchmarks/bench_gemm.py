@@ -18,7 +18,6 @@ Results: benchmarks/results/gemm_cpu-<cpu kind>.{json,md,png}.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -153,14 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_gemm: skipped, fastbert's GEMMs {reason}")
         return 0
     doc = run(args.hidden, args.rows, args.budget)
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"gemm_cpu-{doc['cpu_kind']}")
-    with open(stem + ".json", "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=1)
-    with open(stem + ".md", "w", encoding="utf-8") as f:
-        f.write(markdown(doc))
-    plot(doc, stem + ".png")
-    print(markdown(doc))
+    print(model_report.write_results(args.out, f"gemm_cpu-{doc['cpu_kind']}", doc, markdown, plot))
     return 0
 
 

@@ -8,6 +8,7 @@ import os
 import platform
 import subprocess
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,6 +52,20 @@ def git_commit() -> str:
         return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def write_results(directory: str, stem: str, doc: dict[str, Any], markdown: Callable[[dict], str],
+                  plot: Callable[[dict, str], object]) -> str:  # fmt: skip
+    """`directory`/`stem`.{json,md,png}: the run as data, as a table and as a plot; returns the table."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, stem)
+    with open(path + ".json", "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
+    table = markdown(doc)
+    with open(path + ".md", "w", encoding="utf-8") as f:
+        f.write(table)
+    plot(doc, path + ".png")
+    return table
 
 
 def document(

@@ -1,4 +1,5 @@
-"""Shared fixtures: seeded RNG, the real MiniLM checkpoint, the shared data folder, ragged batches.
+"""Shared fixtures: seeded RNG, the native CPU kernels per ISA, the real MiniLM checkpoint, the shared data folder,
+ragged batches.
 
 Triton kernels run on CPU through the interpreter when no CUDA device is present.
 """
@@ -17,6 +18,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402
 
+from fastbert.backends import native  # noqa: E402  (after the environment above)
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
@@ -28,6 +31,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+NATIVE_CPU, NATIVE_CPU_REASON = native.load("_native_cpu")
+
+
+@pytest.fixture(params=NATIVE_CPU.runnable_isas() if NATIVE_CPU is not None else ["unbuilt"])
+def ext(request: pytest.FixtureRequest):
+    """The native CPU extension with one ISA's kernels selected, once per ISA this CPU runs (restored after)."""
+    if NATIVE_CPU is None:
+        pytest.skip(f"native CPU extension unavailable: {NATIVE_CPU_REASON}")
+    default = NATIVE_CPU.isa()
+    assert NATIVE_CPU.set_isa(request.param)
+    yield NATIVE_CPU
+    NATIVE_CPU.set_isa(default)
 
 
 @pytest.fixture(autouse=True)

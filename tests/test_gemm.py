@@ -19,18 +19,9 @@ EXT, EXT_REASON = native.load("_native_cpu")
 pytestmark = pytest.mark.skipif(
     EXT is None or not hasattr(EXT, "fp32_linear"), reason=f"needs the native CPU extension: {EXT_REASON}"
 )
-ISAS = EXT.runnable_isas() if EXT is not None else ["unbuilt"]
 ACTS = (None, "gelu", "gelu_tanh", "relu")
 # (M, K, N): a single element, ragged row tiles (M % 6), ragged column panels (N % 16, N % 32), K = 0 and the encoder's
 SHAPES = [(1, 1, 1), (7, 33, 50), (13, 26, 97), (64, 384, 96), (130, 100, 33), (5, 0, 20)]
-
-
-@pytest.fixture(params=ISAS)
-def ext(request: pytest.FixtureRequest):  # the extension with one ISA's kernels selected
-    default = EXT.isa()
-    assert EXT.set_isa(request.param)
-    yield EXT
-    EXT.set_isa(default)
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, act: str | None = None,

@@ -23,17 +23,8 @@ EXT, EXT_REASON = native.load("_native_cpu")
 pytestmark = pytest.mark.skipif(
     EXT is None or not hasattr(EXT, "int8_linear"), reason=f"int8 needs the native CPU extension: {EXT_REASON}"
 )
-ISAS = EXT.runnable_isas() if EXT is not None else ["unbuilt"]
 ACTS = (None, "gelu", "gelu_tanh", "relu")
 SHAPES = [(1, 1, 1), (7, 33, 50), (13, 26, 97), (64, 384, 96), (130, 100, 33)]  # (M, K, N): ragged tiles and panels
-
-
-@pytest.fixture(params=ISAS)
-def ext(request: pytest.FixtureRequest):  # the extension with one ISA's kernels selected
-    default = EXT.isa()
-    assert EXT.set_isa(request.param)
-    yield EXT
-    EXT.set_isa(default)
 
 
 def reference(

@@ -19,18 +19,7 @@ from fastbert.backends import native
 
 EXT, EXT_REASON = native.load("_native_cpu")
 needs_ext = pytest.mark.skipif(EXT is None, reason=f"native CPU extension unavailable: {EXT_REASON}")
-ISAS = EXT.runnable_isas() if EXT is not None else ["unbuilt"]
 DTYPES = (torch.float32, torch.bfloat16)
-
-
-@pytest.fixture(params=ISAS)
-def ext(request: pytest.FixtureRequest):  # the extension with one ISA's kernels selected
-    if EXT is None:
-        pytest.skip(f"native CPU extension unavailable: {EXT_REASON}")
-    default = EXT.isa()
-    assert EXT.set_isa(request.param)
-    yield EXT
-    EXT.set_isa(default)
 
 
 def check(out: torch.Tensor, ref64: torch.Tensor, torch_out: torch.Tensor) -> None:

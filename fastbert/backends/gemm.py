@@ -38,12 +38,17 @@ _verdicts: dict[tuple, tuple[bool, str]] = {}
 fallback: dict[str, Callable[..., torch.Tensor]] = {}
 
 
-def unavailable_reason() -> str | None:
-    """Why fastbert's GEMMs cannot run here, or None: they need the native CPU extension."""
+def needs_kernel(name: str) -> str | None:
+    """Why the native CPU extension's kernel `name` cannot run here, or None."""
     cpu, reason = native.load("_native_cpu")
     if cpu is None:
         return f"needs the native CPU extension ({reason})"
-    return None if hasattr(cpu, "fp32_linear") else "the native CPU extension predates fp32_linear: rebuild it"
+    return None if hasattr(cpu, name) else f"the native CPU extension predates {name}: rebuild it"
+
+
+def unavailable_reason() -> str | None:
+    """Why fastbert's GEMMs cannot run here, or None: they need the native CPU extension."""
+    return needs_kernel("fp32_linear")
 
 
 def pack_panels(values: torch.Tensor, k_per_step: int) -> torch.Tensor:

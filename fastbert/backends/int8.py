@@ -46,10 +46,7 @@ fallback: dict[str, Callable[..., torch.Tensor]] = {}
 
 def unavailable_reason() -> str | None:
     """Why int8 GEMMs cannot run here, or None: they need the native CPU extension."""
-    cpu, reason = native.load("_native_cpu")
-    if cpu is None:
-        return f"needs the native CPU extension ({reason})"
-    return None if hasattr(cpu, "int8_linear") else "the native CPU extension predates int8_linear: rebuild it"
+    return gemm.needs_kernel("int8_linear")
 
 
 def quantize_weight(weight: torch.Tensor) -> QuantizedWeight:
