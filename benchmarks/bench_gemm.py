@@ -130,11 +130,11 @@ def plot(doc: dict, path: str) -> bool:
     if doc["fma_peak_gflops"]:
         ax.axhline(doc["fma_peak_gflops"], color="k", linestyle="--", linewidth=1, label="fp32 FMA peak")
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
-    ax.set_xticklabels([f"H{r['hidden']} M{r['m']}\n{r['layer']}" for r in rows], fontsize=7)
+    ax.set_xticklabels([f"H{r['hidden']} M{r['m']} {r['layer']}" for r in rows], fontsize=7, rotation=35, ha="right")
     ax.set_ylabel("GFLOP/s (higher is better)")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.suptitle(f"Encoder GEMMs with epilogues, {doc['device']} ({doc['cpu_kind']}, {doc['threads']} threads)",
-                 fontsize=9)  # fmt: skip
+    fig.suptitle(f"Encoder GEMMs with their epilogues (int8: GOP/s, its own roof), {doc['device']} "
+                 f"({doc['cpu_kind']})", fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
