@@ -21,12 +21,11 @@ from collections.abc import Callable
 import torch
 
 from fastbert.backends import native, timing
-from fastbert.backends.spec import Backend
+from fastbert.backends.spec import COMPOUND_OPS, Backend
 from fastbert.weight_stamp import WeightCache
 
 PANEL = 16  # output columns per packed panel
 PANEL_COLUMNS = 32  # the pack pads N to a multiple of this (the widest tile, AVX-512's 32 columns)
-GEMM_OPS = ("linear", "dense_residual_layernorm")
 _TIE_MARGIN = 1.0  # its epilogues are in both timings: faster outright, or the other path keeps the call
 
 _packs = WeightCache()  # (weight) -> packed fp32 panels
@@ -88,7 +87,8 @@ def dense_residual_layernorm(
     dropout_p: float = 0.0,
     training: bool = False,
 ) -> torch.Tensor:  # [T, N]
-    """LayerNorm(x @ weight^T + bias + residual), the epilogue on each block of whole rows while it is in cache."""
+    """LayerNorm(x @ weight^T + bias + residual): bias and residual on each tile, LayerNorm in a second pass over the
+    finished rows."""
     cpu, _ = native.load("_native_cpu")
     return cpu.fp32_linear(x, packed(weight), weight.shape[0], bias, None, residual, ln_weight, ln_bias, eps)
 
@@ -181,6 +181,6 @@ SPEC = Backend(
     devices=("cpu",),
     dtypes=(torch.float32,),
     module=sys.modules[__name__],
-    ops=GEMM_OPS,
-    limits={op: (lambda call, forced, op=op: _refuses(op, call, forced)) for op in GEMM_OPS},
+    ops=COMPOUND_OPS,
+    limits={op: (lambda call, forced, op=op: _refuses(op, call, forced)) for op in COMPOUND_OPS},
 )

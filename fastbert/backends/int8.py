@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from fastbert.backends import gemm, native
-from fastbert.backends.spec import Backend
+from fastbert.backends.spec import COMPOUND_OPS, Backend
 from fastbert.weight_stamp import WeightCache
 
 LEVELS = 127  # symmetric int8: [-127, 127], so that negation is exact and both operands share one range
@@ -93,7 +93,8 @@ def dense_residual_layernorm(
     dropout_p: float = 0.0,
     training: bool = False,
 ) -> torch.Tensor:  # [T, N]
-    """LayerNorm(x @ weight^T + bias + residual) with an int8 GEMM; the epilogue in fp32 on each tile of rows."""
+    """LayerNorm(x @ weight^T + bias + residual) with an int8 GEMM; dequantisation, bias and residual in fp32 on each
+    tile, LayerNorm in a second pass over the finished rows."""
     q = quantized(weight)
     cpu, _ = native.load("_native_cpu")
     return cpu.int8_linear(x, q.packed, q.scale, bias, None, residual, ln_weight, ln_bias, eps)
@@ -121,7 +122,7 @@ SPEC = Backend(
     devices=("cpu",),
     dtypes=(torch.float32,),
     module=sys.modules[__name__],
-    ops=gemm.GEMM_OPS,
-    limits={op: (lambda call, forced, op=op: _refuses(op, call, forced)) for op in gemm.GEMM_OPS},
+    ops=COMPOUND_OPS,
+    limits={op: (lambda call, forced, op=op: _refuses(op, call, forced)) for op in COMPOUND_OPS},
     opt_in="only in models quantized with fastbert.optimize(model, quantize='int8')",
 )
