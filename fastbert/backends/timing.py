@@ -1,5 +1,5 @@
 """Timing a fast path against the path it would replace, on the call's own input, for the backends that choose by
-measurement (oneDNN's GEMMs, int8 GEMMs)."""
+measurement (oneDNN's GEMMs, fastbert's fp32 and int8 GEMMs)."""
 
 from __future__ import annotations
 
