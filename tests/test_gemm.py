@@ -20,8 +20,9 @@ pytestmark = pytest.mark.skipif(
     EXT is None or not hasattr(EXT, "fp32_linear"), reason=f"needs the native CPU extension: {EXT_REASON}"
 )
 ACTS = (None, "gelu", "gelu_tanh", "relu")
-# (M, K, N): a single element, ragged row tiles (M % 6), ragged column panels (N % 16, N % 32), K = 0 and the encoder's
-SHAPES = [(1, 1, 1), (7, 33, 50), (13, 26, 97), (64, 384, 96), (130, 100, 33), (5, 0, 20)]
+# (M, K, N): a single element, ragged row tiles (M % 6), ragged column panels (N % 16, N % 32), K = 0, the encoder's,
+# and rows long enough (K = 2048: 8 KiB) to need several L2 row panels
+SHAPES = [(1, 1, 1), (7, 33, 50), (13, 26, 97), (64, 384, 96), (130, 100, 33), (5, 0, 20), (203, 2048, 40)]
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, act: str | None = None,
@@ -49,6 +50,16 @@ def test_kernel_matches_fp64_reference(ext, shape: tuple[int, int, int], act: st
     out = torch.full((shape[0], shape[2]), float("nan"))  # poisoned: every element must be written
     ext.fp32_linear(x, gemm.pack_panels(w, 1), w.shape[0], b, act, out=out)
     assert_close(f"fp32_linear {shape} {act}", out, reference(x, w, b, act))
+
+
+@pytest.mark.parametrize("act", ACTS[1:])
+def test_activation_over_its_whole_range(ext, act: str) -> None:
+    """Pre-activations from -40 to 40 (past GELU's cap at |x| = 14: no denormal there, and the tail stays ~0), in
+    full-width tiles (epilogue in registers) and a partial one (spilled)."""
+    x, w = torch.linspace(-40, 40, 97).unsqueeze(1), torch.ones(40, 1)  # out[m, n] = x[m]; N = 40: 16 + 16 + 8
+    out = ext.fp32_linear(x, gemm.pack_panels(w, 1), 40, None, act)
+    assert_close(f"fp32_linear {act} on [-40, 40]", out, reference(x, w, None, act))
+    assert out[x[:, 0] < -14].abs().max() < 1e-20
 
 
 @pytest.mark.parametrize("shape", SHAPES)

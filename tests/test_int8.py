@@ -24,7 +24,8 @@ pytestmark = pytest.mark.skipif(
     EXT is None or not hasattr(EXT, "int8_linear"), reason=f"int8 needs the native CPU extension: {EXT_REASON}"
 )
 ACTS = (None, "gelu", "gelu_tanh", "relu")
-SHAPES = [(1, 1, 1), (7, 33, 50), (13, 26, 97), (64, 384, 96), (130, 100, 33)]  # (M, K, N): ragged tiles and panels
+# (M, K, N): ragged tiles and panels; K = 4096 (8 KiB int16 rows) needs several L2 row panels
+SHAPES = [(1, 1, 1), (7, 33, 50), (13, 26, 97), (64, 384, 96), (130, 100, 33), (203, 4096, 40)]
 
 
 def reference(

@@ -358,4 +358,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "None where the CPU lacks the instruction",
       py::arg("dtype"), py::arg("seconds") = 0.5);
   m.def("runnable_isas", &runnable_isas, "the ISAs compiled in that this CPU can run, best first");
+  m.def("l2_cache_bytes", &l2_cache_bytes, "the per-core L2 size the GEMM's row panels are sized to (probed once)");
 }

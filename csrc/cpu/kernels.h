@@ -85,6 +85,10 @@ const KernelTable& kernels_avx512();
 const KernelTable& kernels_avx2();
 const KernelTable& kernels_generic();
 
+// The per-core L2 size in bytes, probed once (sysconf; 256 KiB, the smallest L2 of current x86 cores, where it says
+// nothing): the GEMM's row panels are sized to it (bind.cpp).
+int64_t l2_cache_bytes();
+
 // FLOP/s of `threads` threads running fp32 FMAs ("fp32") or bf16 dot products ("bf16") from registers for about
 // `seconds`: the arithmetic ceiling no GEMM can pass. nullopt where this CPU lacks the instruction (peak.cpp).
 std::optional<double> arithmetic_peak(const std::string& dtype, int threads, double seconds);

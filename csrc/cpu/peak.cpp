@@ -1,11 +1,13 @@
 // The CPU's arithmetic ceiling: fp32 FMA and bf16 dot-product throughput of a loop that never touches memory. The
 // model suite prints it beside the measured matmul peak, so a GEMM's efficiency reads against the silicon, not
-// against another library.
+// against another library. Also the L2 size the GEMM's blocking reads.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
+
+#include <unistd.h>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -112,6 +114,17 @@ std::optional<double> arithmetic_peak(const std::string& dtype, int threads, dou
   volatile float keep = sink;  // the accumulators' sum is observable: the loops stay live
   (void)keep;
   return best;
+}
+
+int64_t l2_cache_bytes() {
+  static const int64_t bytes = [] {
+#ifdef _SC_LEVEL2_CACHE_SIZE
+    const long probed = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    if (probed > 0) return int64_t(probed);
+#endif
+    return int64_t(256) << 10;
+  }();
+  return bytes;
 }
 
 }  // namespace fastbert::cpu

@@ -85,7 +85,8 @@ def describe() -> str | None:
     cpu, reason = load("_native_cpu")
     if cpu is None:
         return f"CPU kernels unavailable ({reason})"
-    return f"CPU kernels for {', '.join(cpu.runnable_isas())} run here; using {cpu.isa()}"
+    return (f"CPU kernels for {', '.join(cpu.runnable_isas())} run here; using {cpu.isa()}; GEMM row panels sized to "
+            f"half of a {cpu.l2_cache_bytes() >> 10} KiB L2")
 
 
 def unavailable_reason() -> str | None:
