@@ -141,7 +141,7 @@ def judge(
         verdicts[key] = (
             wins,
             f"{names[0] if wins else names[1]} for {shape}{epilogue}: {names[0]} {fast * 1e3:.2f} ms vs {names[1]} "
-            f"{plain * 1e3:.2f} ms CPU time",
+            f"{plain * 1e3:.2f} ms",
         )
     return verdicts[key]
 

@@ -177,7 +177,7 @@ def _verdict(
         _verdicts[key] = (
             wins,
             f"measured {'slower' if not wins else 'faster'} than {other} here "
-            f"({fast * 1e3:.2f} vs {plain * 1e3:.2f} ms CPU time for [{rows}, {weight.shape[1]}] x "
+            f"({fast * 1e3:.2f} vs {plain * 1e3:.2f} ms for [{rows}, {weight.shape[1]}] x "
             f"[{weight.shape[1]}, {weight.shape[0]}] {str(run).removeprefix('torch.')})",
         )
     return _verdicts[key]

@@ -15,14 +15,16 @@ def size_class(rows: int) -> str:
 
 
 def best_times(*fns: Callable[[], object], repeats: int = 9) -> list[float]:
-    """Best-of-`repeats` process CPU seconds per function, interleaved: CPU time (not wall time) so that being
-    descheduled on a shared machine does not decide the verdict, and interleaved so cache noise hits both alike."""
+    """Best-of-`repeats` wall seconds per function, interleaved so cache noise hits both alike; the minimum drops the
+    runs a shared machine descheduled. Not process CPU time: Linux adds the worker threads' CPU time at scheduler ticks
+    (4 ms), so a 2 ms multi-threaded GEMM reads 2 or 6 ms, and with two functions interleaved the tick can land on the
+    same one every time (seen: fastbert's GEMM judged 3x slower than torch's, and the slow path chosen)."""
     for fn in fns:
         fn()  # warm-up: packing, oneDNN primitive creation, page faults
     best = [float("inf")] * len(fns)
     for _ in range(repeats):
         for i, fn in enumerate(fns):
-            start = time.process_time()
+            start = time.perf_counter()
             fn()
-            best[i] = min(best[i], time.process_time() - start)
+            best[i] = min(best[i], time.perf_counter() - start)
     return best
