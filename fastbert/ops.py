@@ -44,6 +44,7 @@ ALIASES = {"cpu": "onednn"}  # old backend names, accepted for a release
 _state = threading.local()
 _decisions: dict[str, str] = {}  # op -> its last decision
 _decisions_by_dtype: dict[tuple[str, str], str] = {}  # (op, dtype) -> the last decision at that dtype
+_last_facts: dict[str, tuple] = {}  # op -> (dtype, backend, note, refusals) of its last decision
 
 
 def register_backend(backend: Backend, before: str | None = "torch") -> None:
@@ -125,9 +126,9 @@ def select(op: str, args: tuple, kwargs: dict) -> tuple[Callable, str]:
         reason = backend.refuses(op, device, dtype, call, forced=True)
         if reason:
             raise BackendUnavailable(f"{op}: forced backend {forced!r} cannot run on {device.type}/{dtype}: {reason}")
-        _record(op, dtype, f"{forced} (forced)")
+        _record(op, dtype, forced, " (forced)")
         return backend.function(op), forced
-    why = []
+    why: list[tuple[str, str]] = []  # (backend, why it refused), formatted only when the decision changes
     excluded = getattr(_state, "excluded", frozenset())
     opted_in = getattr(_state, "opted_in", frozenset())
     for name in _AUTO_ORDER:
@@ -141,17 +142,28 @@ def select(op: str, args: tuple, kwargs: dict) -> tuple[Callable, str]:
         else:
             reason = backend.refuses(op, device, dtype, call)
         if reason is None:
-            _record(op, dtype, name + note + (f" (skipped {'; '.join(why)})" if why else ""))
+            _record(op, dtype, name, note, tuple(why))
             return backend.function(op), name
-        why.append(f"{name}: {reason}")
-    raise BackendUnavailable(f"{op}: no backend takes {device.type}/{dtype}: {'; '.join(why)}")
+        why.append((name, reason))
+    raise BackendUnavailable(f"{op}: no backend takes {device.type}/{dtype}: {_reasons(why)}")
 
 
 def _first_float(args: tuple) -> torch.dtype:
     return next((a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), torch.float32)
 
 
-def _record(op: str, dtype: torch.dtype, decision: str) -> None:
+def _reasons(why: list[tuple[str, str]] | tuple[tuple[str, str], ...]) -> str:
+    return "; ".join(f"{name}: {reason}" for name, reason in why)
+
+
+def _record(op: str, dtype: torch.dtype, name: str, note: str, why: tuple[tuple[str, str], ...] = ()) -> None:
+    """Note the backend `op` ran on; the words for explain() are built only when the decision changes (every call
+    makes one, so this is on the dispatch's hot path)."""
+    facts = (dtype, name, note, why)
+    if _last_facts.get(op) == facts:
+        return
+    _last_facts[op] = facts
+    decision = name + note + (f" (skipped {_reasons(why)})" if why else "")
     _decisions_by_dtype[(op, str(dtype).removeprefix("torch."))] = decision
     if _decisions.get(op) != decision:
         _decisions[op] = decision

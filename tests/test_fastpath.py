@@ -128,6 +128,7 @@ def test_autocast_linear_runs_in_bf16_on_a_cached_bf16_weight() -> None:
 def test_gemm_calibration_is_reported_in_explain(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FASTBERT_CPU_GEMM", "auto")
     monkeypatch.setattr(ops, "_decisions_by_dtype", {})  # this call's decisions only
+    monkeypatch.setattr(ops, "_last_facts", {})
     x, w = torch.randn(5, 24), torch.randn(12, 24)
     with torch.no_grad():
         ops.linear(x, w)

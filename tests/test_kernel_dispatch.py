@@ -78,9 +78,9 @@ def test_kernel_functions_have_the_ops_signatures() -> None:
 def test_triton_takes_cuda_tensors_automatically() -> None:
     """As data: the Triton backend accepts a CUDA call in automatic mode (checked without a GPU)."""
     backend = ops.backends()["triton"]
-    args = _bias_act_args()
-    assert backend.refuses("bias_act", torch.device("cuda"), torch.float16, args, {}) is None
-    assert backend.refuses("bias_act", torch.device("cpu"), torch.float32, args, {}) is not None
+    call = dict(zip(("x", "bias", "kind"), _bias_act_args(), strict=True))
+    assert backend.refuses("bias_act", torch.device("cuda"), torch.float16, call) is None
+    assert backend.refuses("bias_act", torch.device("cpu"), torch.float32, call) is not None
 
 
 def test_fastbert_imports_and_runs_without_triton() -> None:
@@ -100,3 +100,21 @@ def test_fastbert_imports_and_runs_without_triton() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "triton" in done.stdout
+
+
+def test_decisions_follow_every_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dispatch rebuilds explain()'s words only when a decision changes: forcing a backend, going back to
+    automatic, and a second dtype each show at once, and the per-dtype lines keep both dtypes."""
+    monkeypatch.delenv("FASTBERT_BACKEND", raising=False)
+    x, bias = torch.randn(4, 8), torch.randn(8)
+    ops.bias_act(x, bias)
+    automatic = ops.decisions()["bias_act"]
+    with ops.use_backend("torch"):
+        ops.bias_act(x, bias)
+        assert ops.decisions()["bias_act"] == "torch (forced)"
+    ops.bias_act(x, bias)
+    assert ops.decisions()["bias_act"] == automatic
+    ops.bias_act(x.double(), bias.double())
+    assert ops.decisions()["bias_act"] != automatic and "(in float64)" in ops.explain()
+    ops.bias_act(x, bias)
+    assert ops.decisions()["bias_act"] == automatic and "(in float32)" in ops.explain()

@@ -72,6 +72,7 @@ def test_a_forced_backend_runs_its_ops_and_leaves_the_others_to_the_automatic_ch
     assert (forced[valid] - plain[valid]).abs().max() <= 1e-5
     monkeypatch.setattr(ops, "_decisions", {})  # only this forward's decisions
     monkeypatch.setattr(ops, "_decisions_by_dtype", {})
+    monkeypatch.setattr(ops, "_last_facts", {})
     with torch.no_grad(), fastbert.use_backend(name):
         model(ids, attention_mask=mask)
     decisions = ops.decisions()
@@ -125,6 +126,7 @@ def test_the_old_backend_name_cpu_still_forces_onednn(monkeypatch: pytest.Monkey
     ids, mask = batch()
     monkeypatch.setattr(ops, "_decisions", {})
     monkeypatch.setattr(ops, "_decisions_by_dtype", {})
+    monkeypatch.setattr(ops, "_last_facts", {})
     with torch.no_grad():
         model(ids, attention_mask=mask)
     assert ops.decisions()["linear"] == "onednn (forced)"

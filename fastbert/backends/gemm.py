@@ -105,8 +105,7 @@ def refuses_call(call: dict, forced: bool, verdict: Callable[[], tuple[bool, str
         return "under autocast: these GEMMs take and give fp32"
     if torch.compiler.is_compiling():
         return "under torch.compile/export tracing"
-    tensors = [t for t in call.values() if isinstance(t, torch.Tensor)]
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+    if not all(t.dtype is torch.float32 and t.is_cpu for t in call.values() if isinstance(t, torch.Tensor)):
         return "takes fp32 CPU tensors only"
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         return "not an [N, K] weight matching x"

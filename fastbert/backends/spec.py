@@ -42,6 +42,7 @@ class Backend:
     auto_devices: tuple[str, ...] | None = None  # devices automatic dispatch sends here (None: all of `devices`)
     opt_in: str | None = None  # set: automatic dispatch uses it only inside ops.opt_in(name); says who asks for it
     _ready: tuple[bool, str | None] | None = field(default=None, repr=False)
+    _static: dict[tuple, tuple[str | None, str | None]] = field(default_factory=dict, repr=False)
 
     def unavailable(self) -> str | None:
         """Why this backend cannot run here at all (a missing extension, Triton, oneDNN), or None; asked once."""
@@ -63,18 +64,30 @@ class Backend:
     ) -> str | None:
         """Why this backend cannot take the call (`call`: its arguments by name), or None if it can (`forced`: chosen
         by name, not automatically)."""
-        if op not in self.ops:
-            return f"does not implement {op}"
-        if device.type not in self.devices:
-            return f"runs on {'/'.join(self.devices)}, not {device.type}"
-        if not forced and self.auto_devices is not None and device.type not in self.auto_devices:
-            return (f"used for {device.type} tensors only when chosen by name (use_backend / FASTBERT_BACKEND): "
-                    f"automatic dispatch sends it {'/'.join(self.auto_devices)} tensors only")
+        key = (op, device.type, dtype, forced)
+        if key not in self._static:  # what the call's op, device and dtype alone decide: the same every call
+            self._static[key] = self._static_refusal(op, device.type, dtype, forced)
+        before, after = self._static[key]
+        if before is not None:
+            return before
         if self.device_check is not None and (reason := self.device_check(device.type)):
-            return reason
-        if dtype not in self.dtypes:
-            return f"does not take {dtype}"
+            return reason  # asked every call: it reads the environment (Triton's interpreter switch)
+        if after is not None:
+            return after
         if (error := self.unavailable()) is not None:
             return f"unavailable ({error})"
         check = self.limits.get(op)
         return check(call, forced) if check is not None else None
+
+    def _static_refusal(
+        self, op: str, device_type: str, dtype: torch.dtype, forced: bool
+    ) -> tuple[str | None, str | None]:
+        """The checks before and after `device_check` that depend on the op, device type and dtype only."""
+        if op not in self.ops:
+            return f"does not implement {op}", None
+        if device_type not in self.devices:
+            return f"runs on {'/'.join(self.devices)}, not {device_type}", None
+        if not forced and self.auto_devices is not None and device_type not in self.auto_devices:
+            return (f"used for {device_type} tensors only when chosen by name (use_backend / FASTBERT_BACKEND): "
+                    f"automatic dispatch sends it {'/'.join(self.auto_devices)} tensors only"), None
+        return None, (f"does not take {dtype}" if dtype not in self.dtypes else None)
