@@ -126,23 +126,14 @@ def judge(
     names: tuple[str, str],
     margin: float,
 ) -> tuple[bool, str]:
-    """Time `mine` against `other` (the path that runs without it) once per (weight shape, epilogue, size class), on
-    this call's input; the verdict says which ran faster, as explain() shows it. `names`: (mine, other) in words."""
+    """`mine` against `other` (the path that runs without it) on this call, timed once per (weight shape, epilogue,
+    size class): the fp32 and int8 GEMM backends' first-use verdict. `names`: (mine, other) in words."""
     x, weight = call["x"], call["weight"]
     rows = x.numel() // x.shape[-1]
     key = (*weight.shape, call.get("act"), op == "dense_residual_layernorm", timing.size_class(rows))
-    if key not in verdicts:
-        with torch.no_grad():
-            fast, plain = timing.best_times(lambda: mine(**call), lambda: other(**call))
-        wins = fast * margin < plain
-        shape = f"[{rows}, {weight.shape[1]}] x [{weight.shape[1]}, {weight.shape[0]}]"
-        epilogue = " + residual + LayerNorm" if key[3] else (f" + {key[2]}" if key[2] else "")
-        verdicts[key] = (
-            wins,
-            f"{names[0] if wins else names[1]} for {shape}{epilogue}: {names[0]} {fast * 1e3:.2f} ms vs {names[1]} "
-            f"{plain * 1e3:.2f} ms",
-        )
-    return verdicts[key]
+    epilogue = " + residual + LayerNorm" if key[3] else (f" + {key[2]}" if key[2] else "")
+    what = timing.gemm_words(rows, weight, epilogue)
+    return timing.judge(verdicts, key, lambda: mine(**call), lambda: other(**call), names, what, margin)
 
 
 def summary(verdicts: dict[tuple, tuple[bool, str]], what: str, rest: str) -> str | None:

@@ -154,33 +154,32 @@ fallback_bias_act: Callable[..., torch.Tensor] = reference.bias_act
 def _verdict(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, act: str | None, dtype: torch.dtype
 ) -> tuple[bool, str]:
-    """Time oneDNN against what would run without it, on this very input, once per size class: F.linear, then
-    (with a bias and an activation) the `bias_act` op, as `fastbert.ops.linear` falls back; both in the GEMM dtype."""
-
+    """oneDNN against what would run without it, on this very input, once per size class: F.linear, then (with a bias
+    and an activation) the `bias_act` op, as `fastbert.ops.linear` falls back; both in the GEMM dtype."""
     rows, run = x.numel() // x.shape[-1], gemm_dtype(dtype)
     # bf16 via fp32 is fp32's case
     key = (run, *weight.shape, act is not None, bias is not None, timing.size_class(rows))
-    if key not in _verdicts:
-        with torch.no_grad(), torch.autocast("cpu", enabled=False):
-            xs = x.reshape(rows, -1).to(dtype)
-            w, b = weight.to(dtype).to(run), bias.to(dtype).to(run) if bias is not None else None
+    if key in _verdicts:
+        return _verdicts[key]
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        xs = x.reshape(rows, -1).to(dtype)
+        w, b = weight.to(dtype).to(run), bias.to(dtype).to(run) if bias is not None else None
+    fused = act is not None and b is not None
 
-            def fallback() -> torch.Tensor:
-                xr = xs.to(run)
-                if act is not None and b is not None:
-                    return fallback_bias_act(F.linear(xr, w), b, act).to(dtype)
-                return reference.linear(xr, w, b, act).to(dtype)
+    def plain() -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            xr = xs.to(run)
+            if fused:
+                return fallback_bias_act(F.linear(xr, w), b, act).to(dtype)
+            return reference.linear(xr, w, b, act).to(dtype)
 
-            fast, plain = timing.best_times(lambda: linear(xs, weight, bias, act), fallback)
-        wins = fast < plain * _TIE_MARGIN
-        other = "F.linear + bias_act" if act is not None and b is not None else "F.linear"
-        _verdicts[key] = (
-            wins,
-            f"measured {'slower' if not wins else 'faster'} than {other} here "
-            f"({fast * 1e3:.2f} vs {plain * 1e3:.2f} ms for [{rows}, {weight.shape[1]}] x "
-            f"[{weight.shape[1]}, {weight.shape[0]}] {str(run).removeprefix('torch.')})",
-        )
-    return _verdicts[key]
+    def mine() -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            return linear(xs, weight, bias, act)
+
+    what = timing.gemm_words(rows, weight, f" {str(run).removeprefix('torch.')}")
+    other = "F.linear + bias_act" if fused else "F.linear"
+    return timing.judge(_verdicts, key, mine, plain, ("oneDNN", other), what, 1 / _TIE_MARGIN)
 
 
 def verdicts() -> dict[tuple, tuple[bool, str]]:

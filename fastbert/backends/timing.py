@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import torch
+
 SMALL_M = 128  # calibration size classes: latency-sized (M < 128 rows) and throughput-sized inputs
 
 
@@ -28,3 +30,32 @@ def best_times(*fns: Callable[[], object], repeats: int = 9) -> list[float]:
             fn()
             best[i] = min(best[i], time.perf_counter() - start)
     return best
+
+
+def judge(
+    verdicts: dict[tuple, tuple[bool, str]],
+    key: tuple,
+    mine: Callable[[], object],
+    other: Callable[[], object],
+    names: tuple[str, str],
+    what: str,
+    margin: float = 1.0,
+) -> tuple[bool, str]:
+    """The verdict for `key`, timed once: whether `mine` beats `other` (the path that runs without it) on the call's
+    own input by `margin` (1.1: by 10%; 1 / 1.1: unless `other` is 10% faster), and why in explain()'s words.
+    `names`: (mine, other) in words; `what`: the work timed, e.g. "[T, K] x [K, N] + gelu"."""
+    if key not in verdicts:
+        with torch.no_grad():
+            fast, plain = best_times(mine, other)
+        wins = fast * margin < plain
+        verdicts[key] = (
+            wins,
+            f"{names[0] if wins else names[1]} for {what}: {names[0]} {fast * 1e3:.2f} ms vs {names[1]} "
+            f"{plain * 1e3:.2f} ms{' (within the tie margin)' if wins and fast > plain else ''}",
+        )
+    return verdicts[key]
+
+
+def gemm_words(rows: int, weight: torch.Tensor, epilogue: str = "") -> str:
+    """A GEMM as explain() names it: "[rows, K] x [K, N]" and its fused epilogue."""
+    return f"[{rows}, {weight.shape[1]}] x [{weight.shape[1]}, {weight.shape[0]}]{epilogue}"
