@@ -17,7 +17,7 @@ import torch
 
 import fastbert
 from fastbert import BertConfig, BertModel, ops
-from fastbert.backends import int8, native, timing
+from fastbert.backends import gemm, int8, native, timing
 
 EXT, EXT_REASON = native.load("_native_cpu")
 pytestmark = pytest.mark.skipif(
@@ -91,8 +91,25 @@ def test_weight_quantisation_is_per_channel_and_symmetric() -> None:
     assert values.abs().max().item() == int8.LEVELS
     assert values[1].eq(0).all() and q.scale[1].item() == 0  # an all-zero channel stays zero
     torch.testing.assert_close(values * q.scale[:, None], w, atol=q.scale.max().item() / 2, rtol=0)
-    unpacked = q.packed.permute(0, 2, 1, 3).reshape(-1, q.packed.shape[1] * 2)[: w.shape[0], : w.shape[1]]
+    panels, steps, _, per_step = q.packed.shape  # int16 pairs, or int8 quads on VNNI kernels
+    unpacked = q.packed.permute(0, 2, 1, 3).reshape(-1, steps * per_step)[: w.shape[0], : w.shape[1]]
     assert torch.equal(unpacked.float(), values)  # the kernel's layout holds exactly these integers
+
+
+def test_quad_and_pair_packs_give_the_same_numbers(ext) -> None:
+    """VNNI kernels multiply u8 x s8 quads (x shifted by 128, the shift taken back per column): the int32 sums, hence
+    the outputs, are exactly those of int16 pairs. Kernels without VNNI refuse a quad pack by name."""
+    g = torch.Generator().manual_seed(3)
+    x, w, b = torch.randn(37, 70, generator=g) * 2, torch.randn(45, 70, generator=g) * 0.1, torch.randn(45, generator=g)
+    values, scale = int8.quantize_rows(w)
+    quads, pairs = gemm.pack_panels(values.to(torch.int8), 4), gemm.pack_panels(values.to(torch.int16), 2)
+    scale = scale[:, 0].contiguous()
+    if ext.int8_k_per_step() != 4:
+        with pytest.raises(ValueError, match="VNNI"):
+            ext.int8_linear(x, quads, scale, b)
+        return
+    for act in ACTS:
+        assert torch.equal(ext.int8_linear(x, quads, scale, b, act), ext.int8_linear(x, pairs, scale, b, act))
 
 
 def test_bad_kernel_arguments_raise() -> None:

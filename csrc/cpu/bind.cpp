@@ -237,7 +237,7 @@ at::Tensor attention(const at::Tensor& qkv_in, const at::Tensor& cu_seqlens, int
 
 
 // act(x @ W^T + bias), or LayerNorm(x @ W^T + bias + residual), W packed in panels of 16 columns (linear.inc): the
-// shared checks and arguments of fp32_linear and int8_linear. `k_per_step` is 1 (fp32) or 2 (int8 pairs).
+// shared checks and arguments of fp32_linear and int8_linear. `k_per_step` is 1 (fp32), 2 (int8 pairs) or 4 (quads).
 at::Tensor run_linear(void (*kernel)(const LinearArgs&, int), const at::Tensor& x, const at::Tensor& packed,
                       at::ScalarType packed_type, int64_t k_per_step, int64_t n, const float* w_scale,
                       const std::optional<at::Tensor>& bias, const std::optional<std::string>& act,
@@ -301,13 +301,23 @@ at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                     ln_bias, eps, out);
 }
 
-// W int8 per channel (packed by fastbert.backends.int8), x quantised to int8 per row here: see linear.inc.
+// k values per step of the int8 pack the kernels in use read fastest: 4 (int8 quads, u8 x s8 on VNNI) or 2 (pairs).
+int64_t int8_k_per_step() { return kernels().int8_quad_linear != nullptr ? 4 : 2; }
+
+// W int8 per channel (packed by fastbert.backends.int8: int16 pairs, or int8 quads where int8_k_per_step() is 4),
+// x quantised to int8 per row here: see linear.inc.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale,
                        const std::optional<at::Tensor>& bias, const std::optional<std::string>& act,
                        const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& ln_weight,
                        const std::optional<at::Tensor>& ln_bias, double eps, const std::optional<at::Tensor>& out) {
   const int64_t n = w_scale.numel();
   at::Tensor ws = params(w_scale, n, kCpu, "w_scale");
+  if (packed.scalar_type() == at::kChar) {
+    TORCH_CHECK_VALUE(kernels().int8_quad_linear != nullptr, "an int8 quad pack needs the VNNI kernels; the ",
+                      kernels().isa, " kernels in use read int16 pairs (see int8_k_per_step())");
+    return run_linear(kernels().int8_quad_linear, x, packed, at::kChar, 4, n, ws.data_ptr<float>(), bias, act,
+                      residual, ln_weight, ln_bias, eps, out);
+  }
   return run_linear(kernels().int8_linear, x, packed, at::kShort, 2, n, ws.data_ptr<float>(), bias, act, residual,
                     ln_weight, ln_bias, eps, out);
 }
@@ -340,6 +350,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), py::arg("act") = py::none(),
         py::arg("residual") = py::none(), py::arg("ln_weight") = py::none(), py::arg("ln_bias") = py::none(),
         py::arg("eps") = 1e-12, py::arg("out") = py::none());
+  m.def("int8_k_per_step", &int8_k_per_step,
+        "k values per step of the int8 weight pack the kernels in use take: 4 (int8 quads, VNNI) or 2 (int16 pairs)");
   m.def("isa", [] { return std::string(kernels().isa); }, "the instruction set of the kernels in use");
   m.def("set_isa", &set_isa, "use the kernels compiled for one ISA; False if this CPU cannot run them");
   m.def(

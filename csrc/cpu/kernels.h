@@ -56,9 +56,10 @@ struct AttentionArgs {
 struct LinearArgs {
   const float* x;             // [M, K] fp32, row stride x_stride
   int64_t x_stride;
-  const void* weight;         // packed panels: fp32 [ceil(N / 32) * 2][K][16] (fp32_linear), or int8 values as int16
-                              // [ceil(N / 32) * 2][ceil(K / 2)][16][2] (int8_linear)
-  const float* w_scale;       // [N] per output channel (int8_linear only)
+  const void* weight;         // packed panels: fp32 [ceil(N / 32) * 2][K][16] (fp32_linear), int8 values as int16
+                              // [ceil(N / 32) * 2][ceil(K / 2)][16][2] (int8_linear), or as int8
+                              // [ceil(N / 32) * 2][ceil(K / 4)][16][4] (int8_quad_linear)
+  const float* w_scale;       // [N] per output channel (int8 only)
   const float* bias;          // [N] or null
   bool has_act;
   Act act;                    // applied when has_act
@@ -78,6 +79,7 @@ struct KernelTable {
   void (*attention)(const AttentionArgs&, DType, int threads);
   void (*fp32_linear)(const LinearArgs&, int threads);
   void (*int8_linear)(const LinearArgs&, int threads);
+  void (*int8_quad_linear)(const LinearArgs&, int threads);  // null where the ISA has no u8 x s8 dot product (VNNI)
 };
 
 const KernelTable& kernels_avx512bf16();

@@ -51,8 +51,9 @@ def unavailable_reason() -> str | None:
 
 
 def pack_panels(values: torch.Tensor, k_per_step: int) -> torch.Tensor:
-    """An [N, K] weight (fp32, or int8 values as int16) as the kernels read it: [ceil(N / 32) * 2, steps, 16,
-    k_per_step], N zero-padded to 32 and K to a whole step, where a step is one k (fp32) or a k pair (int8)."""
+    """An [N, K] weight (fp32, or int8 values as int16 or int8) as the kernels read it: [ceil(N / 32) * 2, steps, 16,
+    k_per_step], N zero-padded to 32 and K to a whole step, where a step is one k (fp32), a k pair (int8 as int16) or
+    four k (int8 quads)."""
     n, k = values.shape
     padded = values.new_zeros(-(-n // PANEL_COLUMNS) * PANEL_COLUMNS, -(-k // k_per_step) * k_per_step)
     padded[:n, :k] = values

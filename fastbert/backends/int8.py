@@ -31,7 +31,7 @@ _TIE_MARGIN = 1.0  # int8 changes the numbers: it must be faster outright to be 
 class QuantizedWeight(NamedTuple):
     """A weight quantised per output channel, as the kernel reads it (the integers: `quantize_rows(weight)`)."""
 
-    packed: torch.Tensor  # [ceil(N / 32) * 2, ceil(K / 2), 16, 2] int16 holding int8 values
+    packed: torch.Tensor  # [ceil(N / 32) * 2, ceil(K / s), 16, s]: int16 pairs (s = 2) or, with VNNI, int8 quads (4)
     scale: torch.Tensor  # [N] fp32: w ~ values * scale[:, None]
 
 
@@ -49,11 +49,21 @@ def unavailable_reason() -> str | None:
     return gemm.needs_kernel("int8_linear")
 
 
+def k_per_step() -> int:
+    """k values per step of the pack the kernels in use read: 4 (int8 quads for VNNI's u8 x s8 dot product, twice the
+    multiply-adds of an int16 pair per instruction) or 2 (int16 pairs)."""
+    cpu, _ = native.load("_native_cpu")
+    return cpu.int8_k_per_step() if cpu is not None and hasattr(cpu, "int8_k_per_step") else 2
+
+
 def quantize_weight(weight: torch.Tensor) -> QuantizedWeight:
     """Symmetric per-output-channel int8 of an [N, K] weight (an output channel is a row: `quantize_rows`), packed for
-    the kernel. Only the pack and the scales are kept: the integers are needed by references, not at run time."""
+    the kernels in use. Only the pack and the scales are kept: the integers are needed by references, not at run
+    time."""
     values, scale = quantize_rows(weight.detach().float())
-    return QuantizedWeight(gemm.pack_panels(values.to(torch.int16), 2), scale[:, 0].contiguous())
+    step = k_per_step()
+    return QuantizedWeight(gemm.pack_panels(values.to(torch.int8 if step == 4 else torch.int16), step),
+                           scale[:, 0].contiguous())  # fmt: skip
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,8 +76,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantized(weight: torch.Tensor) -> QuantizedWeight:
-    """The cached quantisation of `weight`, rebuilt if the weight changes."""
-    return _weights.get(weight, (), (), lambda: quantize_weight(weight))
+    """The cached quantisation of `weight` in the pack the kernels in use read, rebuilt if the weight changes."""
+    return _weights.get(weight, (k_per_step(),), (), lambda: quantize_weight(weight))
 
 
 def linear(
@@ -113,8 +123,14 @@ def verdicts() -> dict[tuple, tuple[bool, str]]:
 
 
 def describe() -> str | None:
-    """Which GEMM shapes run int8 here and why the others do not, for explain(); None before any was judged."""
-    return gemm.summary(_verdicts, "GEMMs of int8-quantized models", "the rest stay fp32, measured slower in int8")
+    """How int8 GEMMs multiply here, which shapes run int8 and why the others do not, for explain(); None without the
+    kernel."""
+    if unavailable_reason() is not None:
+        return None
+    how = ("u8 x s8 on AVX512-VNNI (vpdpbusd: four multiply-adds per 32-bit lane)" if k_per_step() == 4
+           else "int16 pairs (two multiply-adds per 32-bit lane; no VNNI kernels here)")  # fmt: skip
+    judged = gemm.summary(_verdicts, "GEMMs of int8-quantized models", "the rest stay fp32, measured slower in int8")
+    return f"int8 GEMMs multiply as {how}" + (f"\n{judged}" if judged else "")
 
 
 SPEC = Backend(
