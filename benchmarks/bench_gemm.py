@@ -1,5 +1,6 @@
 """The encoder's GEMMs with their epilogues, side by side in one run: fastbert's fp32 kernel (the `gemm` backend),
-oneDNN with a prepacked weight, torch (F.linear, then the epilogue), and fastbert's int8 kernel for scale.
+oneDNN with a prepacked weight, torch (F.linear, then the epilogue), and fastbert's int8 kernel for scale (on VNNI
+kernels also as int16 pairs, the pack it reads without VNNI: what the u8 x s8 quads gain).
 
 Per layer of a BERT encoder with hidden size H on M tokens: QKV [M, H] x [H, 3H]; attention output [M, H] x [H, H]
 + residual + LayerNorm; FFN in [M, H] x [H, 4H] + GELU; FFN out [M, 4H] x [4H, H] + residual + LayerNorm.
@@ -34,6 +35,7 @@ from fastbert.backends import gemm, int8, native, onednn
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SYSTEMS = ("fastbert gemm", "oneDNN", "torch", "fastbert int8")
+PAIRS = "fastbert int8 (int16 pairs)"  # on VNNI kernels only: the same int8 GEMM on the pack read without VNNI
 
 
 def layers(hidden: int) -> list[tuple[str, int, int, str | None]]:
@@ -46,22 +48,34 @@ def system_calls(m: int, k: int, n: int, epilogue: str | None) -> dict[str, Call
     """Each system's call for one GEMM + epilogue on the same operands."""
     g = torch.Generator().manual_seed(m + k + n)
     x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k**0.5, torch.randn(n, generator=g)
+    cpu, _ = native.load("_native_cpu")
+    values, scale = int8.quantize_rows(w)
+    pairs, scale = gemm.pack_panels(values.to(torch.int16), 2), scale[:, 0].contiguous()
     if epilogue == "layernorm":
         res, lw, lb = torch.randn(m, n, generator=g), torch.ones(n), torch.zeros(n)
         ln = (res, lw, lb, 1e-12)
-        return {
+        calls = {
             "fastbert gemm": lambda: gemm.dense_residual_layernorm(x, w, b, *ln),
             "oneDNN": lambda: onednn.dense_residual_layernorm(x, w, b, *ln),
             "torch": lambda: F.layer_norm(F.linear(x, w, b) + res, (n,), lw, lb, 1e-12),
             "fastbert int8": lambda: int8.dense_residual_layernorm(x, w, b, *ln),
+            PAIRS: lambda: cpu.int8_linear(x, pairs, scale, b, None, *ln),
         }
-    act = (lambda t: F.gelu(t)) if epilogue == "gelu" else (lambda t: t)
-    return {
-        "fastbert gemm": lambda: gemm.linear(x, w, b, epilogue),
-        "oneDNN": lambda: onednn.linear(x, w, b, epilogue),
-        "torch": lambda: act(F.linear(x, w, b)),
-        "fastbert int8": lambda: int8.linear(x, w, b, epilogue),
-    }
+    else:
+        act = (lambda t: F.gelu(t)) if epilogue == "gelu" else (lambda t: t)
+        calls = {
+            "fastbert gemm": lambda: gemm.linear(x, w, b, epilogue),
+            "oneDNN": lambda: onednn.linear(x, w, b, epilogue),
+            "torch": lambda: act(F.linear(x, w, b)),
+            "fastbert int8": lambda: int8.linear(x, w, b, epilogue),
+            PAIRS: lambda: cpu.int8_linear(x, pairs, scale, b, epilogue),
+        }
+    return {name: call for name, call in calls.items() if name in systems()}
+
+
+def systems() -> tuple[str, ...]:
+    """The columns of this run: the int16-pair int8 GEMM only where the kernels in use read quads (VNNI)."""
+    return SYSTEMS + ((PAIRS,) if int8.k_per_step() == 4 else ())
 
 
 def run(hiddens: list[int], rows: list[int], budget: float) -> dict:
@@ -76,7 +90,7 @@ def run(hiddens: list[int], rows: list[int], budget: float) -> dict:
                     fn()  # packs, primitives, quantised weights: built before timing
                 best = cpu_best_seconds(calls, budget)
                 flops = 2 * m * n * k
-                gflops = {s: flops / best[s] / 1e9 for s in SYSTEMS}
+                gflops = {s: flops / best[s] / 1e9 for s in calls}
                 results.append({"hidden": hidden, "layer": name, "m": m, "k": k, "n": n, "epilogue": epilogue,
                                 "gflops": gflops})  # fmt: skip
                 print(f"H {hidden} M {m} {name}: " + ", ".join(f"{s} {v:.0f}" for s, v in gflops.items()), flush=True)
@@ -91,12 +105,13 @@ def run(hiddens: list[int], rows: list[int], budget: float) -> dict:
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "load_average": os.getloadavg(),
         "fma_peak_gflops": peak / 1e9 if peak else None,
+        "systems": list(systems()),
         "results": results,
     }
 
 
 def markdown(doc: dict) -> str:
-    peak = doc["fma_peak_gflops"]
+    peak, names = doc["fma_peak_gflops"], doc.get("systems", SYSTEMS)
     lines = [
         "# The encoder's GEMMs with their epilogues (fp32; int8 for scale)",
         "",
@@ -106,13 +121,13 @@ def markdown(doc: dict) -> str:
         "",
         "GFLOP/s (2 M N K per second; int8: multiply-adds x 2), and fastbert gemm's share of the FMA peak.",
         "",
-        "| H | M | layer | " + " | ".join(SYSTEMS) + " | gemm / oneDNN | gemm / torch | gemm % of peak |",
-        "|---:|---:|---|" + "---:|" * (len(SYSTEMS) + 3),
+        "| H | M | layer | " + " | ".join(names) + " | gemm / oneDNN | gemm / torch | gemm % of peak |",
+        "|---:|---:|---|" + "---:|" * (len(names) + 3),
     ]
     for r in doc["results"]:
         g = r["gflops"]
         share = f"{100 * g['fastbert gemm'] / peak:.0f}%" if peak else "n/a"
-        lines.append(f"| {r['hidden']} | {r['m']} | {r['layer']} | " + " | ".join(f"{g[s]:.0f}" for s in SYSTEMS)
+        lines.append(f"| {r['hidden']} | {r['m']} | {r['layer']} | " + " | ".join(f"{g[s]:.0f}" for s in names)
                      + f" | {g['fastbert gemm'] / g['oneDNN']:.2f}x | {g['fastbert gemm'] / g['torch']:.2f}x | "
                      f"{share} |")  # fmt: skip
     return "\n".join(lines) + "\n"
@@ -122,10 +137,10 @@ def plot(doc: dict, path: str) -> bool:
     plt = pyplot()
     if plt is None:
         return False
-    rows = doc["results"]
+    rows, names = doc["results"], doc.get("systems", SYSTEMS)
     fig, ax = plt.subplots(figsize=(max(8, 0.55 * len(rows) + 2), 4.5))
-    width = 0.8 / len(SYSTEMS)
-    for i, system in enumerate(SYSTEMS):
+    width = 0.8 / len(names)
+    for i, system in enumerate(names):
         ax.bar([j + i * width for j in range(len(rows))], [r["gflops"][system] for r in rows], width, label=system)
     if doc["fma_peak_gflops"]:
         ax.axhline(doc["fma_peak_gflops"], color="k", linestyle="--", linewidth=1, label="fp32 FMA peak")
