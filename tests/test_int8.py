@@ -118,6 +118,11 @@ def test_bad_kernel_arguments_raise() -> None:
         EXT.int8_linear(torch.randn(4, 16, dtype=torch.bfloat16), q.packed, q.scale)
     with pytest.raises(ValueError, match="pack"):
         EXT.int8_linear(torch.randn(4, 12), q.packed, q.scale)  # K does not match the pack
+    k = int8.max_k() + 1  # past int32's room for the products of K int8 pairs (quads: u8 x s8)
+    big = int8.quantize_weight(torch.randn(1, k))
+    with pytest.raises(ValueError, match="K must be at most"):
+        EXT.int8_linear(torch.randn(1, k), big.packed, big.scale)
+    assert "overflow" in int8.SPEC.limits["linear"]({"x": torch.randn(1, k), "weight": torch.randn(1, k)}, True)
     with pytest.raises(ValueError, match="residual"):
         EXT.int8_linear(torch.randn(4, 16), q.packed, q.scale, None, None, torch.randn(4, 8))  # no LayerNorm params
 

@@ -312,7 +312,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                        const std::optional<at::Tensor>& ln_bias, double eps, const std::optional<at::Tensor>& out) {
   const int64_t n = w_scale.numel();
   at::Tensor ws = params(w_scale, n, kCpu, "w_scale");
-  if (packed.scalar_type() == at::kChar) {
+  const bool quads = packed.scalar_type() == at::kChar;
+  // the int32 sums' bound: |qx| <= 127 (pairs) or qx + 128 <= 255 (quads, before the shift is taken back), |qw| <= 127
+  const int64_t k_max = ((int64_t(1) << 31) - 1) / (127 * (quads ? 255 : 127));
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) <= k_max, "int8 GEMMs accumulate in int32: K must be at most ", k_max,
+                    " for this pack, got ", x.dim() >= 1 ? x.size(-1) : 0);
+  if (quads) {
     TORCH_CHECK_VALUE(kernels().int8_quad_linear != nullptr, "an int8 quad pack needs the VNNI kernels; the ",
                       kernels().isa, " kernels in use read int16 pairs (see int8_k_per_step())");
     return run_linear(kernels().int8_quad_linear, x, packed, at::kChar, 4, n, ws.data_ptr<float>(), bias, act,

@@ -110,7 +110,15 @@ def dense_residual_layernorm(
     return cpu.int8_linear(x, q.packed, q.scale, bias, None, residual, ln_weight, ln_bias, eps)
 
 
+def max_k() -> int:
+    """The longest K whose int32 sums cannot overflow with the pack in use (bind.cpp refuses a longer one): |qx| <= 127
+    for pairs, qx + 128 <= 255 for quads before the shift is taken back; |qw| <= 127."""
+    return (2**31 - 1) // (127 * (255 if k_per_step() == 4 else LEVELS))
+
+
 def _refuses(op: str, call: dict, forced: bool) -> str | None:
+    if call["x"].shape[-1] > max_k():
+        return f"K = {call['x'].shape[-1]} > {max_k()}: int8 products would overflow their int32 sums"
     mine = linear if op == "linear" else dense_residual_layernorm
     return gemm.refuses_call(
         call, forced, lambda: gemm.judge(_verdicts, op, call, mine, fallback[op], ("int8", "fp32"), _TIE_MARGIN)
