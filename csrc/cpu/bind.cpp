@@ -304,6 +304,10 @@ at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
 // k values per step of the int8 pack the kernels in use read fastest: 4 (int8 quads, u8 x s8 on VNNI) or 2 (pairs).
 int64_t int8_k_per_step() { return kernels().int8_quad_linear != nullptr ? 4 : 2; }
 
+// The longest K whose int32 sums cannot overflow: |qw| <= 127 times |qx| <= 127 (pairs) or qx + 128 <= 255 (quads,
+// before the shift is taken back).
+int64_t int8_max_k(bool quads) { return ((int64_t(1) << 31) - 1) / (127 * (quads ? 255 : 127)); }
+
 // W int8 per channel (packed by fastbert.backends.int8: int16 pairs, or int8 quads where int8_k_per_step() is 4),
 // x quantised to int8 per row here: see linear.inc.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale,
@@ -313,8 +317,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const int64_t n = w_scale.numel();
   at::Tensor ws = params(w_scale, n, kCpu, "w_scale");
   const bool quads = packed.scalar_type() == at::kChar;
-  // the int32 sums' bound: |qx| <= 127 (pairs) or qx + 128 <= 255 (quads, before the shift is taken back), |qw| <= 127
-  const int64_t k_max = ((int64_t(1) << 31) - 1) / (127 * (quads ? 255 : 127));
+  const int64_t k_max = int8_max_k(quads);
   TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) <= k_max, "int8 GEMMs accumulate in int32: K must be at most ", k_max,
                     " for this pack, got ", x.dim() >= 1 ? x.size(-1) : 0);
   if (quads) {
@@ -357,6 +360,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("eps") = 1e-12, py::arg("out") = py::none());
   m.def("int8_k_per_step", &int8_k_per_step,
         "k values per step of the int8 weight pack the kernels in use take: 4 (int8 quads, VNNI) or 2 (int16 pairs)");
+  m.def("int8_max_k", [] { return int8_max_k(int8_k_per_step() == 4); },
+        "the longest K the int8 kernels in use take (int32 sums; int8_linear refuses a longer one)");
   m.def("isa", [] { return std::string(kernels().isa); }, "the instruction set of the kernels in use");
   m.def("set_isa", &set_isa, "use the kernels compiled for one ISA; False if this CPU cannot run them");
   m.def(

@@ -46,7 +46,7 @@ fallback: dict[str, Callable[..., torch.Tensor]] = {}
 
 def unavailable_reason() -> str | None:
     """Why int8 GEMMs cannot run here, or None: they need the native CPU extension."""
-    return gemm.needs_kernel("int8_linear")
+    return gemm.needs_kernel("int8_linear") or gemm.needs_kernel("int8_max_k")
 
 
 def k_per_step() -> int:
@@ -111,14 +111,15 @@ def dense_residual_layernorm(
 
 
 def max_k() -> int:
-    """The longest K whose int32 sums cannot overflow with the pack in use (bind.cpp refuses a longer one): |qx| <= 127
-    for pairs, qx + 128 <= 255 for quads before the shift is taken back; |qw| <= 127."""
-    return (2**31 - 1) // (127 * (255 if k_per_step() == 4 else LEVELS))
+    """The longest K the int8 kernels in use take: their int32 sums bound it (the extension's own rule)."""
+    cpu, _ = native.load("_native_cpu")
+    return cpu.int8_max_k()
 
 
 def _refuses(op: str, call: dict, forced: bool) -> str | None:
-    if call["x"].shape[-1] > max_k():
-        return f"K = {call['x'].shape[-1]} > {max_k()}: int8 products would overflow their int32 sums"
+    k, longest = call["x"].shape[-1], max_k()
+    if k > longest:
+        return f"K = {k} > {longest}: int8 products would overflow their int32 sums"
     mine = linear if op == "linear" else dense_residual_layernorm
     return gemm.refuses_call(
         call, forced, lambda: gemm.judge(_verdicts, op, call, mine, fallback[op], ("int8", "fp32"), _TIE_MARGIN)
