@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastbert import ops, reference
+from fastbert import layer_stack, ops, reference
 from fastbert.checkpoint import PreTrainedModel
 from fastbert.config import BertConfig
 from fastbert.cuda_graphs import CudaGraphs
@@ -241,7 +241,14 @@ class BertEncoder(nn.Module):
         self, x: torch.Tensor, packing: Packing, output_hidden_states: bool = False, output_attentions: bool = False
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         hidden, attentions = [x] if output_hidden_states else [], []
-        for layer in self.layer:
+        layers = list(self.layer)
+        if len(layers) > 1 and not (output_hidden_states or output_attentions) and x.device.type == "cpu":
+            with ops.recording() as first:  # what the first layer runs on decides whether the rest can be stacked
+                x, _ = layers[0](x, packing)
+            if (stacked := layer_stack.run(layers, x, packing, first)) is not None:
+                return stacked, hidden, attentions
+            layers = layers[1:]
+        for layer in layers:
             x, probs = layer(x, packing, output_attentions)
             if output_hidden_states:
                 hidden.append(x)

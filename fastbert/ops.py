@@ -33,7 +33,8 @@ from fastbert.backends.spec import COMPOUND_OPS, FLOATS, KERNEL_OPS, OPS, Backen
 
 __all__ = [
     "COMPOUND_OPS", "KERNEL_OPS", "OPS", "Backend", "BackendUnavailable", "backends", "decisions", "exclude_backends",
-    "explain", "forced_backend", "opt_in", "register_backend", "select", "use_backend",
+    "explain", "forced_backend", "opt_in", "recording", "register_backend", "register_explainer", "select",
+    "use_backend",
     "attention", "bias_act", "bias_residual_layernorm", "dense_residual_layernorm", "embedding_layernorm", "linear",
 ]  # fmt: skip
 
@@ -45,6 +46,7 @@ _state = threading.local()
 _decisions: dict[str, str] = {}  # op -> its last decision
 _decisions_by_dtype: dict[tuple[str, str], str] = {}  # (op, dtype) -> the last decision at that dtype
 _last_facts: dict[str, tuple] = {}  # op -> (dtype, backend, note, refusals) of its last decision
+_explainers: list[Callable[[], str | None]] = []  # explain()'s lines from the layers above the dispatch
 
 
 def register_backend(backend: Backend, before: str | None = "torch") -> None:
@@ -170,6 +172,11 @@ def _record(op: str, dtype: torch.dtype, name: str, note: str, why: tuple[tuple[
         log.debug("%s -> %s", op, decision)
 
 
+def register_explainer(describe: Callable[[], str | None]) -> None:
+    """Add a line to explain() from a layer above the dispatch (fastbert.layer_stack): `describe()` gives it or None."""
+    _explainers.append(describe)
+
+
 def decisions() -> dict[str, str]:
     """op -> the backend it last ran on and why the ones before it were skipped (explain()'s last part, as data)."""
     return dict(_decisions)
@@ -183,6 +190,7 @@ def explain() -> str:
         describe = getattr(backend.module, "describe", None)
         if callable(describe) and (said := describe()):
             lines.append(f"{backend.name}: {said}")
+    lines += [said for describe in _explainers if (said := describe())]
     lines.append("")
     if not _decisions:
         return "\n".join(lines + ["no fused op has run yet"])
@@ -191,8 +199,22 @@ def explain() -> str:
 
 
 def _dispatch(op: str, *args: Any, **kwargs: Any) -> torch.Tensor:
-    fn, _ = select(op, args, kwargs)
+    fn, name = select(op, args, kwargs)
+    if (trace := getattr(_state, "trace", None)) is not None:
+        trace.append((op, name))
     return fn(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[tuple[str, str]]]:
+    """Inside the block, every op this thread dispatches is appended to the list it gives: (op, backend), in order
+    (how fastbert.layer_stack learns what the encoder's first layer ran on)."""
+    previous = getattr(_state, "trace", None)
+    _state.trace = trace = []
+    try:
+        yield trace
+    finally:
+        _state.trace = previous
 
 
 # One public function per op; the signatures are the references' (see fastbert/reference.py), without `upcast`.

@@ -5,7 +5,9 @@
 
 #include <ATen/Parallel.h>
 
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "../bind_utils.h"
 #include "kernels.h"
@@ -330,6 +332,43 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                     ln_weight, ln_bias, eps, out);
 }
 
+// One GEMM of encoder_layers from its operands as fastbert's backends pack them: {packed weight, per-channel scales,
+// bias}, the scales empty for an fp32 pack (the `gemm` backend) and set for an int8 one (the `int8` backend).
+at::Tensor stack_gemm(const at::Tensor& x, const at::Tensor* w, const std::optional<std::string>& act,
+                      const std::optional<at::Tensor>& residual = std::nullopt,
+                      const std::optional<at::Tensor>& ln_weight = std::nullopt,
+                      const std::optional<at::Tensor>& ln_bias = std::nullopt, double eps = 0.0) {
+  if (w[1].numel() == 0)
+    return fp32_linear(x, w[0], w[2].numel(), w[2], act, residual, ln_weight, ln_bias, eps, std::nullopt);
+  return int8_linear(x, w[0], w[1], w[2], act, residual, ln_weight, ln_bias, eps, std::nullopt);
+}
+
+// Post-LN encoder layers one after another in one call, for inference: per layer the QKV GEMM, attention, the output
+// projection + residual + LayerNorm, FFN in + activation, FFN out + residual + LayerNorm. The kernels and their order
+// are those of the per-op path (fastbert/layer_stack.py), without a return to Python between them. `weights`: 16 per
+// layer, {packed, scales, bias} for QKV, then for the output projection followed by its LayerNorm's weight and bias,
+// then for FFN in, then for FFN out with its LayerNorm's; `eps`: the two LayerNorms' per layer.
+at::Tensor encoder_layers(const at::Tensor& x_in, const at::Tensor& cu_seqlens, int64_t max_seqlen, int64_t heads,
+                          double scale, const std::vector<at::Tensor>& weights, const std::optional<std::string>& act,
+                          const std::vector<double>& eps) {
+  constexpr size_t kPerLayer = 16;
+  TORCH_CHECK_VALUE(weights.size() % kPerLayer == 0 && eps.size() * kPerLayer == 2 * weights.size(),
+                    "weights must hold 16 tensors and eps 2 values per layer, got ", weights.size(), " and ",
+                    eps.size());
+  TORCH_CHECK_VALUE(x_in.dim() == 2 && heads > 0, "x must be [T, H] and heads > 0, got ", x_in.sizes(), ", ", heads);
+  const int64_t tokens = x_in.size(0), hidden = x_in.size(1);
+  TORCH_CHECK_VALUE(hidden % heads == 0, "hidden size ", hidden, " is not a multiple of ", heads, " heads");
+  at::Tensor x = x_in;
+  for (size_t layer = 0; layer < weights.size() / kPerLayer; ++layer) {
+    const at::Tensor* w = weights.data() + layer * kPerLayer;
+    const at::Tensor qkv = stack_gemm(x, w, std::nullopt).view({tokens, 3, heads, hidden / heads});
+    const at::Tensor ctx = attention(qkv, cu_seqlens, max_seqlen, scale, std::nullopt).view({tokens, hidden});
+    const at::Tensor h = stack_gemm(ctx, w + 3, std::nullopt, x, w[6], w[7], eps[2 * layer]);
+    x = stack_gemm(stack_gemm(h, w + 8, act), w + 11, std::nullopt, h, w[14], w[15], eps[2 * layer + 1]);
+  }
+  return x;
+}
+
 }  // namespace
 }  // namespace fastbert::cpu
 
@@ -358,6 +397,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), py::arg("act") = py::none(),
         py::arg("residual") = py::none(), py::arg("ln_weight") = py::none(), py::arg("ln_bias") = py::none(),
         py::arg("eps") = 1e-12, py::arg("out") = py::none());
+  m.def("encoder_layers", &encoder_layers,
+        "post-LN encoder layers in one call (inference), on the kernels the per-op path runs: [T, H] -> [T, H]",
+        py::arg("x"), py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("heads"), py::arg("scale"),
+        py::arg("weights"), py::arg("act"), py::arg("eps"));
   m.def("int8_k_per_step", &int8_k_per_step,
         "k values per step of the int8 weight pack the kernels in use take: 4 (int8 quads, VNNI) or 2 (int16 pairs)");
   m.def("int8_max_k", [] { return int8_max_k(int8_k_per_step() == 4); },

@@ -26,6 +26,7 @@ from fastbert.weight_stamp import WeightCache
 
 PANEL = 16  # output columns per packed panel
 PANEL_COLUMNS = 32  # the pack pads N to a multiple of this (the widest tile, AVX-512's 32 columns)
+NO_SCALES = torch.empty(0)  # an fp32 pack's per-channel scales, for `operands`
 _TIE_MARGIN = 1.0  # its epilogues are in both timings: faster outright, or the other path keeps the call
 
 _packs = WeightCache()  # (weight) -> packed fp32 panels
@@ -64,6 +65,11 @@ def pack_panels(values: torch.Tensor, k_per_step: int) -> torch.Tensor:
 def packed(weight: torch.Tensor) -> torch.Tensor:
     """The cached fp32 panels of `weight`, rebuilt if the weight changes."""
     return _packs.get(weight, (), (), lambda: pack_panels(weight.detach().float(), 1))
+
+
+def operands(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight as the native `encoder_layers` takes a GEMM's: (packed panels, no scales) (fastbert.layer_stack)."""
+    return packed(weight), NO_SCALES
 
 
 def linear(

@@ -80,6 +80,12 @@ def quantized(weight: torch.Tensor) -> QuantizedWeight:
     return _weights.get(weight, (k_per_step(),), (), lambda: quantize_weight(weight))
 
 
+def operands(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight as the native `encoder_layers` takes a GEMM's (fastbert.layer_stack): (int8 pack, scales)."""
+    q = quantized(weight)
+    return q.packed, q.scale
+
+
 def linear(
     x: torch.Tensor,  # [*, K] fp32
     weight: torch.Tensor,  # [N, K]

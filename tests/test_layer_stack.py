@@ -1,0 +1,143 @@
+"""The encoder's later layers in one native call (fastbert.layer_stack): bitwise the per-op path's output, fp32 and
+int8, on every ISA this CPU runs; op by op, with the reason in explain(), whenever the call could differ from the per-op
+path (hooks, grad, a backend it has no kernel of, hidden states asked for); bad arguments to the native entry raise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastbert
+from fastbert import BertConfig, BertModel, layer_stack, ops
+from tests.conftest import NATIVE_CPU, NATIVE_CPU_REASON
+
+pytestmark = pytest.mark.skipif(NATIVE_CPU is None, reason=f"native CPU extension unavailable: {NATIVE_CPU_REASON}")
+
+
+def tiny_model(layers: int = 3, act: str = "gelu") -> BertModel:
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=120, hidden_size=78, num_hidden_layers=layers, num_attention_heads=3,
+                        intermediate_size=160, hidden_act=act, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)  # fmt: skip
+    return BertModel(config).eval()
+
+
+def ragged_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(1, 120, (4, 19), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    mask[2, 1:] = 0
+    mask[3, :] = 0  # an empty sequence: cu_seqlens repeats a bound
+    return ids, mask
+
+
+def run(model: BertModel, stacked: bool, monkeypatch: pytest.MonkeyPatch, **kwargs) -> tuple[torch.Tensor, bool]:
+    """last_hidden_state with the stack on or off, and whether this forward stacked its layers."""
+    monkeypatch.setenv("FASTBERT_LAYER_STACK", "1" if stacked else "0")
+    ids, mask = ragged_batch()
+    before = layer_stack._status["forwards"]
+    with torch.inference_mode():
+        out = model(ids, attention_mask=mask, **kwargs).last_hidden_state
+    return out, layer_stack._status["forwards"] > before
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_new", "relu"])
+def test_stacked_layers_equal_the_per_op_path_bitwise(ext, act: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FASTBERT_CPU_GEMM", "gemm")  # fastbert's GEMM without timing: the stack's precondition
+    model = tiny_model(act=act)
+    per_op, stacked_before = run(model, False, monkeypatch)
+    stacked, ran = run(model, True, monkeypatch)
+    assert not stacked_before and ran
+    assert torch.equal(per_op, stacked)
+    assert "in one native call (gemm, gemm, gemm, gemm GEMMs)" in fastbert.explain()
+
+
+def test_int8_layers_stack_with_their_int8_kernels(ext, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = fastbert.optimize(tiny_model(), quantize="int8")
+    with ops.use_backend("int8"):  # every GEMM int8, whatever this CPU's timings say
+        per_op, _ = run(model, False, monkeypatch)
+        stacked, ran = run(model, True, monkeypatch)
+    assert ran and "(int8, int8, int8, int8 GEMMs)" in layer_stack.describe()
+    assert torch.equal(per_op, stacked)  # an fp32 GEMM in place of an int8 one would change the numbers
+
+
+def test_weights_changed_in_place_are_seen(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FASTBERT_CPU_GEMM", "gemm")
+    model = tiny_model()
+    before, _ = run(model, True, monkeypatch)
+    with torch.no_grad():
+        model.encoder.layer[2].output.dense.weight.mul_(2.0)
+        model.encoder.layer[1].attention.self.value.bias.add_(0.5)
+    after, ran = run(model, True, monkeypatch)
+    per_op, _ = run(model, False, monkeypatch)
+    assert ran and torch.equal(after, per_op) and not torch.equal(after, before)
+
+
+def _hook_on_last_layer(model: BertModel, seen: list) -> None:
+    model.encoder.layer[-1].intermediate.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+
+
+@pytest.mark.parametrize(
+    "setup, reason",
+    [
+        (lambda model, seen: _hook_on_last_layer(model, seen), "has forward hooks"),
+        (lambda model, seen: model.encoder.layer[1].train(), "in training mode"),
+        (lambda model, seen: setattr(model.encoder.layer[2].output.dense, "bias", None), "not built like layer 1"),
+    ],
+    ids=["hook", "training-layer", "no-bias"],
+)
+def test_layers_that_differ_run_op_by_op(setup, reason: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FASTBERT_CPU_GEMM", "gemm")
+    model, seen = tiny_model(), []
+    setup(model, seen)
+    out, ran = run(model, True, monkeypatch)
+    assert not ran and reason in layer_stack.describe()
+    per_op, _ = run(model, False, monkeypatch)
+    assert torch.equal(out, per_op)
+    if seen:
+        assert len(seen) == 2  # the hook fired in both forwards
+
+
+def test_grad_forced_backends_and_hidden_states_run_op_by_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FASTBERT_CPU_GEMM", "gemm")
+    monkeypatch.setenv("FASTBERT_LAYER_STACK", "1")
+    model, (ids, mask) = tiny_model(), ragged_batch()
+    before = layer_stack._status["forwards"]
+    with torch.no_grad(), ops.use_backend("torch"):
+        model(ids, attention_mask=mask)
+    assert "op by op: the first layer ran linear on torch" in layer_stack.describe()
+    with torch.enable_grad():
+        model(ids, attention_mask=mask)
+        assert "the first layer ran linear on torch" in layer_stack.describe()  # its weights need grad
+        model.embeddings.requires_grad_(False)  # fine-tuning the upper layers only
+        model.encoder.layer[0].requires_grad_(False)
+        out = model(ids, attention_mask=mask).last_hidden_state
+    assert "later layers' weights require grad" in layer_stack.describe()
+    out.sum().backward()
+    assert model.encoder.layer[1].output.dense.weight.grad is not None
+    with torch.inference_mode():
+        out = model(ids, attention_mask=mask, output_hidden_states=True)
+    assert len(out.hidden_states) == 4 and layer_stack._status["forwards"] == before
+
+
+def test_bad_native_arguments_raise() -> None:
+    x, cu = torch.randn(5, 6), torch.tensor([0, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="16 tensors and eps 2 values per layer"):
+        NATIVE_CPU.encoder_layers(x, cu, 5, 2, 1.0, [x] * 15, "gelu", [1e-12, 1e-12])
+    with pytest.raises(ValueError, match="not a multiple of 4 heads"):
+        NATIVE_CPU.encoder_layers(x, cu, 5, 4, 1.0, [], "gelu", [])
+    with pytest.raises(ValueError, match="packed must be"):
+        NATIVE_CPU.encoder_layers(x, cu, 5, 2, 1.0, [x, torch.empty(0)] + [x] * 14, "gelu", [1e-12, 1e-12])
+
+
+def test_benchmark_times_both_paths_and_writes_its_table(tmp_path) -> None:
+    """bench_layer_stack on one small shape: both paths timed (it checks they agree), JSON and Markdown written."""
+    import json
+
+    from benchmarks import bench_layer_stack
+
+    assert bench_layer_stack.main(["--iters", "1", "--shapes", "2x5", "--out", str(tmp_path)]) == 0
+    doc = json.loads(next(tmp_path.glob("layer_stack_cpu-*.json")).read_text())
+    assert [(r["precision"], r["batch"], r["tokens"]) for r in doc["results"]] == [("fp32", 2, 5), ("int8", 2, 5)]
+    assert all(r["ms"]["op by op"] > 0 and r["ms"]["stacked"] > 0 for r in doc["results"])
+    assert "| int8 | 2 x 5 |" in next(tmp_path.glob("layer_stack_cpu-*.md")).read_text()
