@@ -78,13 +78,15 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"precision": precision, "batch": batch, "tokens": tokens, "ms": ms,
                          "speedup": ms["op by op"] / ms["stacked"], "stack": layer_stack.describe()})  # fmt: skip
     doc = {"device": model_report.device_name(torch.device("cpu")), "cpu": capabilities.cpu_model(),
-           "versions": model_report.versions(), "model": weights, "iters": args.iters, "results": rows}  # fmt: skip
+           "versions": model_report.versions(), "commit": model_report.git_commit(), "model": weights,
+           "iters": args.iters, "results": rows}  # fmt: skip
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"layer_stack_cpu-{capabilities.cpu_kind()}")
     with open(stem + ".json", "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=2)
     lines = [f"# Encoder layers stacked in one native call vs op by op: {weights}", "",
-             f"{doc['device']}; {doc['cpu']}; median of {args.iters} alternating forwards each", "",
+             f"{doc['device']}; {doc['cpu']}; commit {doc['commit']}; median of {args.iters} alternating forwards each",
+             "",
              "| precision | batch x tokens | op by op, ms | stacked, ms | speedup |",
              "|---|---|---:|---:|---:|"]  # fmt: skip
     for r in rows:
