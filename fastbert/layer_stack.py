@@ -76,10 +76,12 @@ class _Parts(NamedTuple):
     ffn_norm: nn.Module
 
     def signature(self) -> tuple:
-        """What the first layer's decisions depend on besides the call: module types, heads, activation, weights."""
-        dense = (self.out_dense, self.inter_dense, self.ffn_dense)
+        """What the first layer's decisions depend on besides the call: module types, heads, activation, and the
+        weights' shapes, dtypes and devices."""
+        qkv = self.self_attention._modules
+        dense = (qkv["query"], qkv["key"], qkv["value"], self.out_dense, self.inter_dense, self.ffn_dense)
         return (*(type(m) for m in self.modules), self.self_attention.num_heads, self.modules[4].act,
-                *((w.shape, w.dtype, b is not None) for w, b in map(_params, dense)))  # fmt: skip
+                *((w.shape, w.dtype, w.device, b is not None) for w, b in map(_params, dense)))  # fmt: skip
 
     def hooked(self) -> bool:
         return any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
