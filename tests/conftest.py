@@ -47,6 +47,16 @@ def ext(request: pytest.FixtureRequest):
     NATIVE_CPU.set_isa(default)
 
 
+def tiny_bert(**overrides):
+    """A randomly initialised BertModel in eval mode, seeded: vocab 120, hidden 78 (3 heads of 26, not a whole vector
+    of lanes), FFN 160, 2 layers unless `overrides` say otherwise."""
+    from fastbert import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    fields = dict(vocab_size=120, hidden_size=78, num_hidden_layers=2, num_attention_heads=3, intermediate_size=160)
+    return BertModel(BertConfig(**{**fields, **overrides})).eval()
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)

@@ -18,6 +18,7 @@ import torch
 import fastbert
 from fastbert import BertConfig, BertModel, ops
 from fastbert.backends import gemm, int8, native, timing
+from tests.conftest import tiny_bert
 
 EXT, EXT_REASON = native.load("_native_cpu")
 pytestmark = pytest.mark.skipif(
@@ -128,10 +129,7 @@ def test_bad_kernel_arguments_raise() -> None:
 
 
 def tiny_model() -> BertModel:
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=120, hidden_size=78, num_hidden_layers=2, num_attention_heads=3,
-                        intermediate_size=160)  # fmt: skip
-    return BertModel(config).eval()
+    return tiny_bert()
 
 
 def ragged_batch() -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,18 +8,15 @@ import pytest
 import torch
 
 import fastbert
-from fastbert import BertConfig, BertModel, layer_stack, ops
-from tests.conftest import NATIVE_CPU, NATIVE_CPU_REASON
+from fastbert import BertModel, layer_stack, ops
+from tests.conftest import NATIVE_CPU, NATIVE_CPU_REASON, tiny_bert
 
 pytestmark = pytest.mark.skipif(NATIVE_CPU is None, reason=f"native CPU extension unavailable: {NATIVE_CPU_REASON}")
 
 
-def tiny_model(layers: int = 3, act: str = "gelu") -> BertModel:
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=120, hidden_size=78, num_hidden_layers=layers, num_attention_heads=3,
-                        intermediate_size=160, hidden_act=act, hidden_dropout_prob=0.0,
-                        attention_probs_dropout_prob=0.0)  # fmt: skip
-    return BertModel(config).eval()
+def tiny_model(act: str = "gelu") -> BertModel:
+    """Three layers (two stacked), no dropout (a layer in training mode still computes the same)."""
+    return tiny_bert(num_hidden_layers=3, hidden_act=act, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
 
 def ragged_batch() -> tuple[torch.Tensor, torch.Tensor]:
