@@ -400,7 +400,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("encoder_layers", &encoder_layers,
         "post-LN encoder layers in one call (inference), on the kernels the per-op path runs: [T, H] -> [T, H]",
         py::arg("x"), py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("heads"), py::arg("scale"),
-        py::arg("weights"), py::arg("act"), py::arg("eps"));
+        py::arg("weights"), py::arg("act"), py::arg("eps"),
+        py::call_guard<py::gil_scoped_release>());  // the whole encoder: other Python threads run meanwhile
   m.def("int8_k_per_step", &int8_k_per_step,
         "k values per step of the int8 weight pack the kernels in use take: 4 (int8 quads, VNNI) or 2 (int16 pairs)");
   m.def("int8_max_k", [] { return int8_max_k(int8_k_per_step() == 4); },
