@@ -30,6 +30,7 @@ from fastbert.padding import Packing
 
 # a layer's ops, in the order its forward dispatches them
 PLAN = ("linear", "attention", "dense_residual_layernorm", "linear", "dense_residual_layernorm")
+GEMMS = ("QKV", "attention out", "FFN in", "FFN out")  # a layer's GEMMs, in order
 OPERANDS = {"gemm": gemm.operands, "int8": int8.operands}  # GEMM backend -> weight -> (pack, per-channel scales)
 
 _status = {"forwards": 0, "last": ""}  # for explain(): how many forwards stacked their layers, the last outcome
@@ -59,7 +60,9 @@ def run(
     x = cpu.encoder_layers(x, packing.cu_seqlens, int(packing.max_seqlen), attention.num_heads,
                            1.0 / math.sqrt(attention.head_dim), weights, parts[0].modules[4].act, eps)  # fmt: skip
     _status["forwards"] += 1
-    _status["last"] = f"layers 2-{len(layers)} in one native call ({', '.join(gemms)} GEMMs)"
+    on = (f"every GEMM on {gemms[0]}" if len(set(gemms)) == 1
+          else ", ".join(f"{what} on {name}" for what, name in zip(GEMMS, gemms, strict=True)))  # fmt: skip
+    _status["last"] = f"layers 2-{len(layers)} in one native call ({on}, attention on native)"
     return x
 
 

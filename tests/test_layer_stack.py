@@ -9,6 +9,7 @@ import torch
 
 import fastbert
 from fastbert import BertModel, layer_stack, ops
+from fastbert.backends import int8, timing
 from tests.conftest import NATIVE_CPU, NATIVE_CPU_REASON, tiny_bert
 
 pytestmark = pytest.mark.skipif(NATIVE_CPU is None, reason=f"native CPU extension unavailable: {NATIVE_CPU_REASON}")
@@ -46,7 +47,7 @@ def test_stacked_layers_equal_the_per_op_path_bitwise(ext, act: str, monkeypatch
     stacked, ran = run(model, True, monkeypatch)
     assert not stacked_before and ran
     assert torch.equal(per_op, stacked)
-    assert "in one native call (gemm, gemm, gemm, gemm GEMMs)" in fastbert.explain()
+    assert "layers 2-3 in one native call (every GEMM on gemm, attention on native)" in fastbert.explain()
 
 
 def test_int8_layers_stack_with_their_int8_kernels(ext, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -54,8 +55,23 @@ def test_int8_layers_stack_with_their_int8_kernels(ext, monkeypatch: pytest.Monk
     with ops.use_backend("int8"):  # every GEMM int8, whatever this CPU's timings say
         per_op, _ = run(model, False, monkeypatch)
         stacked, ran = run(model, True, monkeypatch)
-    assert ran and "(int8, int8, int8, int8 GEMMs)" in layer_stack.describe()
+    assert ran and "(every GEMM on int8, attention on native)" in layer_stack.describe()
     assert torch.equal(per_op, stacked)  # an fp32 GEMM in place of an int8 one would change the numbers
+
+
+def test_each_gemm_keeps_the_backend_the_first_layer_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An int8 model whose first-use verdicts kept two of the four GEMM shapes in fp32: the stack runs the same mix."""
+    monkeypatch.setenv("FASTBERT_CPU_GEMM", "gemm")  # the fp32 GEMMs on fastbert's kernel, untimed
+    rows = int(ragged_batch()[1].sum())
+    size = timing.size_class(rows)
+    verdicts = {(234, 78, None, False, size): (True, "int8 faster"), (78, 78, None, True, size): (False, "slower"),
+                (160, 78, "gelu", False, size): (True, "int8 faster"), (78, 160, None, True, size): (False, "slower")}
+    monkeypatch.setattr(int8, "_verdicts", verdicts)
+    model = fastbert.optimize(tiny_model(), quantize="int8")
+    per_op, _ = run(model, False, monkeypatch)
+    stacked, ran = run(model, True, monkeypatch)
+    assert ran and torch.equal(per_op, stacked)
+    assert "QKV on int8, attention out on gemm, FFN in on int8, FFN out on gemm" in layer_stack.describe()
 
 
 def test_weights_changed_in_place_are_seen(monkeypatch: pytest.MonkeyPatch) -> None:
