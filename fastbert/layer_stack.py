@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -37,19 +37,23 @@ _status = {"forwards": 0, "last": ""}  # for explain(): how many forwards stacke
 
 
 def run(
-    layers: Sequence[nn.Module], x: torch.Tensor, packing: Packing, first: list[tuple[str, str]]
+    layers: Sequence[nn.Module],
+    x: torch.Tensor,
+    packing: Packing,
+    first: list[tuple[str, str]],
+    forwards: tuple[Callable, ...],
 ) -> torch.Tensor | None:
     """The layers after the first applied to x (the first's output, [T, H]) in one native call; None, with the reason
-    kept for explain(), when they must run op by op. `first`: the (op, backend) pairs the first layer dispatched."""
-    reason, gemms, parts = _refusal(layers, first)
+    kept for explain(), when they must run op by op. `first`: the (op, backend) pairs the first layer dispatched;
+    `forwards`: the forward methods the native call reproduces (fastbert.modeling's), in the order of _Parts.modules."""
+    reason, gemms, parts = _refusal(layers, first, forwards)
     if reason is not None:
         _status["last"] = f"op by op: {reason}"
         return None
     weights: list[torch.Tensor] = []
     eps: list[float] = []
     for p in parts[1:]:
-        qkv = p.self_attention.qkv_weight()
-        linears = (qkv, _params(p.out_dense), _params(p.inter_dense), _params(p.ffn_dense))
+        linears = (p.self_attention.qkv_weight(), _params(p.out_dense), _params(p.inter_dense), _params(p.ffn_dense))
         for (weight, bias), backend, norm in zip(linears, gemms, (None, p.out_norm, None, p.ffn_norm), strict=True):
             weights += [*OPERANDS[backend](weight), bias]
             if norm is not None:  # an output projection, followed by its LayerNorm
@@ -78,16 +82,35 @@ class _Parts(NamedTuple):
     ffn_dense: nn.Module
     ffn_norm: nn.Module
 
-    def signature(self) -> tuple:
-        """What the first layer's decisions depend on besides the call: module types, heads, activation, and the
-        weights' shapes, dtypes and devices."""
+    def tensors(self) -> tuple[nn.Module, ...]:
+        """The modules whose weight and bias the layer reads: Q, K, V, the projections and LayerNorms."""
         qkv = self.self_attention._modules
-        dense = (qkv["query"], qkv["key"], qkv["value"], self.out_dense, self.inter_dense, self.ffn_dense)
-        return (*(type(m) for m in self.modules), self.self_attention.num_heads, self.modules[4].act,
-                *((w.shape, w.dtype, w.device, b is not None) for w, b in map(_params, dense)))  # fmt: skip
+        return (qkv["query"], qkv["key"], qkv["value"], self.out_dense, self.out_norm, self.inter_dense,
+                self.ffn_dense, self.ffn_norm)  # fmt: skip
 
-    def hooked(self) -> bool:
-        return any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
+    def signature(self) -> tuple | None:
+        """What the first layer's decisions depend on besides the call: heads, activation, and every weight's and
+        bias's shape, dtype and whether it is on the CPU (None for a parametrized or missing one, which the native call
+        cannot take)."""
+        described = []
+        for module in self.tensors():
+            weight, bias = module._parameters.get("weight"), module._parameters.get("bias")
+            if weight is None or bias is None:
+                return None
+            described += [(t.shape, t.dtype, t.is_cpu) for t in (weight, bias)]
+        return self.self_attention.num_heads, self.modules[4].act, *described
+
+    def differs(self, forwards: tuple[Callable, ...]) -> str | None:
+        """Why this layer would not compute what the native call does, or None: another forward than fastbert's (a
+        subclass's, or one set on the instance as accelerate's hooks do), forward hooks, or training mode (dropout)."""
+        for module, forward in zip(self.modules, forwards, strict=True):
+            if type(module).forward is not forward or "forward" in module.__dict__:
+                return f"its {type(module).__name__} runs another forward than fastbert's"
+            if module._forward_hooks or module._forward_pre_hooks:
+                return f"its {type(module).__name__} has forward hooks"
+            if module.training:
+                return f"its {type(module).__name__} is in training mode"
+        return None
 
 
 def _parts(layer: nn.Module) -> _Parts | None:
@@ -98,17 +121,17 @@ def _parts(layer: nn.Module) -> _Parts | None:
         return _Parts((layer, attention, self_attention, out, inter, ffn), self_attention, out._modules["dense"],
                       out._modules["LayerNorm"], inter._modules["dense"], ffn._modules["dense"],
                       ffn._modules["LayerNorm"])  # fmt: skip
-    except KeyError:
+    except (KeyError, AttributeError):
         return None
 
 
-def _params(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weight, bias) of a Linear or LayerNorm."""
+def _params(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight, bias) of a Linear or LayerNorm (both present and unparametrized: _Parts.signature checked)."""
     return module._parameters["weight"], module._parameters["bias"]
 
 
 def _refusal(
-    layers: Sequence[nn.Module], first: list[tuple[str, str]]
+    layers: Sequence[nn.Module], first: list[tuple[str, str]], forwards: tuple[Callable, ...]
 ) -> tuple[str | None, tuple[str, ...], list[_Parts]]:
     """(why the layers cannot run in one native call or None, the backend of each of a layer's four GEMMs, the
     layers' parts)."""
@@ -130,14 +153,14 @@ def _refusal(
     if _global_hooks():
         return "global module forward hooks are registered", (), []
     parts = [_parts(layer) for layer in layers]
-    if parts[0] is None:
-        return "the first layer is not built as a BERT layer", (), []
-    template = parts[0].signature()
+    template = parts[0].signature() if parts[0] is not None else None
+    if template is None:
+        return "the first layer is not a BERT layer with a plain weight and bias in every Linear and LayerNorm", (), []
     for i, p in enumerate(parts[1:], start=2):
         if p is None or p.signature() != template:
-            return f"layer {i} is not built like layer 1 (module types or weight shapes)", (), []
-        if p.modules[0].training or p.hooked():
-            return f"layer {i} is in training mode or has forward hooks", (), []
+            return f"layer {i} is not built like layer 1 (weights' shapes, dtypes or devices, biases)", (), []
+        if (why := p.differs(forwards)) is not None:
+            return f"layer {i}: {why}", (), []
     return None, gemms, parts
 
 

@@ -245,7 +245,7 @@ class BertEncoder(nn.Module):
         if len(layers) > 1 and not (output_hidden_states or output_attentions) and x.device.type == "cpu":
             with ops.recording() as first:  # what the first layer runs on decides whether the rest can be stacked
                 x, _ = layers[0](x, packing)
-            if (stacked := layer_stack.run(layers, x, packing, first)) is not None:
+            if (stacked := layer_stack.run(layers, x, packing, first, STACKED_FORWARDS)) is not None:
                 return stacked, hidden, attentions
             layers = layers[1:]
         for layer in layers:
@@ -255,6 +255,12 @@ class BertEncoder(nn.Module):
             if output_attentions:
                 attentions.append(probs)
         return x, hidden, attentions
+
+
+# What fastbert.layer_stack's native call computes: these forwards, in the order of its _Parts.modules (a layer, its
+# attention, self-attention, attention output, intermediate, output); a layer running any other stays op by op.
+STACKED_FORWARDS = (BertLayer.forward, BertAttention.forward, BertSelfAttention.forward, BertSelfOutput.forward,
+                    BertIntermediate.forward, BertOutput.forward)  # fmt: skip
 
 
 class BertPooler(nn.Module):

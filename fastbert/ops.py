@@ -199,16 +199,23 @@ def explain() -> str:
 
 
 def _dispatch(op: str, *args: Any, **kwargs: Any) -> torch.Tensor:
-    fn, name = select(op, args, kwargs)
-    if (trace := getattr(_state, "trace", None)) is not None:
+    trace = getattr(_state, "trace", None)
+    if trace is None:
+        fn, _ = select(op, args, kwargs)
+        return fn(*args, **kwargs)
+    _state.trace = None  # what runs inside this op (a first-use timing, a composed op's parts) is not recorded
+    try:
+        fn, name = select(op, args, kwargs)
         trace.append((op, name))
-    return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+    finally:
+        _state.trace = trace
 
 
 @contextlib.contextmanager
 def recording() -> Iterator[list[tuple[str, str]]]:
-    """Inside the block, every op this thread dispatches is appended to the list it gives: (op, backend), in order
-    (how fastbert.layer_stack learns what the encoder's first layer ran on)."""
+    """Inside the block, every op this thread dispatches is appended to the list it gives: (op, backend), in order,
+    the ops that one runs inside it left out (how fastbert.layer_stack learns what the encoder's first layer ran on)."""
     previous = getattr(_state, "trace", None)
     _state.trace = trace = []
     try:

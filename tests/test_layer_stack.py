@@ -9,7 +9,7 @@ import torch
 
 import fastbert
 from fastbert import BertModel, layer_stack, ops
-from fastbert.backends import int8, timing
+from fastbert.backends import gemm, int8, timing
 from tests.conftest import NATIVE_CPU, NATIVE_CPU_REASON, tiny_bert
 
 pytestmark = pytest.mark.skipif(NATIVE_CPU is None, reason=f"native CPU extension unavailable: {NATIVE_CPU_REASON}")
@@ -86,29 +86,87 @@ def test_weights_changed_in_place_are_seen(monkeypatch: pytest.MonkeyPatch) -> N
     assert ran and torch.equal(after, per_op) and not torch.equal(after, before)
 
 
-def _hook_on_last_layer(model: BertModel, seen: list) -> None:
+def _hook(model: BertModel, seen: list) -> None:
     model.encoder.layer[-1].intermediate.register_forward_hook(lambda module, args, out: seen.append(out.shape))
 
 
+def _forward_override(model: BertModel, seen: list) -> None:  # as accelerate's hooks do: forward set on the instance
+    inter = model.encoder.layer[2].intermediate
+    inter.forward = lambda x, plain=inter.forward: seen.append(x.shape) or plain(x) * 0.5
+
+
+def _float64_layernorm(model: BertModel, seen: list) -> None:
+    model.encoder.layer[2].output.LayerNorm.double()
+
+
+def _parametrized(model: BertModel, seen: list) -> None:
+    from torch.nn.utils import parametrize
+
+    class Doubled(torch.nn.Module):
+        def forward(self, w: torch.Tensor) -> torch.Tensor:
+            return 2 * w
+
+    parametrize.register_parametrization(model.encoder.layer[1].output.dense, "weight", Doubled())
+
+
+def _no_biases(model: BertModel, seen: list) -> None:
+    for layer in model.encoder.layer:
+        layer.output.dense.bias = None
+
+
 @pytest.mark.parametrize(
-    "setup, reason",
+    "setup, reason, calls",
     [
-        (lambda model, seen: _hook_on_last_layer(model, seen), "has forward hooks"),
-        (lambda model, seen: model.encoder.layer[1].train(), "in training mode"),
-        (lambda model, seen: setattr(model.encoder.layer[2].output.dense, "bias", None), "not built like layer 1"),
+        (_hook, "BertIntermediate has forward hooks", 2),
+        (_forward_override, "BertIntermediate runs another forward", 2),
+        (lambda model, seen: model.encoder.layer[1].attention.self.train(), "BertSelfAttention is in training mode", 0),
+        (_float64_layernorm, "not built like layer 1", 0),
+        (_parametrized, "not built like layer 1", 0),
+        (_no_biases, "plain weight and bias in every Linear", 0),
     ],
-    ids=["hook", "training-layer", "no-bias"],
+    ids=["hook", "forward-override", "training-submodule", "float64-layernorm", "parametrized", "no-biases"],
 )
-def test_layers_that_differ_run_op_by_op(setup, reason: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_layers_that_differ_run_op_by_op(setup, reason: str, calls: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each way a later layer could compute something else than the native call keeps the per-op path, which stays
+    deterministic here (no dropout) so both forwards must agree; hooks and overrides run in both."""
     monkeypatch.setenv("FASTBERT_CPU_GEMM", "gemm")
     model, seen = tiny_model(), []
     setup(model, seen)
     out, ran = run(model, True, monkeypatch)
     assert not ran and reason in layer_stack.describe()
     per_op, _ = run(model, False, monkeypatch)
-    assert torch.equal(out, per_op)
-    if seen:
-        assert len(seen) == 2  # the hook fired in both forwards
+    assert torch.equal(out, per_op) and len(seen) == calls
+
+
+def test_dropout_in_a_later_sublayer_keeps_it_random(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A later layer's attention output in training mode, with dropout: the per-op path applies it, so must this."""
+    monkeypatch.setenv("FASTBERT_CPU_GEMM", "gemm")
+    model = tiny_bert(num_hidden_layers=3, hidden_dropout_prob=0.5)
+    model.encoder.layer[2].attention.output.train()
+    first, ran = run(model, True, monkeypatch)
+    second, _ = run(model, True, monkeypatch)
+    assert not ran and "BertSelfOutput is in training mode" in layer_stack.describe()
+    assert not torch.equal(first, second)  # dropout drew different masks
+
+
+def test_the_forward_that_times_a_gemm_shape_stacks_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """First use of a shape times fastbert's GEMM against the path without it (dispatched ops inside the op): only
+    the layer's own five ops are recorded, so that forward stacks like the ones after it."""
+    monkeypatch.delenv("FASTBERT_CPU_GEMM", raising=False)
+    monkeypatch.setattr(gemm, "_verdicts", {})
+
+    def gemm_faster(*fns, repeats: int = 9) -> list[float]:
+        for fn in fns:
+            fn()  # both paths run, the other through the dispatcher
+        return [1.0, 2.0]
+
+    monkeypatch.setattr(timing, "best_times", gemm_faster)
+    per_op, _ = run(tiny_model(), False, monkeypatch)
+    monkeypatch.setattr(gemm, "_verdicts", {})
+    stacked, ran = run(tiny_model(), True, monkeypatch)
+    layer_shapes = {(234, 78, None, False), (78, 78, None, True), (160, 78, "gelu", False), (78, 160, None, True)}
+    assert layer_shapes <= {key[:4] for key in gemm._verdicts}  # all four timed in this forward
+    assert ran and torch.equal(per_op, stacked)
 
 
 def test_grad_forced_backends_and_hidden_states_run_op_by_op(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -139,8 +197,13 @@ def test_bad_native_arguments_raise() -> None:
         NATIVE_CPU.encoder_layers(x, cu, 5, 2, 1.0, [x] * 15, "gelu", [1e-12, 1e-12])
     with pytest.raises(ValueError, match="not a multiple of 4 heads"):
         NATIVE_CPU.encoder_layers(x, cu, 5, 4, 1.0, [], "gelu", [])
+    with pytest.raises(ValueError, match="biases must have 3H, H and H"):
+        NATIVE_CPU.encoder_layers(x, cu, 5, 2, 1.0, [x] * 16, "gelu", [1e-12, 1e-12])
+    qkv_bias, bias = torch.zeros(18), torch.zeros(6)
+    layer = [x, torch.empty(0), qkv_bias, x, torch.empty(0), bias, bias, bias, x, torch.empty(0), bias,
+             x, torch.empty(0), bias, bias, bias]  # fmt: skip
     with pytest.raises(ValueError, match="packed must be"):
-        NATIVE_CPU.encoder_layers(x, cu, 5, 2, 1.0, [x, torch.empty(0)] + [x] * 14, "gelu", [1e-12, 1e-12])
+        NATIVE_CPU.encoder_layers(x, cu, 5, 2, 1.0, layer, "gelu", [1e-12, 1e-12])
 
 
 def test_benchmark_times_both_paths_and_writes_its_table(tmp_path) -> None:

@@ -361,6 +361,10 @@ at::Tensor encoder_layers(const at::Tensor& x_in, const at::Tensor& cu_seqlens, 
   at::Tensor x = x_in;
   for (size_t layer = 0; layer < weights.size() / kPerLayer; ++layer) {
     const at::Tensor* w = weights.data() + layer * kPerLayer;
+    // an fp32 GEMM's width is its bias's length (the pack is padded): each must be what the layer's shapes say
+    TORCH_CHECK_VALUE(w[2].numel() == 3 * hidden && w[5].numel() == hidden && w[13].numel() == hidden, "layer ", layer,
+                      ": biases must have 3H, H and H (FFN out) elements for H = ", hidden, ", got ", w[2].numel(),
+                      ", ", w[5].numel(), ", ", w[13].numel());
     const at::Tensor qkv = stack_gemm(x, w, std::nullopt).view({tokens, 3, heads, hidden / heads});
     const at::Tensor ctx = attention(qkv, cu_seqlens, max_seqlen, scale, std::nullopt).view({tokens, hidden});
     const at::Tensor h = stack_gemm(ctx, w + 3, std::nullopt, x, w[6], w[7], eps[2 * layer]);
