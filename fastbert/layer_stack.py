@@ -33,7 +33,7 @@ PLAN = ("linear", "attention", "dense_residual_layernorm", "linear", "dense_resi
 GEMMS = ("QKV", "attention out", "FFN in", "FFN out")  # a layer's GEMMs, in order
 OPERANDS = {"gemm": gemm.operands, "int8": int8.operands}  # GEMM backend -> weight -> (pack, per-channel scales)
 
-_status = {"forwards": 0, "last": ""}  # for explain(): how many forwards stacked their layers, the last outcome
+_status = {"tried": 0, "stacked": 0, "last": ""}  # for explain(): forwards that tried, that stacked, the last outcome
 
 
 def run(
@@ -47,8 +47,9 @@ def run(
     kept for explain(), when they must run op by op. `first`: the (op, backend) pairs the first layer dispatched;
     `forwards`: the forward methods the native call reproduces (fastbert.modeling's), in the order of _Parts.modules."""
     reason, gemms, parts = _refusal(layers, first, forwards)
+    _status["tried"] += 1
     if reason is not None:
-        _status["last"] = f"op by op: {reason}"
+        _status["last"] = f"op by op, because {reason}"
         return None
     weights: list[torch.Tensor] = []
     eps: list[float] = []
@@ -63,7 +64,7 @@ def run(
     cpu, _ = native.load("_native_cpu")
     x = cpu.encoder_layers(x, packing.cu_seqlens, int(packing.max_seqlen), attention.num_heads,
                            1.0 / math.sqrt(attention.head_dim), weights, parts[0].modules[4].act, eps)  # fmt: skip
-    _status["forwards"] += 1
+    _status["stacked"] += 1
     on = (f"every GEMM on {gemms[0]}" if len(set(gemms)) == 1
           else ", ".join(f"{what} on {name}" for what, name in zip(GEMMS, gemms, strict=True)))  # fmt: skip
     _status["last"] = f"layers 2-{len(layers)} in one native call ({on}, attention on native)"
@@ -105,11 +106,11 @@ class _Parts(NamedTuple):
         subclass's, or one set on the instance as accelerate's hooks do), forward hooks, or training mode (dropout)."""
         for module, forward in zip(self.modules, forwards, strict=True):
             if type(module).forward is not forward or "forward" in module.__dict__:
-                return f"its {type(module).__name__} runs another forward than fastbert's"
+                return f"{type(module).__name__} runs another forward than fastbert's"
             if module._forward_hooks or module._forward_pre_hooks:
-                return f"its {type(module).__name__} has forward hooks"
+                return f"{type(module).__name__} has forward hooks"
             if module.training:
-                return f"its {type(module).__name__} is in training mode"
+                return f"{type(module).__name__} is in training mode"
         return None
 
 
@@ -160,7 +161,7 @@ def _refusal(
         if p is None or p.signature() != template:
             return f"layer {i} is not built like layer 1 (weights' shapes, dtypes or devices, biases)", (), []
         if (why := p.differs(forwards)) is not None:
-            return f"layer {i}: {why}", (), []
+            return f"layer {i}'s {why}", (), []
     return None, gemms, parts
 
 
@@ -173,7 +174,8 @@ def describe() -> str | None:
     """explain()'s line: how the encoder's later layers ran in the last forward that tried, None before any did."""
     if not _status["last"]:
         return None
-    return f"encoder layers after the first: {_status['last']} ({_status['forwards']} forwards stacked so far)"
+    return (f"encoder layers after the first, in the last forward: {_status['last']} (stacked in {_status['stacked']} "
+            f"of {_status['tried']} forwards so far)")
 
 
 ops.register_explainer(describe)

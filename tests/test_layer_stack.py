@@ -33,10 +33,10 @@ def run(model: BertModel, stacked: bool, monkeypatch: pytest.MonkeyPatch, **kwar
     """last_hidden_state with the stack on or off, and whether this forward stacked its layers."""
     monkeypatch.setenv("FASTBERT_LAYER_STACK", "1" if stacked else "0")
     ids, mask = ragged_batch()
-    before = layer_stack._status["forwards"]
+    before = layer_stack._status["stacked"]
     with torch.inference_mode():
         out = model(ids, attention_mask=mask, **kwargs).last_hidden_state
-    return out, layer_stack._status["forwards"] > before
+    return out, layer_stack._status["stacked"] > before
 
 
 @pytest.mark.parametrize("act", ["gelu", "gelu_new", "relu"])
@@ -173,10 +173,10 @@ def test_grad_forced_backends_and_hidden_states_run_op_by_op(monkeypatch: pytest
     monkeypatch.setenv("FASTBERT_CPU_GEMM", "gemm")
     monkeypatch.setenv("FASTBERT_LAYER_STACK", "1")
     model, (ids, mask) = tiny_model(), ragged_batch()
-    before = layer_stack._status["forwards"]
+    before = layer_stack._status["stacked"]
     with torch.no_grad(), ops.use_backend("torch"):
         model(ids, attention_mask=mask)
-    assert "op by op: the first layer ran linear on torch" in layer_stack.describe()
+    assert "op by op, because the first layer ran linear on torch" in layer_stack.describe()
     with torch.enable_grad():
         model(ids, attention_mask=mask)
         assert "the first layer ran linear on torch" in layer_stack.describe()  # its weights need grad
@@ -188,7 +188,7 @@ def test_grad_forced_backends_and_hidden_states_run_op_by_op(monkeypatch: pytest
     assert model.encoder.layer[1].output.dense.weight.grad is not None
     with torch.inference_mode():
         out = model(ids, attention_mask=mask, output_hidden_states=True)
-    assert len(out.hidden_states) == 4 and layer_stack._status["forwards"] == before
+    assert len(out.hidden_states) == 4 and layer_stack._status["stacked"] == before
 
 
 def test_bad_native_arguments_raise() -> None:
