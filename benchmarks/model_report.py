@@ -188,6 +188,7 @@ def _panel(ax: Any, rows: list[dict], peak: float, palette: dict[str, str]) -> N
     width = 0.8 / len(systems)
     by_key = {(r["system"], r["shape"]): r for r in rows}
     top = max((r["tok_per_s"] for r in rows if not r["skipped"]), default=1.0)
+    crowded = len(systems) > 6  # horizontal ratio labels wider than their bars would run into each other
     for i, system in enumerate(systems):
         for j, shape in enumerate(shapes):
             row, x = by_key.get((system, shape)), j + i * width
@@ -199,12 +200,15 @@ def _panel(ax: Any, rows: list[dict], peak: float, palette: dict[str, str]) -> N
                 continue
             ax.bar(x, row["tok_per_s"], width, color=palette[system], label=system if j == 0 else None)
             if row["speedup_vs_sdpa"] is not None:
-                ax.text(x, row["tok_per_s"], f"{row['speedup_vs_sdpa']:.2f}x", fontsize=6, ha="center", va="bottom")
+                ax.text(x, row["tok_per_s"], f" {row['speedup_vs_sdpa']:.2f}x", fontsize=6, ha="center", va="bottom",
+                        rotation=90 if crowded else 0)  # fmt: skip
     for j, (bound, sdpa) in enumerate(_shape_bounds(rows, peak).values()):
         label = f"bound {bound:,.0f}" + (f" = {bound / sdpa:.1f}x sdpa" if sdpa else "")
         if bound <= 1.6 * top:  # a line where it fits; far above the bars, the number only
             ax.hlines(bound, j - width / 2, j + 0.8 - width / 2, colors="k", linestyles="dashed", linewidth=0.8)
-        ax.text(j + 0.4 - width / 2, min(bound, 1.6 * top), label, fontsize=6, ha="center", va="bottom")
+        # above the bars and their labels, on a white ground, so that neither a bar's label nor the line crosses it
+        ax.text(j + 0.4 - width / 2, 1.6 * top, label + " (dashed)" * (bound <= 1.6 * top), fontsize=6, ha="center",
+                va="bottom", bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})  # fmt: skip
     ax.set_ylim(0, 1.75 * top)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes)
     ax.set_ylabel("real tokens/s")

