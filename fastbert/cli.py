@@ -33,8 +33,10 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     config = BertConfig(vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
     model = BertModel(config).to(device).eval()
+    ids = torch.randint(1, 32, (2, 8), device=device)  # no pad id (0): padding is the mask's, as in real batches
+    mask = torch.tensor([[1] * 8, [1] * 5 + [0] * 3], device=device)  # a ragged batch: the unpadded path runs
     with torch.no_grad():
-        model(torch.randint(0, 32, (2, 8), device=device))
+        model(ids, attention_mask=mask)
     print(explain())
     return 0
 

@@ -49,7 +49,8 @@ def test_one_pass_writes_a_row_per_system_matching_the_baseline(tmp_path, few_pa
 def test_a_system_that_did_not_run_keeps_its_row_and_reason(tmp_path) -> None:
     doc = {
         "device": "cpu", "cpu_kind": "avx2", "commit": "0" * 40, "date_utc": "", "load_average": (0.0, 0.0, 0.0),
-        "versions": {"torch": "2", "onnxruntime": "1", "openvino": "-"}, "workload": "w", "bound_sentences_per_s": {"fp32": 500.0, "int8": None},
+        "versions": {"torch": "2", "onnxruntime": "1", "openvino": "-"}, "workload": "w",
+        "bound_sentences_per_s": {"fp32": 500.0, "int8": None},
         "rows": [
             {"system": "sentence-transformers", "sentences_per_s": 300.0, "vs_baseline": 1.0, "spearman": 86.7,
              "min_cosine_vs_baseline": 1.0, "mean_cosine_vs_baseline": 1.0, "seconds": [10.0]},

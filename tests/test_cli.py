@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,16 @@ def test_unwritable_output_folder_fails_before_any_work(files: Path, capsys, arg
     """The output folder is checked first: before the model, the tokenizer or the data are read (or trained on)."""
     code, err = run_cli([a.format(d=files) for a in argv], capsys)
     assert code == 1 and re.search(r"output folder .*corpus.txt/out is not writable", err), err
+
+
+def test_explain_runs_every_op_and_warns_nothing(capsys) -> None:
+    from fastbert.ops import OPS
+
+    for seed in range(30):  # its random demo batch, whatever it draws, must not trip the input checks users see
+        torch.manual_seed(seed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert main(["explain"]) == 0
+    out = capsys.readouterr().out.split("CPU: ")[-1]
+    assert "fast precision here:" in out
+    assert all(f"\n{op}: " in out for op in OPS), out
