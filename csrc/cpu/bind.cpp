@@ -376,6 +376,8 @@ at::Tensor encoder_layers(const at::Tensor& x_in, const at::Tensor& cu_seqlens, 
 }  // namespace
 }  // namespace fastbert::cpu
 
+// Every kernel runs without the GIL (its arguments are converted before, the result after): a server's other Python
+// threads (tokenisation, I/O) run while one forward computes, and several forwards can share the machine.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace fastbert::cpu;
   m.doc() = "fastbert native CPU kernels (C++, OpenMP, runtime ISA dispatch)";
@@ -383,29 +385,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("embedding_layernorm", &embedding_layernorm, "LayerNorm(word[ids] + pos[pos] + type[tt]) -> [*, E]",
         py::arg("input_ids"), py::arg("token_type_ids"), py::arg("position_ids"), py::arg("word_weight"),
         py::arg("position_weight"), py::arg("type_weight"), py::arg("ln_weight"), py::arg("ln_bias"), py::arg("eps"),
-        py::arg("inputs_embeds"), py::arg("out") = py::none());
+        py::arg("inputs_embeds"), py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("bias_act", &bias_act, "act(x + bias)", py::arg("x"), py::arg("bias"), py::arg("kind"),
-        py::arg("out") = py::none());
+        py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("bias_residual_layernorm", &bias_residual_layernorm, "LayerNorm(x + bias + residual)", py::arg("x"),
         py::arg("bias"), py::arg("residual"), py::arg("ln_weight"), py::arg("ln_bias"), py::arg("eps"),
-        py::arg("out") = py::none());
+        py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("attention", &attention, "varlen attention over packed qkv [T, 3, nH, D] -> [T, nH, D]", py::arg("qkv"),
-        py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("scale"), py::arg("out") = py::none());
+        py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("scale"), py::arg("out") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
   m.def("int8_linear", &int8_linear,
         "act(x @ W^T + bias) or LayerNorm(x @ W^T + bias + residual), W int8 per channel, x int8 per row",
         py::arg("x"), py::arg("packed"), py::arg("w_scale"), py::arg("bias") = py::none(), py::arg("act") = py::none(),
         py::arg("residual") = py::none(), py::arg("ln_weight") = py::none(), py::arg("ln_bias") = py::none(),
-        py::arg("eps") = 1e-12, py::arg("out") = py::none());
+        py::arg("eps") = 1e-12, py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("fp32_linear", &fp32_linear,
         "act(x @ W^T + bias) or LayerNorm(x @ W^T + bias + residual), W fp32 packed in panels of 16 columns",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), py::arg("act") = py::none(),
         py::arg("residual") = py::none(), py::arg("ln_weight") = py::none(), py::arg("ln_bias") = py::none(),
-        py::arg("eps") = 1e-12, py::arg("out") = py::none());
+        py::arg("eps") = 1e-12, py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("encoder_layers", &encoder_layers,
         "post-LN encoder layers in one call (inference), on the kernels the per-op path runs: [T, H] -> [T, H]",
         py::arg("x"), py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("heads"), py::arg("scale"),
         py::arg("weights"), py::arg("act"), py::arg("eps"),
-        py::call_guard<py::gil_scoped_release>());  // the whole encoder: other Python threads run meanwhile
+        py::call_guard<py::gil_scoped_release>());
   m.def("int8_k_per_step", &int8_k_per_step,
         "k values per step of the int8 weight pack the kernels in use take: 4 (int8 quads, VNNI) or 2 (int16 pairs)");
   m.def("int8_max_k", [] { return int8_max_k(int8_k_per_step() == 4); },

@@ -1,0 +1,82 @@
+"""The native CPU kernels run without the GIL: while one Python thread is inside a kernel, another Python thread runs
+(a server's tokenisation or I/O beside a forward). A thread held on the GIL would not run until the kernel returned."""
+
+from __future__ import annotations
+
+import gc
+import math
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from fastbert.backends import gemm, int8, native
+
+EXT, EXT_REASON = native.load("_native_cpu")
+pytestmark = pytest.mark.skipif(EXT is None, reason=f"native CPU extension unavailable: {EXT_REASON}")
+
+T, H, HEADS, FFN = 96, 64, 4, 128  # tokens, hidden, heads, FFN width: each call well under a millisecond
+
+
+def ran_meanwhile(call: Callable[[], object], seconds: float = 0.3) -> bool:
+    """True when another Python thread ran while this one repeated `call` for `seconds`. No forced switch between
+    threads in that time (a 60 s switch interval), so the other thread can only run when a call releases the GIL.
+    Nothing is freed meanwhile (results kept, the cyclic GC paused): freeing a tensor releases the GIL too (torch
+    does), which would pass any call."""
+    results = [call()]  # once before: a first call's one-time set-up may release the GIL on its own
+    go, ran = threading.Event(), threading.Event()
+    other = threading.Thread(target=lambda: go.wait() and ran.set())
+    other.start()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(60.0)
+    gc.disable()
+    try:
+        go.set()  # the other thread now waits for the GIL only
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end and not ran.is_set():
+            results.append(call())
+        return ran.is_set()
+    finally:
+        gc.enable()
+        sys.setswitchinterval(interval)
+        other.join()
+
+
+def ops() -> dict[str, Callable[[], object]]:
+    """One call of every native kernel on small operands."""
+    g = torch.Generator().manual_seed(0)
+    x, res, w = torch.randn(T, H, generator=g), torch.randn(T, H, generator=g), torch.randn(H, H, generator=g)
+    bias, lw, lb = torch.randn(H, generator=g), torch.ones(H), torch.zeros(H)
+    ids, zeros, positions = torch.randint(0, 50, (T,), generator=g), torch.zeros(T, dtype=torch.long), torch.arange(T)
+    tables = [torch.randn(rows, H, generator=g) for rows in (50, T, 2)]
+    qkv, cu = torch.randn(T, 3, HEADS, H // HEADS, generator=g), torch.tensor([0, 40, T], dtype=torch.int32)
+    packed, q8 = gemm.packed(w), int8.quantized(w)
+    return {
+        "embedding_layernorm": lambda: EXT.embedding_layernorm(ids, zeros, positions, *tables, lw, lb, 1e-12, None),
+        "bias_act": lambda: EXT.bias_act(x, bias, "gelu"),
+        "bias_residual_layernorm": lambda: EXT.bias_residual_layernorm(x, bias, res, lw, lb, 1e-12),
+        "attention": lambda: EXT.attention(qkv, cu, 56, 1 / math.sqrt(H // HEADS)),
+        "fp32_linear": lambda: EXT.fp32_linear(x, packed, H, bias, "gelu"),
+        "int8_linear": lambda: EXT.int8_linear(x, q8.packed, q8.scale, bias, None, res, lw, lb, 1e-12),
+    }
+
+
+@pytest.mark.parametrize("op", list(ops()))
+def test_kernel_releases_the_gil(op: str) -> None:
+    assert ran_meanwhile(ops()[op]), f"{op} held the GIL for its whole run"
+
+
+def test_encoder_layers_release_the_gil() -> None:
+    g = torch.Generator().manual_seed(0)
+    x, cu = torch.randn(T, H, generator=g), torch.tensor([0, 40, T], dtype=torch.int32)
+    ones, zeros = torch.ones(H), torch.zeros(H)
+
+    def dense(n: int, k: int) -> list[torch.Tensor]:
+        return [*gemm.operands(torch.randn(n, k, generator=g) / k**0.5), torch.randn(n, generator=g)]
+
+    layer = [*dense(3 * H, H), *dense(H, H), ones, zeros, *dense(FFN, H), *dense(H, FFN), ones, zeros]
+    call = lambda: EXT.encoder_layers(x, cu, 56, HEADS, 1 / math.sqrt(H // HEADS), layer * 2, "gelu", [1e-12] * 4)  # noqa: E731
+    assert ran_meanwhile(call), "encoder_layers held the GIL for its whole run"
