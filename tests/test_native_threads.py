@@ -80,3 +80,35 @@ def test_encoder_layers_release_the_gil() -> None:
     layer = [*dense(3 * H, H), *dense(H, H), ones, zeros, *dense(FFN, H), *dense(H, FFN), ones, zeros]
     call = lambda: EXT.encoder_layers(x, cu, 56, HEADS, 1 / math.sqrt(H // HEADS), layer * 2, "gelu", [1e-12] * 4)  # noqa: E731
     assert ran_meanwhile(call), "encoder_layers held the GIL for its whole run"
+
+
+def test_forwards_in_two_threads_match_one_at_a_time() -> None:
+    """Two threads sharing one model (as a threaded server does) get each input's own output, bitwise, every time:
+    the packed-weight cache, the first-use timings, the layer stack's trace and status are shared between them."""
+    from tests.conftest import tiny_bert
+
+    model = tiny_bert(num_hidden_layers=3)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(1, 120, (b, n), generator=g), torch.ones(b, n, dtype=torch.long)) for b, n in
+               ((2, 9), (3, 17), (1, 5), (4, 12))]  # fmt: skip
+    for _, mask in batches[1:]:
+        mask[0, -3:] = 0  # ragged
+    outputs: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+
+    def serve(worker: int) -> None:
+        with torch.inference_mode():
+            for step in range(24):
+                ids, mask = batches[(step + worker) % len(batches)]
+                outputs[worker].append(model(ids, attention_mask=mask).last_hidden_state)
+
+    workers = [threading.Thread(target=serve, args=(w,)) for w in (0, 1)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    with torch.inference_mode():  # after: the threads were the first to run these shapes (first-use timings)
+        expected = [model(ids, attention_mask=mask).last_hidden_state for ids, mask in batches]
+    for worker, outs in outputs.items():
+        assert len(outs) == 24
+        for step, out in enumerate(outs):
+            assert torch.equal(out, expected[(step + worker) % len(batches)]), (worker, step)
