@@ -268,8 +268,8 @@ def markdown(doc: dict) -> str:
             continue
         cos = "" if r["min_cosine_vs_baseline"] is None else \
             f"{r['min_cosine_vs_baseline']:.4f} / {r['mean_cosine_vs_baseline']:.4f}"  # fmt: skip
-        lines.append(f"| {r['system']} | {r['sentences_per_s']:,.0f} | {r.get('vs_baseline', float('nan')):.2f}x | "
-                     f"{r['spearman']:.2f} | {cos} |")  # fmt: skip
+        ratio = f"{r['vs_baseline']:.2f}x" if "vs_baseline" in r else "-"
+        lines.append(f"| {r['system']} | {r['sentences_per_s']:,.0f} | {ratio} | {r['spearman']:.2f} | {cos} |")
     lines += ["", "Bound for this workload (its useful FLOPs at the peak rate measured in this run): fp32 "
               + (f"{bounds['fp32']:,.0f}" if bounds.get("fp32") else "n/a") + " sentences/s (the FMA peak); int8 "
               + (f"{bounds['int8']:,.0f}" if bounds.get("int8") else "n/a") + " sentences/s (fastbert's int8 kernel "
@@ -291,8 +291,9 @@ def plot(doc: dict, path: str) -> bool:
     colors = ["tab:orange" if "fastbert" in n and "onnx" not in n else "tab:gray" for n in names]
     ax.barh(names, speeds, color=colors)
     for y, r in enumerate(rows):
+        ratio = f", {r['vs_baseline']:.2f}x" if "vs_baseline" in r else ""  # none where the baseline did not run
         label = (f"did not run: {r['failed'][:80]}" if "failed" in r else
-                 f"{r['sentences_per_s']:,.0f}/s, {r.get('vs_baseline', 0):.2f}x, Spearman {r['spearman']:.2f}")
+                 f"{r['sentences_per_s']:,.0f}/s{ratio}, Spearman {r['spearman']:.2f}")
         ax.annotate(label, (r.get("sentences_per_s", 0.0), y), xytext=(5, 0), textcoords="offset points", va="center",
                     fontsize=8, zorder=3, bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})  # fmt: skip
     for kind, style in (("fp32", "--"), ("int8", ":")):
@@ -301,7 +302,8 @@ def plot(doc: dict, path: str) -> bool:
                        label=f"{kind} bound {doc['bound_sentences_per_s'][kind]:,.0f}/s")  # fmt: skip
     ax.set_xlabel("sentences/s (higher is better)")
     ax.set_xlim(0, max([1.0, *speeds, *(v or 0 for v in doc["bound_sentences_per_s"].values())]) * 1.45)
-    ax.legend(loc="lower right", fontsize=8)
+    if any(doc["bound_sentences_per_s"].values()):
+        ax.legend(loc="lower right", fontsize=8)
     fig.suptitle(f"Encode: STS-B dev, MiniLM-L6, batches of {BATCH} sorted by length\n{doc['device']} "
                  f"({doc['cpu_kind']})", fontsize=9)  # fmt: skip
     fig.tight_layout()

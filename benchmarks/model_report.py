@@ -202,7 +202,8 @@ def _panel(ax: Any, rows: list[dict], peak: float, palette: dict[str, str]) -> N
             if row["speedup_vs_sdpa"] is not None:
                 ax.text(x, row["tok_per_s"], f" {row['speedup_vs_sdpa']:.2f}x", fontsize=6, ha="center", va="bottom",
                         rotation=90 if crowded else 0)  # fmt: skip
-    for j, (bound, sdpa) in enumerate(_shape_bounds(rows, peak).values()):
+    bounds = _shape_bounds(rows, peak)
+    for j, (bound, sdpa) in ((j, bounds[shape]) for j, shape in enumerate(shapes) if shape in bounds):
         label = f"bound {bound:,.0f}" + (f" = {bound / sdpa:.1f}x sdpa" if sdpa else "")
         if bound <= 1.6 * top:  # a line where it fits; far above the bars, the number only
             ax.hlines(bound, j - width / 2, j + 0.8 - width / 2, colors="k", linestyles="dashed", linewidth=0.8)

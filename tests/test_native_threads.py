@@ -24,16 +24,16 @@ T, H, HEADS, FFN = 96, 64, 4, 128  # tokens, hidden, heads, FFN width: each call
 def ran_meanwhile(call: Callable[[], object], seconds: float = 0.3) -> bool:
     """True when another Python thread ran while this one repeated `call` for `seconds`. No forced switch between
     threads in that time (a 60 s switch interval), so the other thread can only run when a call releases the GIL.
-    Nothing is freed meanwhile (results kept, the cyclic GC paused): freeing a tensor releases the GIL too (torch
-    does), which would pass any call."""
+    Nothing is freed meanwhile (results kept, the per-op calls writing into one `out`, the cyclic GC paused): freeing
+    a tensor releases the GIL too (torch does), which would pass any call."""
     results = [call()]  # once before: a first call's one-time set-up may release the GIL on its own
     go, ran = threading.Event(), threading.Event()
     other = threading.Thread(target=lambda: go.wait() and ran.set())
-    other.start()
     interval = sys.getswitchinterval()
-    sys.setswitchinterval(60.0)
+    sys.setswitchinterval(60.0)  # before the thread starts: it must never take the GIL by a forced switch
     gc.disable()
     try:
+        other.start()
         go.set()  # the other thread now waits for the GIL only
         end = time.perf_counter() + seconds
         while time.perf_counter() < end and not ran.is_set():
@@ -53,15 +53,16 @@ def ops() -> dict[str, Callable[[], object]]:
     ids, zeros, positions = torch.randint(0, 50, (T,), generator=g), torch.zeros(T, dtype=torch.long), torch.arange(T)
     tables = [torch.randn(rows, H, generator=g) for rows in (50, T, 2)]
     qkv, cu = torch.randn(T, 3, HEADS, H // HEADS, generator=g), torch.tensor([0, 40, T], dtype=torch.int32)
-    packed, q8 = gemm.packed(w), int8.quantized(w)
+    packed, q8, out, heads_out = gemm.packed(w), int8.quantized(w), torch.empty(T, H), torch.empty(T, HEADS, H // HEADS)
     return {
-        "embedding_layernorm": lambda: EXT.embedding_layernorm(ids, zeros, positions, *tables, lw, lb, 1e-12, None),
-        "bias_act": lambda: EXT.bias_act(x, bias, "gelu"),
-        "bias_residual_layernorm": lambda: EXT.bias_residual_layernorm(x, bias, res, lw, lb, 1e-12),
-        "attention": lambda: EXT.attention(qkv, cu, 56, 1 / math.sqrt(H // HEADS)),
-        "fp32_linear": lambda: EXT.fp32_linear(x, packed, H, bias, "gelu"),
-        "int8_linear": lambda: EXT.int8_linear(x, q8.packed, q8.scale, bias, None, res, lw, lb, 1e-12),
-    }
+        "embedding_layernorm": lambda: EXT.embedding_layernorm(ids, zeros, positions, *tables, lw, lb, 1e-12, None,
+                                                               out=out),
+        "bias_act": lambda: EXT.bias_act(x, bias, "gelu", out=out),
+        "bias_residual_layernorm": lambda: EXT.bias_residual_layernorm(x, bias, res, lw, lb, 1e-12, out=out),
+        "attention": lambda: EXT.attention(qkv, cu, 56, 1 / math.sqrt(H // HEADS), out=heads_out),
+        "fp32_linear": lambda: EXT.fp32_linear(x, packed, H, bias, "gelu", out=out),
+        "int8_linear": lambda: EXT.int8_linear(x, q8.packed, q8.scale, bias, None, res, lw, lb, 1e-12, out=out),
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize("op", list(ops()))
@@ -82,12 +83,16 @@ def test_encoder_layers_release_the_gil() -> None:
     assert ran_meanwhile(call), "encoder_layers held the GIL for its whole run"
 
 
-def test_forwards_in_two_threads_match_one_at_a_time() -> None:
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_forwards_in_two_threads_match_one_at_a_time(quantize: str | None) -> None:
     """Two threads sharing one model (as a threaded server does) get each input's own output, bitwise, every time:
     the packed-weight cache, the first-use timings, the layer stack's trace and status are shared between them."""
+    import fastbert
     from tests.conftest import tiny_bert
 
     model = tiny_bert(num_hidden_layers=3)
+    if quantize:
+        model = fastbert.optimize(model, quantize=quantize)
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(1, 120, (b, n), generator=g), torch.ones(b, n, dtype=torch.long)) for b, n in
                ((2, 9), (3, 17), (1, 5), (4, 12))]  # fmt: skip
@@ -105,7 +110,8 @@ def test_forwards_in_two_threads_match_one_at_a_time() -> None:
     for w in workers:
         w.start()
     for w in workers:
-        w.join()
+        w.join(timeout=120)
+    assert not any(w.is_alive() for w in workers), "a forward did not return (deadlock?)"
     with torch.inference_mode():  # after: the threads were the first to run these shapes (first-use timings)
         expected = [model(ids, attention_mask=mask).last_hidden_state for ids, mask in batches]
     for worker, outs in outputs.items():

@@ -5,6 +5,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <atomic>
 #include <optional>
 #include <string>
 #include <vector>
@@ -39,25 +40,29 @@ const KernelTable* table_of(const std::string& isa) {
   return nullptr;
 }
 
-const KernelTable* active = nullptr;
+// The kernels in use: chosen at import, switched only by set_isa (tests). Atomic because kernels run without the GIL:
+// a call reads it once where it tests an entry and then runs it.
+std::atomic<const KernelTable*> active{nullptr};
 
 const KernelTable& kernels() {
-  if (active == nullptr) {
+  const KernelTable* table = active.load();
+  if (table == nullptr) {
     for (const char* isa : {"avx512bf16", "avx512", "avx2", "generic"}) {
       if (cpu_has(isa)) {
-        active = table_of(isa);
+        table = table_of(isa);
         break;
       }
     }
+    active.store(table);
   }
-  return *active;
+  return *table;
 }
 
 // Select the kernels compiled for `isa` (tests run every path the CPU can execute); false if it cannot run here.
 // cpu_has comes first: even building a table runs code compiled for that ISA.
 bool set_isa(const std::string& isa) {
   if (!cpu_has(isa.c_str()) || table_of(isa) == nullptr) return false;
-  active = table_of(isa);
+  active.store(table_of(isa));
   return true;
 }
 
@@ -322,14 +327,15 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const int64_t k_max = int8_max_k(quads);
   TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) <= k_max, "int8 GEMMs accumulate in int32: K must be at most ", k_max,
                     " for this pack, got ", x.dim() >= 1 ? x.size(-1) : 0);
+  const KernelTable& k = kernels();
   if (quads) {
-    TORCH_CHECK_VALUE(kernels().int8_quad_linear != nullptr, "an int8 quad pack needs the VNNI kernels; the ",
-                      kernels().isa, " kernels in use read int16 pairs (see int8_k_per_step())");
-    return run_linear(kernels().int8_quad_linear, x, packed, at::kChar, 4, n, ws.data_ptr<float>(), bias, act,
-                      residual, ln_weight, ln_bias, eps, out);
+    TORCH_CHECK_VALUE(k.int8_quad_linear != nullptr, "an int8 quad pack needs the VNNI kernels; the ", k.isa,
+                      " kernels in use read int16 pairs (see int8_k_per_step())");
+    return run_linear(k.int8_quad_linear, x, packed, at::kChar, 4, n, ws.data_ptr<float>(), bias, act, residual,
+                      ln_weight, ln_bias, eps, out);
   }
-  return run_linear(kernels().int8_linear, x, packed, at::kShort, 2, n, ws.data_ptr<float>(), bias, act, residual,
-                    ln_weight, ln_bias, eps, out);
+  return run_linear(k.int8_linear, x, packed, at::kShort, 2, n, ws.data_ptr<float>(), bias, act, residual, ln_weight,
+                    ln_bias, eps, out);
 }
 
 // One GEMM of encoder_layers from its operands as fastbert's backends pack them: {packed weight, per-channel scales,
@@ -377,7 +383,7 @@ at::Tensor encoder_layers(const at::Tensor& x_in, const at::Tensor& cu_seqlens, 
 }  // namespace fastbert::cpu
 
 // Every kernel runs without the GIL (its arguments are converted before, the result after): a server's other Python
-// threads (tokenisation, I/O) run while one forward computes, and several forwards can share the machine.
+// threads (tokenisation, I/O) run while a forward computes.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace fastbert::cpu;
   m.doc() = "fastbert native CPU kernels (C++, OpenMP, runtime ISA dispatch)";

@@ -43,16 +43,17 @@ def judge(
 ) -> tuple[bool, str]:
     """The verdict for `key`, timed once: whether `mine` beats `other` (the path that runs without it) on the call's
     own input by `margin` (1.1: by 10%; 1 / 1.1: unless `other` is 10% faster), and why in explain()'s words.
-    `names`: (mine, other) in words; `what`: the work timed, e.g. "[T, K] x [K, N] + gelu"."""
+    `names`: (mine, other) in words; `what`: the work timed, e.g. "[T, K] x [K, N] + gelu". Threads that time the
+    same key at once all take the first verdict stored, so every call of a key runs the same path (same output)."""
     if key not in verdicts:
         with torch.no_grad():
             fast, plain = best_times(mine, other)
         wins = fast * margin < plain
-        verdicts[key] = (
+        return verdicts.setdefault(key, (
             wins,
             f"{names[0] if wins else names[1]} for {what}: {names[0]} {fast * 1e3:.2f} ms vs {names[1]} "
             f"{plain * 1e3:.2f} ms{' (within the tie margin)' if wins and fast > plain else ''}",
-        )
+        ))  # fmt: skip
     return verdicts[key]
 
 
