@@ -13,6 +13,14 @@ rounded once to bf16 on store. So such a CPU runs bf16 on its fast fp32 GEMM and
 
 `FASTBERT_CPU_ISA=avx2` makes any machine behave like an AVX2-only one: no bf16 instructions, and the native kernels
 run their AVX2 build. Tests and benchmarks use it to run, on an AVX-512 machine, what every machine runs.
+`FASTBERT_CPU_ISA=avx512bf16` is the other way round, for the logic only: `bf16_gemm()` answers as on a CPU with bf16
+dot products (so bf16 is the fast precision and bf16 GEMMs run as bf16), while what executes bf16 instructions is
+still tried for real (oneDNN's prepack; the native kernels switch only where the CPU runs that build). Tests use it to
+run, on an AVX2 machine, the decisions an AVX-512 BF16 / AMX machine makes.
+
+Probes run outside the caller's autocast and grad mode, on CPU tensors of explicit dtype: they measure the CPU, and a
+first fastbert call under `torch.autocast("cpu", dtype=torch.bfloat16)` (or a default device/dtype) must not change
+what they compute.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 FORCE_ENV = "FASTBERT_CPU_ISA"
-FORCEABLE = ("avx2",)
+BF16_LOGIC = "avx512bf16"
+FORCEABLE = ("avx2", BF16_LOGIC)
 # the probe GEMM: [M, K] x [K, N], small enough to cost about a millisecond in fp32, big enough to be GEMM-bound
 _PROBE_M, _PROBE_K, _PROBE_N = 256, 512, 512
 _PROBE_REPEATS = 5
@@ -55,7 +65,7 @@ class Finding:
 
 
 def forced_isa() -> str | None:
-    """The weaker CPU this process is told to behave as (`FASTBERT_CPU_ISA`), or None."""
+    """The CPU this process is told to behave as (`FASTBERT_CPU_ISA`), or None."""
     value = os.environ.get(FORCE_ENV, "").strip().lower()
     if not value or value == "auto":
         return None
@@ -87,8 +97,8 @@ def cpu_kind() -> str:
     """A short name for the class of CPU, to label results: 'avx512-bf16', 'avx512', 'avx2' (also when forced) or
     'other'. A label only: what runs is decided by the probes."""
     flags = _cpuinfo()[1]
-    if forced_isa():
-        return forced_isa()
+    if forced_isa() == "avx2":  # the AVX2 kernels run; a forced avx512bf16 changes decisions, not what this CPU is
+        return "avx2"
     if "avx512f" in flags:
         return "avx512-bf16" if "avx512_bf16" in flags else "avx512"
     return "avx2" if "avx2" in flags else "other"
@@ -96,21 +106,37 @@ def cpu_kind() -> str:
 
 def onednn_bf16_prepack() -> Finding:
     """Does oneDNN's prepacked bf16 linear run here? (tried once; `FASTBERT_CPU_ISA=avx2` says no without trying)"""
-    if forced_isa():
+    if forced_isa() == "avx2":
         return Finding(False, f"not used: {FORCE_ENV}={forced_isa()}")
     return _try_onednn_bf16_prepack()
 
 
-@functools.cache
+def _probe(fn: Callable[[], Finding]) -> Callable[[], Finding]:
+    """Run a probe once per process (cached), outside the caller's autocast and grad mode."""
+
+    @functools.cache
+    @functools.wraps(fn)
+    def run() -> Finding:
+        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+            return fn()
+
+    return run
+
+
+def _cpu_randn(*shape: int) -> torch.Tensor:
+    """fp32 noise on the CPU whatever the caller's default device and dtype."""
+    return torch.randn(*shape, device="cpu", dtype=torch.float32)
+
+
+@_probe
 def _try_onednn_bf16_prepack() -> Finding:
     """Try oneDNN's prepacked bf16 linear on a tiny GEMM and check its result against fp32."""
     if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight") or not torch.backends.mkldnn.is_available():
         return Finding(False, "this torch has no oneDNN prepacked linear")
-    x, w = torch.randn(4, 32), torch.randn(16, 32)
+    x, w = _cpu_randn(4, 32), _cpu_randn(16, 32)
     try:
-        with torch.no_grad(), torch.autocast("cpu", enabled=False):
-            packed = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16())
-            out = torch.ops.mkldnn._linear_pointwise(x.bfloat16(), packed, None, "none", [], "")
+        packed = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16())
+        out = torch.ops.mkldnn._linear_pointwise(x.bfloat16(), packed, None, "none", [], "")
     except RuntimeError as exc:
         return Finding(False, f"refused: {str(exc).splitlines()[0][:160]}")
     expected = F.linear(x.bfloat16().float(), w.bfloat16().float())
@@ -120,16 +146,19 @@ def _try_onednn_bf16_prepack() -> Finding:
 
 
 def bf16_gemm() -> Finding:
-    """Are bf16 GEMMs at least as fast as fp32 GEMMs here? (timed once; `FASTBERT_CPU_ISA=avx2` says no)"""
-    if forced_isa():
+    """Are bf16 GEMMs at least as fast as fp32 GEMMs here? (timed once; `FASTBERT_CPU_ISA` says no (avx2) or yes
+    (avx512bf16) without timing)"""
+    if forced_isa() == "avx2":
         return Finding(False, f"{FORCE_ENV}={forced_isa()}: behaving as a CPU without bf16 instructions")
+    if forced_isa() == BF16_LOGIC:
+        return Finding(True, f"{FORCE_ENV}={forced_isa()}: deciding as on a CPU with bf16 dot products")
     return _time_bf16_gemm()
 
 
-@functools.cache
+@_probe
 def _time_bf16_gemm() -> Finding:
     """The best bf16 GEMM path here (oneDNN prepacked where it runs, else torch's) timed against torch's fp32."""
-    a, b = torch.randn(_PROBE_M, _PROBE_K), torch.randn(_PROBE_N, _PROBE_K)
+    a, b = _cpu_randn(_PROBE_M, _PROBE_K), _cpu_randn(_PROBE_N, _PROBE_K)
     a16, b16 = a.bfloat16(), b.bfloat16()
     runs = {"fp32": lambda: F.linear(a, b), "bf16": lambda: F.linear(a16, b16)}
     if onednn_bf16_prepack().ok:
@@ -138,8 +167,7 @@ def _time_bf16_gemm() -> Finding:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a per-core property; one thread's CPU time ignores a busy machine's scheduling
     try:
-        with torch.no_grad(), torch.autocast("cpu", enabled=False):
-            best = _best_seconds(runs)
+        best = _best_seconds(runs)
     finally:
         torch.set_num_threads(threads)
     fp32, bf16 = best["fp32"], best["bf16"]
@@ -179,8 +207,11 @@ def fast_dtype(device: torch.device) -> torch.dtype:
 def report() -> list[str]:
     """What was found, one line each, for explain(). Runs the probes if they have not run yet."""
     lines = [f"CPU: {cpu_model()}"]
-    if forced_isa():
+    if forced_isa() == "avx2":
         lines.append(f"{FORCE_ENV}={forced_isa()}: behaving as an {forced_isa().upper()}-only CPU")
+    elif forced_isa() == BF16_LOGIC:
+        lines.append(f"{FORCE_ENV}={forced_isa()}: deciding as on a CPU with bf16 dot products (what executes bf16 "
+                     "instructions is still tried)")
     bf16 = bf16_gemm()
     lines.append(f"bf16 GEMMs: {'fast' if bf16.ok else 'slow'}: {bf16.why}")
     if not bf16.ok:

@@ -140,3 +140,82 @@ def test_native_kernels_run_their_avx2_build_when_forced() -> None:
     env = {**os.environ, capabilities.FORCE_ENV: "avx2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "avx2"
+
+
+@pytest.fixture
+def fresh_probes() -> object:
+    """Forget the probes' cached answers before and after (they run once per process)."""
+    probes = (capabilities._try_onednn_bf16_prepack, capabilities._time_bf16_gemm)
+    for probe in probes:
+        probe.cache_clear()
+    yield
+    for probe in probes:
+        probe.cache_clear()
+
+
+def test_the_first_call_under_cpu_bf16_autocast_runs() -> None:
+    """The probes run at the first bf16 GEMM: under the caller's bf16 autocast they once computed their fp32 check in
+    bf16 and raised 'Float did not match BFloat16' on CPUs with bf16 instructions (a fresh process: probes run once)."""
+    code = (
+        "import torch, fastbert\n"
+        "from fastbert import capabilities, ops\n"
+        "with torch.autocast('cpu', dtype=torch.bfloat16):\n"
+        "    out = ops.linear(torch.randn(5, 32), torch.randn(16, 32), torch.randn(16))\n"
+        "print(out.dtype, capabilities.onednn_bf16_prepack().ok, capabilities.bf16_gemm().ok)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != capabilities.FORCE_ENV}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[0] == "torch.bfloat16"
+
+
+def test_the_prepack_probe_checks_in_fp32_under_the_callers_autocast(
+    monkeypatch: pytest.MonkeyPatch, fresh_probes: None
+) -> None:
+    """The same on any CPU: oneDNN's bf16 calls replaced by what bf16 hardware computes (fp32 products, one round)."""
+    import torch.nn.functional as F
+
+    monkeypatch.delenv(capabilities.FORCE_ENV, raising=False)
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda w: w, raising=False)
+    monkeypatch.setattr(
+        torch.ops.mkldnn, "_linear_pointwise", lambda x, w, *_: F.linear(x.float(), w.float()).bfloat16(), raising=False
+    )
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.enable_grad():
+        found = capabilities.onednn_bf16_prepack()
+    assert found.ok, found.why
+    assert not torch.is_autocast_enabled("cpu")
+
+
+@pytest.fixture
+def bf16_logic(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decide as a CPU with bf16 dot products does, whatever this one has."""
+    monkeypatch.setenv(capabilities.FORCE_ENV, capabilities.BF16_LOGIC)
+
+
+def test_forcing_bf16_logic_makes_bf16_the_fast_precision(bf16_logic: None) -> None:
+    assert capabilities.bf16_gemm().ok and "bf16 dot products" in capabilities.bf16_gemm().why
+    assert not capabilities.bf16_via_fp32(torch.device("cpu"))
+    assert capabilities.fast_dtype(torch.device("cpu")) == torch.bfloat16
+    assert capabilities.cpu_kind() != capabilities.BF16_LOGIC  # a label of what runs: the CPU is unchanged
+    chosen, why = train.resolve_precision("auto", torch.device("cpu"))
+    assert chosen == "bf16" and "auto -> bf16" in why
+    text = fastbert.explain()
+    assert f"FASTBERT_CPU_ISA={capabilities.BF16_LOGIC}" in text and "fast precision here: bfloat16" in text
+    assert "bf16 runs as fp32 GEMMs" not in text
+
+
+def test_forced_bf16_logic_runs_bf16_gemms_as_bf16_under_autocast(bf16_logic: None) -> None:
+    """The bf16 machine's path on any CPU: bf16 GEMMs (oneDNN's where its prepack runs, else torch's), bf16 out,
+    error within the low-precision rule, with autograd through the torch path."""
+    x, w, b = operands()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        auto = onednn.linear(x, w, b, "gelu")
+    assert auto.dtype == torch.bfloat16
+    x16, w16, b16 = (t.bfloat16() for t in (x, w, b))
+    exact = reference.linear(x16.double(), w16.double(), b16.double(), "gelu")
+    assert err(auto, exact) <= 2 * err(reference.linear(x16, w16, b16, "gelu"), exact) + FLOOR
+    leaves = [t.clone().requires_grad_() for t in (x16, w16, b16)]
+    out = ops.linear(*leaves, "gelu")
+    out.float().square().sum().backward()
+    assert out.dtype == torch.bfloat16 and all(t.grad.dtype == torch.bfloat16 for t in leaves)
