@@ -233,3 +233,37 @@ def test_a_roberta_teacher_gives_a_roberta_student(tiny_roberta_dir, tmp_path):
         a = RobertaModel.from_pretrained(result.student_dir)(ids, attention_mask=mask).last_hidden_state
         b = theirs(input_ids=ids, attention_mask=mask).last_hidden_state
     torch.testing.assert_close(a[mask.bool()], b[mask.bool()], atol=1e-5, rtol=0)
+
+
+def _cached_hidden_targets(teacher_dir, tmp_path, device: torch.device) -> dict:
+    """Targets served by the teacher cache (second call) for a batch whose input_ids live on `device`."""
+    from fastbert.distill.trainer import _cached_targets
+
+    teacher = load_teacher(teacher_dir)
+    tok = WordPieceTokenizer.from_pretrained(teacher_dir)
+    batch = collate([tok.encode_ids([t])[0][:10] for t in corpus(4)], tok.pad_id)
+    obj, layer_map = Objectives(hidden_mse=1.0, embedding=1.0, cosine=1.0), {1: 2, 2: 4}
+    cache = TeacherCache(str(tmp_path))
+    _cached_targets(cache, [0, 1, 2, 3], batch, teacher, obj, layer_map)  # computes and stores (on the CPU)
+    batch = {**batch, "input_ids": batch["input_ids"].to(device)}
+    return _cached_targets(cache, [0, 1, 2, 3], batch, teacher, obj, layer_map)
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    if torch.is_tensor(tree):
+        return [tree]
+    return [t for v in (tree.values() if isinstance(tree, dict) else ()) for t in _tensors(v)]
+
+
+def test_cached_teacher_targets_follow_the_batch_device(teacher_dir, tmp_path):
+    """Cached targets (hidden states nested one dict deeper included) land on the batch's device, never left on the
+    CPU: a CUDA run crashed in _select ('indices should be either on cpu or on the same device'). The meta device
+    stands in for a GPU here."""
+    found = _tensors(_cached_hidden_targets(teacher_dir, tmp_path, torch.device("meta")))
+    assert len(found) == 4 and all(t.device.type == "meta" for t in found)
+
+
+@pytest.mark.gpu
+def test_cached_teacher_targets_follow_the_batch_device_on_cuda(teacher_dir, tmp_path):
+    found = _tensors(_cached_hidden_targets(teacher_dir, tmp_path, torch.device("cuda")))
+    assert len(found) == 4 and all(t.device.type == "cuda" for t in found)

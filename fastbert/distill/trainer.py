@@ -186,7 +186,14 @@ def _cached_targets(cache: TeacherCache, indices, batch, teacher, obj, layer_map
         t["last"] = padded("last")
     if obj.hidden_mse:
         t["hidden"] = {k: padded(f"hidden.{k}") for k in layer_map}
-    return {k: (v.to(batch["input_ids"].device) if torch.is_tensor(v) else v) for k, v in t.items()}
+    return _to_device(t, batch["input_ids"].device)
+
+
+def _to_device(tree, device: torch.device):
+    """Every tensor of a (nested) dict of targets moved to `device`: the cache keeps them on the CPU."""
+    if torch.is_tensor(tree):
+        return tree.to(device)
+    return {k: _to_device(v, device) for k, v in tree.items()} if isinstance(tree, dict) else tree
 
 
 def _check(cfg: DistillConfig, teacher: PreTrainedModel, tokenizer: WordPieceTokenizer) -> None:
