@@ -160,7 +160,9 @@ def _reasons(why: list[tuple[str, str]] | tuple[tuple[str, str], ...]) -> str:
 
 def _record(op: str, dtype: torch.dtype, name: str, note: str, why: tuple[tuple[str, str], ...] = ()) -> None:
     """Note the backend `op` ran on; the words for explain() are built only when the decision changes (every call
-    makes one, so this is on the dispatch's hot path)."""
+    makes one, so this is on the dispatch's hot path). Not while torch.compile traces: its logger breaks the graph."""
+    if torch.compiler.is_compiling():
+        return
     facts = (dtype, name, note, why)
     if _last_facts.get(op) == facts:
         return
