@@ -118,7 +118,8 @@ class BertSelfAttention(nn.Module):
     def qkv_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Q, K and V projections as one [3H, H] GEMM; cached for inference, rebuilt when any weight changes."""
         parts = (self.query, self.key, self.value)
-        if torch.is_grad_enabled() and any(p.weight.requires_grad for p in parts):
+        # torch.compile: a cat in the graph (the weight stamp reads what dynamo cannot trace)
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(p.weight.requires_grad for p in parts)):
             return torch.cat([p.weight for p in parts]), torch.cat([p.bias for p in parts])
         key = stamp(*(t for p in parts for t in (p.weight, p.bias)))
         if self._fused is None or self._fused[0] != key:
