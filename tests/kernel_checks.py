@@ -110,4 +110,5 @@ def check_op(
     assert_close(f"{name}/fwd", out, ref, low)
     for i, (g, r, lg) in enumerate(zip(out_grads, ref_grads, low_grads, strict=True)):
         assert g.dtype == dtype, f"{name}: grad {i} dtype {g.dtype}, expected {dtype}"
+        assert g.device == out.device, f"{name}: grad {i} on {g.device}, its input on {out.device}"
         assert_close(f"{name}/grad{i}", g, r, lg)

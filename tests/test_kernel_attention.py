@@ -84,7 +84,7 @@ def test_attention_dropout_mask_statistics_and_backward_consistency() -> None:
     qkv[:, 2] = torch.nn.functional.one_hot(pos.long(), dim).float()[:, None, :]  # v_j = e_j
     torch.manual_seed(11)
     probe = kernels.attention(qkv, cu, longest, p, training=True)
-    keep = torch.zeros(len(lengths), heads, longest, longest)
+    keep = torch.zeros(len(lengths), heads, longest, longest, device=DEVICE)
     start = 0
     for b, n in enumerate(lengths):
         keep[b, :, :n, :n] = (probe[start:start + n, :, :n] != 0).permute(1, 0, 2).float()

@@ -91,9 +91,10 @@ def test_bias_residual_layernorm_autocast_mix(dtype: torch.dtype) -> None:
     args = [x.to(dtype), b.float(), r.to(dtype), w.float(), lb.float()]
     leaves = [t.clone().requires_grad_() for t in args]
     out = kernels.bias_residual_layernorm(*leaves, EPS)
-    gout = torch.randn(out.shape, dtype=torch.float64)
+    gout = torch.randn(out.shape, dtype=torch.float64, device=out.device)
     grads = torch.autograd.grad(out, leaves, gout.to(dtype))
     assert out.dtype == dtype and [g.dtype for g in grads] == [t.dtype for t in args]
+    assert [g.device for g in grads] == [t.device for t in args]
     ref_leaves = [t.double().requires_grad_() for t in args]
     ref = reference.bias_residual_layernorm(*ref_leaves, EPS)
     ref_grads = torch.autograd.grad(ref, ref_leaves, gout.to(dtype).double())

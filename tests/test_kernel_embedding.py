@@ -51,7 +51,7 @@ def test_embedding_layernorm_inputs_embeds() -> None:
         return lambda tt, pos, posw, typew, w, b, emb: fn(None, tt, pos, word.to(emb.dtype), posw, typew, w, b, EPS,
                                                           inputs_embeds=emb)
 
-    emb = torch.randn(21, 64, dtype=torch.float64)
+    emb = torch.randn(21, 64, dtype=torch.float64, device=DEVICE)
     check_op("embedding_layernorm[inputs_embeds]", via(kernels.embedding_layernorm),
              via(reference.embedding_layernorm), [tt, pos, *tables, *ln, emb], torch.float32, row_strided)
 
@@ -93,10 +93,11 @@ def test_embedding_layernorm_matches_torch_layer_norm_on_bert_tables() -> None:
     """The model's own call: ids [T] packed, tables from nn.Embedding (padding row included), fp32."""
     from fastbert import kernels
 
-    word, posw, typew = torch.nn.Embedding(99, 32, padding_idx=0), torch.nn.Embedding(16, 32), torch.nn.Embedding(2, 32)
-    ids = torch.tensor([0, 5, 5, 98, 1, 0, 7])
-    pos, tt = torch.tensor([0, 1, 2, 3, 0, 1, 2]), torch.tensor([0, 0, 1, 1, 0, 0, 1])
-    ln = torch.nn.LayerNorm(32)
+    sizes = ((99, 0), (16, None), (2, None))  # (rows, padding_idx)
+    word, posw, typew = (torch.nn.Embedding(n, 32, padding_idx=pad, device=DEVICE) for n, pad in sizes)
+    ids = torch.tensor([0, 5, 5, 98, 1, 0, 7], device=DEVICE)
+    pos, tt = torch.tensor([0, 1, 2, 3, 0, 1, 2], device=DEVICE), torch.tensor([0, 0, 1, 1, 0, 0, 1], device=DEVICE)
+    ln = torch.nn.LayerNorm(32, device=DEVICE)
     y = kernels.embedding_layernorm(ids, tt, pos, word.weight, posw.weight, typew.weight, ln.weight, ln.bias, 1e-12)
     expect = F.layer_norm(word(ids) + posw(pos) + typew(tt), (32,), ln.weight, ln.bias, 1e-12)
     torch.testing.assert_close(y, expect, rtol=0, atol=1e-5)
