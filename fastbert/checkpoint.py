@@ -143,6 +143,18 @@ class PreTrainedModel(nn.Module):
     def tie_weights(self) -> None:
         """Heads with an MLM decoder tie it to the word embeddings here."""
 
+    # ---------------------------------------------------------------- placement
+    @property
+    def device(self) -> torch.device:
+        """The device of the first parameter, as transformers defines it (`inputs.to(model.device)`)."""
+        return next(self.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the first floating-point parameter (else the first parameter's), as in transformers."""
+        first = next(self.parameters())
+        return next((p.dtype for p in self.parameters() if p.is_floating_point()), first.dtype)
+
     # ------------------------------------------------------------------ counting
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Unique parameters (shared ALBERT layers and tied decoders count once)."""
@@ -253,10 +265,18 @@ class PreTrainedModel(nn.Module):
         model.eval()
         return model.to(device=device, dtype=dtype) if dtype is not None or device is not None else model
 
-    def save_pretrained(self, directory: str | os.PathLike) -> None:
-        """Write config.json + model.safetensors that transformers (and fastbert) load."""
+    def save_pretrained(self, directory: str | os.PathLike, safe_serialization: bool = True) -> None:
+        """Write config.json + model.safetensors that transformers (and fastbert) load.
+
+        `safe_serialization` is transformers' keyword (sentence-transformers' `save` passes it); fastbert writes
+        safetensors only, so False is refused rather than silently ignored.
+        """
         from safetensors.torch import save_file
 
+        if not safe_serialization:
+            raise ValueError(
+                "fastbert saves safetensors only (pickles can run code on load): pass safe_serialization=True"
+            )
         os.makedirs(directory, exist_ok=True)
         config = self.config.to_dict()
         config["architectures"] = [type(self).__name__]

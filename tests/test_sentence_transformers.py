@@ -71,3 +71,31 @@ def test_sentence_transformer_on_a_roberta_encoder(tiny_roberta_dir: Path) -> No
     calls = calls_of(model[0].model)
     after = model.encode(SENTENCES, convert_to_tensor=True)
     assert calls and (after - before).abs().max().item() <= 1e-5
+
+
+def test_optimized_sentence_transformer_saves_and_loads_back_in_plain_sentence_transformers(
+    minilm_dir: Path, tmp_path: Path
+) -> None:
+    model = st.SentenceTransformer(str(minilm_dir), device="cpu")
+    before = model.encode(SENTENCES, convert_to_tensor=True)
+    fastbert.optimize(model)
+    model.save(str(tmp_path))  # sentence-transformers passes safe_serialization=True to the encoder's save_pretrained
+    loaded = st.SentenceTransformer(str(tmp_path), device="cpu")
+    assert not isinstance(loaded[0].model, fastbert.BertModel)  # transformers' own BertModel read the folder
+    after = loaded.encode(SENTENCES, convert_to_tensor=True)
+    assert (after - before).abs().max().item() <= 1e-5
+
+
+def test_optimized_cross_encoder_saves_and_loads_back_in_plain_sentence_transformers(
+    minilm_dir: Path, tmp_path: Path
+) -> None:
+    torch.manual_seed(0)
+    model = st.CrossEncoder(str(minilm_dir), num_labels=1, device="cpu")
+    pairs = [("a man plays guitar", "someone is making music"), ("the cat sleeps", "stock prices fell sharply")]
+    before = model.predict(pairs, convert_to_tensor=True)
+    fastbert.optimize(model)
+    model.save(str(tmp_path))
+    loaded = st.CrossEncoder(str(tmp_path), device="cpu")
+    assert type(loaded[0].model).__module__.startswith("transformers")
+    after = loaded.predict(pairs, convert_to_tensor=True)
+    assert (after - before).abs().max().item() <= 1e-5
