@@ -3,8 +3,9 @@
 Limits: qkv `[T, 3, nH, D]` fp32/fp16/bf16 with a unit stride on D (any other strides), D <= 128 (any D: the
 block is the next power of two >= 16, masked); cu_seqlens `[B + 1]` int32 with cu_seqlens[-1] == T; max_seqlen a
 Python int >= every length (only the grid and the RNG offsets use it; no host sync). Output `[T, nH, D]` in qkv's
-dtype. Softmax and accumulation in fp32 (fp32 inputs use IEEE dots, not TF32). A query only sees keys of its own
-sequence (bidirectional); empty sequences launch programs that exit at once, and no row is left unwritten.
+dtype. Softmax and accumulation in fp32 (fp32 inputs: TF32 dots where torch allows TF32, else IEEE). A query
+only sees keys of its own sequence (bidirectional); empty sequences launch programs that exit at once, and no row is
+left unwritten.
 Dropout on the probabilities: Philox keep-mask from (seed + bh << 32, row * max_seqlen + col), regenerated in both
 backward kernels, so max_seqlen <= 46340. Backward is deterministic: one kernel owns dK/dV per key block, another
 dQ per query block (no atomics); the log-sum-exp per query row is the only softmax state saved.
@@ -20,7 +21,7 @@ import triton.language as tl
 
 from . import _common as C
 from ._device import dot, dropout_keep
-from .limits import MAX_HEAD_DIM, MAX_SEQLEN_DROPOUT
+from .limits import MAX_HEAD_DIM, MAX_SEQLEN_DROPOUT, fp32_dot_precision
 
 LOG2E = 1.4426950408889634
 
@@ -263,7 +264,7 @@ class FlashAttention(torch.autograd.Function):
         batch = cu_seqlens.numel() - 1
         seed, keep = (C.dropout_seed() if p > 0 else 0), C.keep_scale(p)
         block_m, block_n, block_d, warps = _blocks(dim, max_seqlen)
-        precision = "ieee" if qkv.dtype == torch.float32 else "tf32"  # the latter is ignored for 16-bit inputs
+        precision = fp32_dot_precision() if qkv.dtype == torch.float32 else "tf32"  # 16-bit ignores it
         upcast = C.interpreter_bf16(qkv)  # see _device.dot
         if total and batch and max_seqlen:
             _attn_fwd[(triton.cdiv(max_seqlen, block_m), batch, heads)](

@@ -2,7 +2,8 @@
 backward. Optional extra over the dispatch ops: `fastbert.ops` has no entry for it; call it directly.
 
 Limits: x `[*, K]`, weight `[N, K]` (nn.Linear layout, any strides), bias `[N]`; fp32/fp16/bf16, x and weight of
-one dtype; fp32 accumulation (fp32 inputs use IEEE dots, not TF32), bias + activation in fp32, one cast on store.
+one dtype; fp32 accumulation (fp32 inputs: TF32 dots where torch allows TF32, else IEEE), bias + activation in
+fp32, one cast on store.
 Forward also stores the pre-activation when a grad is needed; backward turns it into dL/d(pre) and the bias grad
 with the bias_act backward kernel, then dX and dW with torch matmuls (cuBLAS on GPU).
 """
@@ -17,6 +18,7 @@ from . import _common as C
 from ._device import dot
 from .bias_act import ACT_IDS, _act, _bias_act_bwd
 from .bias_act import _blocks as _elementwise_blocks
+from .limits import fp32_dot_precision
 
 
 @triton.jit
@@ -98,7 +100,7 @@ class LinearAct(torch.autograd.Function):
             _linear_act_fwd[grid](
                 rows, weight, bias, y, pre, m, n, k, rows.stride(0), rows.stride(1), weight.stride(0),
                 weight.stride(1), ACT=ACT_IDS[kind], SAVE_PRE=save, BLOCK_M=block_m, BLOCK_N=block_n,
-                BLOCK_K=block_k, GROUP_M=8, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                BLOCK_K=block_k, GROUP_M=8, PRECISION=fp32_dot_precision() if x.dtype == torch.float32 else "tf32",
                 UPCAST=C.interpreter_bf16(x), num_warps=warps,
             )
         if save:
