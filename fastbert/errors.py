@@ -60,7 +60,8 @@ def ranged(
 
 
 def read_text(path: str | os.PathLike) -> str:
-    """A UTF-8 text file's content (newlines as in the file); a missing, empty or binary file is a DataError."""
+    """A UTF-8 text file's content (newlines as in the file, a leading byte-order mark dropped, as Excel and
+    Notepad write one); a missing, empty or binary file is a DataError."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such file")
@@ -73,6 +74,7 @@ def read_text(path: str | os.PathLike) -> str:
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
         raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x}); convert it to UTF-8") from None
+    text = text.removeprefix("\ufeff")
     if "\x00" in text:
         line = text.count("\n", 0, text.index("\x00")) + 1
         raise DataError(f"{path}:{line}: a NUL byte: this looks like a binary file, not text")

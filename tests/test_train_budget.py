@@ -93,7 +93,7 @@ def test_eval_interval_beyond_the_budget_still_evaluates_three_times(tmp_path, m
 def test_eval_interval_is_capped_by_the_run_length(tmp_path, monkeypatch):
     result, _ = run(tmp_path, monkeypatch, max_steps=12, eval_every=100)
     assert eval_steps(result) == [4, 8, 12]
-    result, _ = run(tmp_path, monkeypatch, max_steps=12, eval_every=2)
+    result, _ = run(tmp_path, monkeypatch, max_steps=12, eval_every=2, overwrite=True)  # the same output folder
     assert eval_steps(result) == [2, 4, 6, 8, 10, 12]
 
 

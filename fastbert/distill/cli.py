@@ -57,7 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--whole-word", action="store_true")
     t.add_argument("--cache-teacher", action="store_true", help="keep teacher targets on disk across epochs")
     t.add_argument("--checkpoint-every", type=ranged(int, 0), default=500, help="0: no resumable checkpoints")
-    t.add_argument("--resume", help="'latest' or a step-N checkpoint folder")
+    t.add_argument("--resume", help="'latest' or a step-N checkpoint folder (of this same run)")
+    t.add_argument("--overwrite", action="store_true", help="train into an --output that holds another run's results")
     t.add_argument("--seed", type=ranged(int, 0), default=0)
     t.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     t.add_argument("--threads", type=ranged(int, 1), help="CPU threads per process (1 is far faster on a busy machine)")
@@ -113,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         cache_teacher=args.cache_teacher,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
+        overwrite=args.overwrite,
         seed=args.seed,
         device=args.device,
     )

@@ -7,6 +7,7 @@ resumable checkpoints, a wall-time budget, a progress bar), with a held-out eval
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -40,6 +41,7 @@ from fastbert.train import (
     run_eval,
 )
 from fastbert.train import loop as train_loop
+from fastbert.train.state import fingerprint
 
 
 @dataclass
@@ -73,6 +75,7 @@ class DistillConfig:
     checkpoint_every: int = 500  # resumable checkpoints (not at the end: the student is the final result)
     keep_checkpoints: int = 2
     resume: str | None = None  # None | "latest" (in output_dir/checkpoints) | a step-N directory
+    overwrite: bool = False  # train into an output_dir that holds another run's results (else refused)
     eval_fraction: float = 0.02
     max_eval: int = 2000
     eval_every: int = 0  # held-out evaluation every N steps (0: only before and after training)
@@ -223,7 +226,7 @@ def _check(cfg: DistillConfig, teacher: PreTrainedModel, tokenizer: WordPieceTok
 def _loop_config(cfg: DistillConfig, resume_path: str | None) -> LoopConfig:
     """The shared training loop's settings for this run (validated by LoopConfig)."""
     names = ("lr", "epochs", "max_steps", "max_minutes", "warmup_ratio", "weight_decay", "grad_accum", "precision")
-    names += ("max_grad_norm", "eval_every", "log_every", "keep_checkpoints")
+    names += ("max_grad_norm", "eval_every", "log_every", "keep_checkpoints", "overwrite")
     return LoopConfig(
         cfg.output_dir,
         **{name: getattr(cfg, name) for name in names},
@@ -231,6 +234,30 @@ def _loop_config(cfg: DistillConfig, resume_path: str | None) -> LoopConfig:
         resume=resume_path or False,
         final_dir="student",
     )
+
+
+# DistillConfig fields a resumed run may change: how long, how fast, where, how often it reports
+NOT_IDENTITY = {"output_dir", "epochs", "max_steps", "max_minutes", "lr", "warmup_ratio", "weight_decay", "resume"}
+NOT_IDENTITY |= {"max_grad_norm", "precision", "teacher_precision", "checkpoint_every", "keep_checkpoints"}
+NOT_IDENTITY |= {"eval_every", "device", "log_every", "overwrite"}
+
+
+def _source_identity(source: object) -> str | None:
+    """A teacher, corpus or tokenizer by content: a path's fingerprint, texts' digest, a live model's class."""
+    if source is None:
+        return None
+    if isinstance(source, (str, os.PathLike)) and os.path.exists(source):
+        return fingerprint(source)
+    if isinstance(source, Sequence) and not isinstance(source, str):
+        return hashlib.sha256("\n".join(map(str, source)).encode()).hexdigest()[:16]
+    return type(source).__name__ if isinstance(source, nn.Module) else str(source)
+
+
+def _identity(cfg: DistillConfig, teacher: object, corpus: object, tokenizer: object, eval_corpus: object) -> dict:
+    """The options that define a distillation run, which a resumed run must share (`fastbert.train` checks)."""
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_IDENTITY}
+    sources = {"teacher": teacher, "corpus": corpus, "tokenizer": tokenizer, "eval_corpus": eval_corpus}
+    return {"command": "distill", **fields, **{k: _source_identity(v) for k, v in sources.items()}}
 
 
 def _resolve_precisions(cfg: DistillConfig, env: DistEnv) -> DistillConfig:
@@ -258,7 +285,9 @@ def distill(
     cfg = config
     env = init_distributed(cfg.device)
     resume_path = _resolve_resume(cfg)
-    loop = _loop_config(cfg, resume_path)
+    identity = _identity(cfg, teacher, corpus, tokenizer, eval_corpus)
+    loop = dataclasses.replace(_loop_config(cfg, resume_path), identity=identity)
+    train_loop.check_output_dir(loop)
     check_writable(cfg.output_dir)
     teacher_model = load_teacher(teacher)
     if tokenizer is None:

@@ -7,6 +7,7 @@ fastbert's and transformers' `from_pretrained` both load (tokenizer files includ
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -19,6 +20,8 @@ from fastbert.errors import UsageError
 from fastbert.finetune.tasks import QATask, SequenceTask, TokenTask
 from fastbert.tokenization import WordPieceTokenizer
 from fastbert.train import LengthGroupedBatchSampler, LoopConfig, check_writable, fit, init_distributed
+from fastbert.train.loop import check_output_dir
+from fastbert.train.state import fingerprint
 
 TASKS = ("sequence", "regression", "token", "qa")
 
@@ -82,6 +85,11 @@ def finetune(
     dev_feats = job.features(dev_examples) if dev_examples else None
     if not os.path.isdir(model):
         raise FileNotFoundError(f"checkpoint directory {model} does not exist")
+    identity = {"command": "finetune", "task": task, "model": fingerprint(model), "train": fingerprint(train)}
+    identity.update(tokenizer=fingerprint(tokenizer) if tokenizer else None, batch_size=batch_size, seed=seed)
+    identity.update(grad_accum=cfg.grad_accum, options={k: v for k, v in task_options.items() if v is not None})
+    cfg = dataclasses.replace(cfg, identity=identity)
+    check_output_dir(cfg)
     config = BertConfig.from_pretrained(model)
     tok.token_types = tok.token_types and config.family.token_types  # DistilBERT takes no token_type_ids
     for key, value in job.config_updates().items():

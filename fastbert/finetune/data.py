@@ -139,17 +139,29 @@ def read_squad(path: str | os.PathLike) -> list[QAExample]:
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         raise DataError(f"{path}: not SQuAD JSON (expected {{'data': [...]}}): {exc}") from None
     examples = []
-    for article in data:
-        for paragraph in article.get("paragraphs", []):
-            context = paragraph["context"]
-            for qa in paragraph.get("qas", []):
-                answers = []
-                for a in [] if qa.get("is_impossible") else qa.get("answers", []):
-                    text, begin = a["text"], int(a["answer_start"])
-                    if context[begin : begin + len(text)] != text:
-                        raise DataError(f"{path}: question {qa['id']}: answer {text!r} is not at {begin}")
-                    answers.append((text, begin))
-                examples.append(QAExample(str(qa["id"]), qa["question"], context, answers))
+    for i, article in enumerate(data):
+        for j, paragraph in enumerate(article.get("paragraphs", [])):
+            for k, qa in enumerate(paragraph.get("qas", [])):
+                where = f"{path}: article {i}, paragraph {j}, question {k}"
+                try:
+                    examples.append(_squad_example(qa, paragraph["context"], path))
+                except KeyError as exc:  # a field SQuAD always has: say which, and where
+                    raise DataError(f"{where}: no {exc} field (SQuAD needs context, id, question, answers)") from None
+                except DataError:
+                    raise
+                except (TypeError, ValueError, AttributeError) as exc:
+                    raise DataError(f"{where}: not a SQuAD question ({exc})") from None
     if not examples:
         raise DataError(f"{path}: no questions")
     return examples
+
+
+def _squad_example(qa: dict, context: str, path: str) -> QAExample:
+    """One SQuAD question; each answer must be found in `context` where it says it starts."""
+    answers = []
+    for a in [] if qa.get("is_impossible") else qa.get("answers", []):
+        text, begin = a["text"], int(a["answer_start"])
+        if context[begin : begin + len(text)] != text:
+            raise DataError(f"{path}: question {qa['id']}: answer {text!r} is not at {begin}")
+        answers.append((text, begin))
+    return QAExample(str(qa["id"]), qa["question"], context, answers)

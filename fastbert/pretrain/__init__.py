@@ -8,13 +8,14 @@ held-out MLM and NSP/SOP accuracy; DDP/FSDP under torchrun. `output_dir/final` l
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Any
 
 import torch
 
 from fastbert.config import BertConfig
-from fastbert.errors import UsageError
+from fastbert.errors import DataError, UsageError
 from fastbert.heads import BertForPreTraining
 from fastbert.masking import MLMMasker
 from fastbert.pretrain.data import encode_pairs, make_pairs, read_documents, tokenize_documents
@@ -28,22 +29,27 @@ from fastbert.train import (
     init_distributed,
     resume_checkpoint,
 )
+from fastbert.train.loop import check_output_dir
+from fastbert.train.state import fingerprint
 
 __all__ = ["build_model", "checkpoint_tokenizer", "load_corpus", "pretrain"]
 
 
 def load_corpus(
-    train: list[str], heldout: str | None, heldout_fraction: float, seed: int
+    train: list[str], heldout: str | None, heldout_fraction: float, seed: int, min_documents: int = 1
 ) -> tuple[list[list[str]], list[list[str]]]:
-    """Training and held-out documents: `heldout` file, or a random `heldout_fraction` of the training documents."""
+    """Training and held-out documents: `heldout` file, or a random `heldout_fraction` of the training documents.
+
+    Each side of the split keeps at least `min_documents` (NSP: 2, its random segments come from another document);
+    a corpus too small for that is not split (all of it trains, nothing is held out)."""
     docs = [d for path in train for d in read_documents(path)]
     if heldout:
         return docs, read_documents(heldout)
-    if not 0 < heldout_fraction < 1:
+    if not 0 < heldout_fraction < 1 or len(docs) < 2 * min_documents:
         return docs, []
     order = list(range(len(docs)))
     random.Random(seed).shuffle(order)
-    n = max(1, round(heldout_fraction * len(docs)))
+    n = min(len(docs) - min_documents, max(min_documents, round(heldout_fraction * len(docs))))
     held = set(order[:n])
     return [d for i, d in enumerate(docs) if i not in held], [docs[i] for i in sorted(held)]
 
@@ -115,7 +121,37 @@ def pretrain(
             f"max_length {max_length} > the model's max_position_embeddings {shape.max_position_embeddings}"
         )
     check_writable(output_dir)
-    train_docs, held_docs = load_corpus(train, heldout, heldout_fraction, seed)
+    least = 2 if objective == "nsp" else 1
+    train_docs, held_docs = load_corpus(train, heldout, heldout_fraction, seed, least)
+    if heldout and len(held_docs) < least:
+        raise DataError(f"{heldout}: NSP needs at least two held-out documents (random segments come from another)")
+    if not heldout and heldout_fraction > 0 and not held_docs and env.is_main:
+        print(
+            f"{len(train_docs)} documents: too few to hold any out ({objective.upper()} needs {least} on each side, "
+            f"{2 * least} in all); training on all of them, no held-out evaluation",
+            flush=True,
+        )
+    cfg = dataclasses.replace(
+        cfg,
+        identity={
+            "command": "pretrain",
+            "train": [fingerprint(path) for path in train],
+            "heldout": fingerprint(heldout) if heldout else None,
+            "heldout_fraction": heldout_fraction,
+            "vocab_size": vocab_size,
+            "objective": objective,
+            "whole_word": whole_word,
+            "mlm_probability": mlm_probability,
+            "max_length": max_length,
+            "batch_size": batch_size,
+            "grad_accum": cfg.grad_accum,
+            "init_from": fingerprint(init_from) if init_from else None,
+            "config": fingerprint(config) if config else None,
+            "model_options": model_options,
+            "seed": seed,
+        },
+    )
+    check_output_dir(cfg)
     resumed = resume_checkpoint(cfg)
     if resumed:  # the vocabulary the checkpoint was trained with, never a newly learnt one
         tok = checkpoint_tokenizer(resumed, tokenizer)
@@ -124,7 +160,8 @@ def pretrain(
     else:  # every rank learns the same vocabulary from the same documents (deterministic)
         tok = WordPieceTokenizer.train((s for d in train_docs for s in d), vocab_size=vocab_size)
     feats = encode_pairs(tok, make_pairs(tokenize_documents(tok, train_docs), max_length, objective, seed))
-    held = encode_pairs(tok, make_pairs(tokenize_documents(tok, held_docs), max_length, objective, seed + 1))
+    held_pairs = make_pairs(tokenize_documents(tok, held_docs), max_length, objective, seed + 1) if held_docs else []
+    held = encode_pairs(tok, held_pairs)
     held = held[:max_heldout_pairs]
     collate = PretrainCollator(tok, MLMMasker.from_tokenizer(tok, whole_word=whole_word, probability=mlm_probability))
     torch.manual_seed(seed)

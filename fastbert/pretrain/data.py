@@ -90,7 +90,9 @@ def make_pairs(
     if max_length < MIN_LENGTH:
         raise ValueError(f"max_length must be >= {MIN_LENGTH} ([CLS] A [SEP] B [SEP]), got {max_length}")
     if len(documents) < 2 and objective == "nsp":
-        raise ValueError("NSP needs at least two documents (random segments come from another document)")
+        raise ValueError(
+            f"NSP needs at least two documents (random segments come from another document), got {len(documents)}"
+        )
     rng = random.Random(seed)
     max_tokens = max_length - 3  # [CLS] A [SEP] B [SEP]
     pairs = []

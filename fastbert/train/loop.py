@@ -7,6 +7,8 @@ import contextlib
 import json
 import math
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -20,7 +22,15 @@ from fastbert.train.distributed import DistEnv, unwrap, wrap_model
 from fastbert.train.optim import make_optimizer
 from fastbert.train.precision import autocast, resolve_precision
 from fastbert.train.sampler import LengthGroupedBatchSampler
-from fastbert.train.state import gather_rng_states, latest_checkpoint, load_checkpoint, save_resumable, write_atomically
+from fastbert.train.state import (
+    WRITE_ERRORS,
+    checkpoint_identity,
+    gather_rng_states,
+    latest_checkpoint,
+    load_checkpoint,
+    save_resumable,
+    write_atomically,
+)
 
 
 @dataclass
@@ -41,6 +51,8 @@ class LoopConfig:
     save_every: int = 0  # optimizer steps; 0 = only the final model
     log_every: int = 10
     resume: bool | str = False  # True: the newest checkpoint in output_dir/checkpoints, if any; str: that step-N
+    overwrite: bool = False  # train into an output_dir that holds another run's results (else refused)
+    identity: dict[str, Any] | None = None  # the options that define the run (data, model, objective, seed...)
     strategy: str = "ddp"
     keep_checkpoints: int = 0  # the newest N resumable checkpoints are kept; 0 = all
     final_dir: str = "final"  # where the trained model is written, under output_dir
@@ -63,6 +75,10 @@ class LoopConfig:
         for name, ok, rule in rules:
             if not ok:
                 raise UsageError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+        if self.overwrite and self.resume:
+            raise UsageError("--overwrite and --resume contradict each other: continue the run, or replace it")
+        if self.identity is not None:  # as a checkpoint's run.json reads back (tuples as lists, keys as strings)
+            self.identity = json.loads(json.dumps(self.identity, sort_keys=True))
 
 
 Evaluate = Callable[[nn.Module], dict[str, float]]
@@ -108,7 +124,9 @@ def save_final(
     """The trained model as a transformers-loadable directory (FSDP gathers the full weights first).
 
     `finish(model)` edits the full, unwrapped model in place just before it is written (e.g. folding a target
-    normalisation into the head).
+    normalisation into the head). A failed write (full disk: any of WRITE_ERRORS) is retried once in a new folder
+    under the temporary directory ($TMPDIR), so the trained weights outlive the process; either way it ends in an
+    OSError that says where the model is (or that it is lost, and which checkpoint is the last good one).
     """
     gather = contextlib.nullcontext()
     if strategy == "fsdp" and env.distributed:
@@ -118,15 +136,65 @@ def save_final(
     with gather:
         if finish is not None:
             finish(unwrap(model))
-        if env.is_main:
+        if not env.is_main:
+            return
+        try:
             write_atomically(directory, unwrap(model).save_pretrained)
+            return
+        except WRITE_ERRORS as exc:
+            failed = f"the trained model could not be written to {directory} ({type(exc).__name__}: {exc})"
+        spare = None
+        try:
+            spare = tempfile.mkdtemp(prefix="fastbert-final-")
+            kept = write_atomically(os.path.join(spare, os.path.basename(directory)), unwrap(model).save_pretrained)
+        except WRITE_ERRORS as exc:
+            if spare is not None:
+                shutil.rmtree(spare, ignore_errors=True)
+            last = latest_checkpoint(os.path.join(os.path.dirname(directory), "checkpoints"))
+            saved = f"the last good checkpoint is {last}" if last else "no resumable checkpoint was written"
+            raise OSError(f"{failed}; nor to the temporary directory ({exc}); {saved}") from None
+        raise OSError(f"{failed}; it was saved to {kept} instead: move it where it belongs") from None
+
+
+RUN_MARKS = ("history.json", "checkpoints")  # with the final folder: what a run leaves in its output folder
+
+
+def check_output_dir(cfg: LoopConfig) -> None:
+    """Refuse an output folder that holds another run's results (its final model, history or checkpoints) unless
+    `overwrite`, or `resume` with a checkpoint to continue: a new run never silently replaces an old one."""
+    if cfg.overwrite or not os.path.isdir(cfg.output_dir):
+        return
+    marks = [m for m in (cfg.final_dir, *RUN_MARKS) if os.path.exists(os.path.join(cfg.output_dir, m))]
+    marks = [m for m in marks if m != "checkpoints" or latest_checkpoint(os.path.join(cfg.output_dir, m))]
+    if not marks or (cfg.resume and resume_checkpoint(cfg)):
+        return
+    why = " and no checkpoint to --resume" if cfg.resume else ""
+    raise UsageError(
+        f"{cfg.output_dir} holds another run ({', '.join(marks)}){why}: pass --overwrite to replace it, or choose "
+        "another --output-dir"
+    )
 
 
 def resume_checkpoint(cfg: LoopConfig) -> str | None:
-    """The checkpoint a run with these settings continues from: `resume` itself, the newest one, or None."""
+    """The checkpoint a run with these settings continues from: `resume` itself, the newest one, or None.
+
+    A checkpoint written by another run (its run identity differs from `cfg.identity`) is a UsageError naming the
+    options that differ; one without an identity (written before checkpoints held one) is taken as this run's.
+    """
     if isinstance(cfg.resume, str):
-        return cfg.resume
-    return latest_checkpoint(os.path.join(cfg.output_dir, "checkpoints")) if cfg.resume else None
+        path = cfg.resume
+    else:
+        path = latest_checkpoint(os.path.join(cfg.output_dir, "checkpoints")) if cfg.resume else None
+    theirs = checkpoint_identity(path) if path and cfg.identity is not None else None
+    if theirs is not None and theirs != cfg.identity:
+        ours = cfg.identity or {}
+        differ = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k))
+        shown = "; ".join(f"{k}: {theirs.get(k)} there, {ours.get(k)} now" for k in differ)
+        raise UsageError(
+            f"{path} is a checkpoint of another run ({shown}): resume it with that run's options, or pass "
+            "--overwrite (or another --output-dir) to start this one afresh"
+        )
+    return path
 
 
 def _with_precision(cfg: LoopConfig, env: DistEnv) -> LoopConfig:
@@ -183,6 +251,7 @@ def fit(
     schedule = scheduler.lr_lambdas[0]
     scaler = torch.amp.GradScaler(env.device.type) if cfg.precision == "fp16" else None
     ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
+    check_output_dir(cfg)
     step, history, elapsed_before, extra = 0, [], 0.0, {}
     stateful = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler, **(state or {})}
     if env.distributed:  # the model is built alike everywhere; from here each rank draws its own masks and dropout
@@ -194,6 +263,19 @@ def fit(
         history, elapsed_before = extra.get("history", []), extra.get("elapsed", 0.0)
         if env.is_main:
             print(f"resumed from {last} at step {step}", flush=True)
+        planned = extra.get("total", schedule.total)  # the run's own total, before any budget fitted the schedule
+        if step >= total:
+            raise UsageError(f"{last} is at step {step}, not before the {total} steps asked for: nothing to train")
+        if total != planned:  # another --max-steps (or --epochs): train to the new total
+            schedule.retarget(step, total)
+            if env.is_main:
+                print(
+                    f"resumed with {total} steps instead of {planned}: the learning rate decays linearly from its "
+                    f"value at step {step} to 0 at step {total}",
+                    flush=True,
+                )
+    elif cfg.resume and env.is_main:
+        print(f"--resume: no checkpoint in {ckpt_dir}; starting a fresh run", flush=True)
     micro = step * cfg.grad_accum
     epoch, offset = divmod(micro, batches)
     budget = cfg.max_minutes * 60 if cfg.max_minutes else None
@@ -287,10 +369,10 @@ def fit(
                 bar.total = schedule.total
             if cfg.save_every and step % cfg.save_every == 0 and step < schedule.total:
                 timing = {"eval_total": eval_total, "eval_seconds": eval_seconds, "last_eval": last_eval}
-                extra = {"history": history, "elapsed": clock() - start, **timing}
+                extra = {"history": history, "elapsed": clock() - start, "total": total, **timing}
                 rng = gather_rng_states(env)
                 if env.is_main:
-                    save_resumable(ckpt_dir, step, wrapped, extra, rng, cfg.keep_checkpoints, stateful)
+                    save_resumable(ckpt_dir, step, wrapped, extra, rng, cfg.keep_checkpoints, stateful, cfg.identity)
                 if env.distributed:
                     torch.distributed.barrier()
             if on_step is not None:
@@ -303,13 +385,7 @@ def fit(
         metrics = run_eval(wrapped, evaluate, env, cfg.precision)
         elapsed = round(clock() - start, 2)
         history.append({"step": step, "epoch": round(micro / batches, 3), **metrics, "elapsed_s": elapsed})
-    final = os.path.join(cfg.output_dir, cfg.final_dir)
-    try:
-        save_final(wrapped, final, env, cfg.strategy, finish)
-    except OSError as exc:  # the trained weights are lost with this process: say what survives on disk
-        last = latest_checkpoint(ckpt_dir)
-        kept = f"the last good checkpoint is {last}" if last else "no resumable checkpoint was written (--save-every)"
-        raise OSError(f"the trained model could not be written to {final} ({exc}); {kept}") from exc
+    save_final(wrapped, os.path.join(cfg.output_dir, cfg.final_dir), env, cfg.strategy, finish)
     result = {"step": step, "metrics": metrics, "history": history, "train_seconds": clock() - start}
     if env.is_main:
         with open(os.path.join(cfg.output_dir, "history.json"), "w", encoding="utf-8") as f:

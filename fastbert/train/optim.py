@@ -24,12 +24,25 @@ def make_optimizer(
 
 class WarmupLinear:
     """LR factor: linear warmup to 1, then linear decay to 0 at `total`. An object, not a closure, so a wall-time
-    budget can shorten `total` mid-run and the scheduler's state_dict (which saves it) restores it on resume."""
+    budget can shorten `total` mid-run and the scheduler's state_dict (which saves it) restores it on resume.
+    `retarget` moves the end of a run that has started (a resume with another --max-steps): from a knot at that
+    step the factor decays linearly from its value there to 0 at the new total, so the LR never jumps."""
 
     def __init__(self, total: int, warmup: int = 0) -> None:
         self.total, self.warmup = total, warmup
+        self.knot: tuple[int, float] | None = None  # (step, factor there): the decay restarts from it
 
     def __call__(self, step: int) -> float:
         if step < self.warmup:
             return (step + 1) / max(1, self.warmup)
+        if self.knot is not None and step >= self.knot[0]:
+            start, factor = self.knot
+            return max(0.0, factor * (self.total - step) / max(1, self.total - start))
         return max(0.0, (self.total - step) / max(1, self.total - self.warmup))
+
+    def retarget(self, step: int, total: int) -> None:
+        """End the decay at `total` instead, continuing from the factor at `step` (during warmup: the warmup is
+        kept and the decay after it ends at `total`)."""
+        if step >= self.warmup:
+            self.knot = (step, self(step))
+        self.total = total

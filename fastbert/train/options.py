@@ -34,7 +34,14 @@ def add_loop_arguments(parser: Any, lr: float, epochs: float) -> None:
         "--save-every", type=ranged(int, 0), default=0, help="optimizer steps between resumable checkpoints"
     )
     parser.add_argument("--log-every", type=ranged(int, 1), default=10)
-    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --output-dir")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in --output-dir (of this same run; none: start a fresh run)",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="train into an --output-dir that holds another run's results"
+    )
     parser.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp", help="under torchrun")
     parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     parser.add_argument(
@@ -47,7 +54,7 @@ def loop_options(args: Any) -> dict[str, Any]:
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     names = ("lr", "epochs", "max_steps", "max_minutes", "warmup_ratio", "weight_decay", "grad_accum", "precision")
-    names += ("eval_every", "save_every", "log_every", "resume", "strategy")
+    names += ("eval_every", "save_every", "log_every", "resume", "overwrite", "strategy")
     return {name: getattr(args, name) for name in names}
 
 

@@ -4,7 +4,9 @@ back so a resumed run repeats the uninterrupted one. (Model files alone are fast
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
 import os
 import random
 import shutil
@@ -17,9 +19,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fastbert.errors import DataError
 from fastbert.train.distributed import DistEnv, unwrap
 
+try:
+    from safetensors import SafetensorError
+except ImportError:  # an old safetensors: its writer's errors are RuntimeErrors or OSErrors
+    SafetensorError = RuntimeError
+
 STATE_FILE = "trainer_state.pt"
+RUN_FILE = "run.json"  # a checkpoint's run identity (the options that define the run), read before resuming it
+# what a failed write really raises on a full disk: OSError (open, rename), RuntimeError (torch.save's
+# "PytorchStreamWriter failed writing file" / "unexpected pos"), SafetensorError (safetensors' "I/O error")
+WRITE_ERRORS: tuple[type[BaseException], ...] = (OSError, RuntimeError, SafetensorError)
 
 
 def check_writable(directory: str) -> None:
@@ -38,16 +50,46 @@ def check_writable(directory: str) -> None:
 def write_atomically(directory: str, write: Callable[[str], None]) -> str:
     """`write(tmp)` fills a temporary folder beside `directory`, which then replaces it: a failed write (disk full)
     leaves no half-written folder and whatever `directory` held before intact. Returns `directory`."""
-    tmp = directory.rstrip(os.sep) + ".tmp"
+    directory = directory.rstrip(os.sep)
+    tmp, old = directory + ".tmp", directory + ".old"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         write(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    shutil.rmtree(directory, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.exists(directory):  # moved aside, not deleted, until the new folder holds its name
+        os.replace(directory, old)
     os.replace(tmp, directory)
+    shutil.rmtree(old, ignore_errors=True)
     return directory
+
+
+def fingerprint(path: str | os.PathLike) -> str:
+    """A short SHA-256 of a file's bytes, or of a folder's file names and bytes: what a run read, wherever it lies
+    (a run identity names data by content, so a copied checkpoint still resumes and an edited corpus does not)."""
+    digest = hashlib.sha256()
+    path = os.fspath(path)
+    files = [path] if os.path.isfile(path) else sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs)
+    for name in files:
+        digest.update(os.path.relpath(name, path).encode())
+        with open(name, "rb") as f:
+            for block in iter(lambda f=f: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def checkpoint_identity(path: str) -> dict[str, Any] | None:
+    """The run identity a `step-N` checkpoint was written with, or None (written before checkpoints held one)."""
+    file = os.path.join(path, RUN_FILE)
+    if not os.path.isfile(file):
+        return None
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{file} is not a readable run identity ({exc})") from None
 
 
 def rng_state() -> dict[str, Any]:
@@ -88,11 +130,13 @@ def save_checkpoint(
     model: nn.Module,
     extra: dict[str, Any] | None = None,
     rng: list[dict[str, Any]] | None = None,
+    identity: dict[str, Any] | None = None,
     **stateful: Any,
 ) -> str:
     """Write `directory/step-{step}` atomically: the model (save_pretrained), then optimizer/scheduler/RNG state.
 
-    `rng` holds one RNG state per rank (`gather_rng_states`; default: this process's). `stateful` objects
+    `rng` holds one RNG state per rank (`gather_rng_states`; default: this process's). `identity`: the options that
+    define the run (`RUN_FILE`), which a resume must match. `stateful` objects
     (optimizer=..., scheduler=..., scaler=...) are saved by their `state_dict()`. The folder appears under its final
     name only once complete, so a crash mid-write leaves the previous checkpoint intact.
     """
@@ -102,6 +146,9 @@ def save_checkpoint(
     def write(tmp: str) -> None:
         unwrap(model).save_pretrained(tmp)
         torch.save(state, os.path.join(tmp, STATE_FILE))
+        if identity is not None:
+            with open(os.path.join(tmp, RUN_FILE), "w", encoding="utf-8") as f:
+                json.dump(identity, f, indent=1, sort_keys=True)
 
     return write_atomically(os.path.join(directory, f"step-{step}"), write)
 
@@ -136,8 +183,15 @@ def load_checkpoint(path: str, model: nn.Module, rank: int = 0, **stateful: Any)
 
     if not os.path.isfile(os.path.join(path, STATE_FILE)):
         raise FileNotFoundError(f"no training checkpoint at {path}")
+    file = os.path.join(path, STATE_FILE)
+    try:  # read first: a damaged state file must fail before the model's weights are replaced
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # pickle, zip and type errors alike: the file is damaged or not fastbert's
+        reason = str(exc).strip().splitlines()[0][:200]
+        raise DataError(f"{file} is not a readable training state ({type(exc).__name__}: {reason})") from None
+    if not isinstance(state, dict) or not {"step", "rng"} <= state.keys():
+        raise DataError(f"{file} is not a fastbert training state (no step or RNG state in it)")
     unwrap(model).load_checkpoint_state(load_checkpoint_dir(path), strict_heads=True)
-    state = torch.load(os.path.join(path, STATE_FILE), map_location="cpu", weights_only=True)
     for name, obj in stateful.items():
         if obj is not None and name in state:
             obj.load_state_dict(state[name])
@@ -148,13 +202,20 @@ def load_checkpoint(path: str, model: nn.Module, rank: int = 0, **stateful: Any)
 
 
 def save_resumable(
-    directory: str, step: int, model: nn.Module, extra: dict, rng: Any, keep: int, stateful: dict[str, Any]
+    directory: str,
+    step: int,
+    model: nn.Module,
+    extra: dict,
+    rng: Any,
+    keep: int,
+    stateful: dict[str, Any],
+    identity: dict[str, Any] | None = None,
 ) -> None:
-    """A resumable checkpoint, then pruning; a failed write (disk full, folder gone) is a warning that says where the
-    last good checkpoint is, and training goes on: the run is not lost, and nothing older is pruned."""
+    """A resumable checkpoint, then pruning; a failed write (disk full, folder gone: any of WRITE_ERRORS) is a warning
+    that says where the last good checkpoint is, and training goes on: the run is not lost, nothing older is pruned."""
     try:
-        save_checkpoint(directory, step, model, extra, rng, **stateful)
-    except OSError as exc:
+        save_checkpoint(directory, step, model, extra, rng, identity, **stateful)
+    except WRITE_ERRORS as exc:
         last = latest_checkpoint(directory)
         print(f"warning: checkpoint step-{step} not written ({exc}); the last good checkpoint is {last}", flush=True)
         return
