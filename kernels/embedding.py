@@ -5,8 +5,11 @@ feature stride (any row stride), E <= 16384; `inputs_embeds` `[*, E]` replaces t
 embedding_size < hidden the LayerNorm is over E and the projection follows in the model. Statistics in fp32, one
 cast to the table's (or inputs_embeds') dtype on store. Ids are not bounds-checked here (the model validates them).
 Backward: one kernel recomputes the row sum from the ids and writes dL/d(sum) in fp32 plus per-program partial
-LayerNorm grads; the three table grads are then summed by nn.Embedding's backward op (fp32, deterministic on
-CUDA) and cast once to the table dtype.
+LayerNorm grads; each table grad is then a segmented reduction over the ids sorted (stable): per id, the fp32 sum of
+its rows in one fixed order (token order within chunks of SEGMENT_CHUNK sorted positions, the chunk sums in order),
+cast once to the table dtype. No atomics anywhere, so the backward is bitwise repeatable on a GPU always, which is
+what torch.use_deterministic_algorithms(True) asks for; it is the only path because it costs about what
+nn.Embedding's own sort-based backward does (one sort of the ids, two passes over [tokens, E] fp32, the table zeroed).
 """
 
 from __future__ import annotations
@@ -151,10 +154,95 @@ def _blocks(n: int) -> tuple[int, int, int]:
     return block_m, block_n, C.warps_for(block_m * block_n)
 
 
-def _scatter(grad_rows: torch.Tensor, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Sum fp32 row grads into a [rows(table), E] grad with nn.Embedding's own backward (sort-based on CUDA, so
-    deterministic, unlike index_add_), cast once to the table dtype."""
-    return torch.ops.aten.embedding_dense_backward(grad_rows, ids, table.shape[0], -1, False).to(table.dtype)
+@triton.jit
+def _segment_pieces(
+    key_ptr,  # [M] ids sorted (stable)
+    order_ptr,  # [M] int64: the token each sorted position came from
+    rows_ptr,  # [M, E] fp32 contiguous: dL/d(sum) per token
+    piece_ptr,  # [M, E] fp32: a piece's sum lands on the row of its first sorted position
+    M,
+    E,
+    CHUNK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Phase 1: one program per CHUNK sorted positions (x BLOCK_N features) sums each run of equal ids inside its
+    chunk, in sorted (= token) order, and stores each run's sum at the run's first position."""
+    base = tl.program_id(0) * CHUNK
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < E
+    end = tl.minimum(base + CHUNK, M)
+    prev = tl.load(key_ptr + base)
+    start = base
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k in range(CHUNK):
+        i = base + k
+        live = i < end
+        key = tl.load(key_ptr + i, mask=live, other=-1)
+        row = tl.load(order_ptr + i, mask=live, other=0)
+        lmask = cmask & (cols * 0 + i < end)  # a vector mask: the interpreter rejects a block & scalar one
+        x = tl.load(rows_ptr + row * E + cols, mask=lmask, other=0.0)
+        same = key == prev
+        acc = tl.where(same, acc + x, x)
+        start = tl.where(same, start, i)
+        nxt = tl.load(key_ptr + i + 1, mask=i + 1 < end, other=-1)
+        tl.store(piece_ptr + start.to(tl.int64) * E + cols, acc, mask=lmask & (cols * 0 + nxt != key))
+        prev = key
+
+
+@triton.jit
+def _segment_sums(
+    key_ptr,  # [M] ids sorted (stable)
+    piece_ptr,  # [M, E] fp32 from _segment_pieces
+    grad_ptr,  # [V, E] table grad (zeros), rows at stride_grad
+    M,
+    E,
+    stride_grad,
+    CHUNK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Phase 2: for each id whose run starts in this chunk, add its pieces (one per chunk the run reaches) in order
+    and store the table row, cast once to the table dtype."""
+    base = tl.program_id(0) * CHUNK
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < E
+    for k in range(CHUNK):
+        i = base + k
+        key = tl.load(key_ptr + i, mask=i < M, other=-1)
+        before = tl.load(key_ptr + i - 1, mask=(i > 0) & (i < M), other=-1)
+        if (i < M) & (key != before):
+            acc = tl.load(piece_ptr + i.to(tl.int64) * E + cols, mask=cmask, other=0.0)
+            b = base + CHUNK
+            nb = tl.load(key_ptr + b, mask=b < M, other=-1)
+            while nb == key:
+                acc += tl.load(piece_ptr + b.to(tl.int64) * E + cols, mask=cmask, other=0.0)
+                b += CHUNK
+                nb = tl.load(key_ptr + b, mask=b < M, other=-1)
+            grad = grad_ptr + key.to(tl.int64) * stride_grad + cols
+            tl.store(grad, acc.to(grad_ptr.dtype.element_ty), mask=cmask)
+
+
+SEGMENT_CHUNK = 32  # sorted positions per program in the table-grad reduction
+SEGMENT_BLOCK_N = 256  # features per program there
+
+
+def _table_grad(grad_rows: torch.Tensor, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Sum fp32 row grads [M, E] into a [rows(table), E] grad of the table's dtype, deterministically: a stable
+    sort by id, then per id the fp32 sum of its rows in token order (chunked, the chunks added in order), rounded
+    once. No atomics, so bitwise repeatable on a GPU whatever torch.are_deterministic_algorithms_enabled() says."""
+    m, e = grad_rows.shape
+    grad = torch.zeros(table.shape, dtype=table.dtype, device=table.device)
+    if m == 0:
+        return grad
+    keys, order = torch.sort(ids, stable=True)
+    pieces = torch.empty(m, e, dtype=torch.float32, device=grad_rows.device)
+    block_n = min(SEGMENT_BLOCK_N, C.feature_block(e))
+    grid = (triton.cdiv(m, SEGMENT_CHUNK), triton.cdiv(e, block_n))
+    warps = C.warps_for(block_n)
+    _segment_pieces[grid](keys, order, grad_rows, pieces, m, e, CHUNK=SEGMENT_CHUNK, BLOCK_N=block_n,
+                          num_warps=warps)
+    _segment_sums[grid](keys, pieces, grad, m, e, grad.stride(0), CHUNK=SEGMENT_CHUNK, BLOCK_N=block_n,
+                        num_warps=warps)
+    return grad
 
 
 class EmbeddingLayerNorm(torch.autograd.Function):
@@ -206,10 +294,10 @@ class EmbeddingLayerNorm(torch.autograd.Function):
                 HAS_EMBEDS=ctx.has_embeds, DROPOUT=ctx.p > 0, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
             )
         dw, db = parts.sum(1).unbind(0)
-        d_word = None if ctx.has_embeds else _scatter(dx, ids, word)
+        d_word = None if ctx.has_embeds else _table_grad(dx, ids, word)
         d_embeds = dx.to(ctx.emb_dtype).view(ctx.emb_shape) if ctx.has_embeds else None
         return (
-            None, None, None, d_word, _scatter(dx, pos, posw), _scatter(dx, tt, typew),
+            None, None, None, d_word, _table_grad(dx, pos, posw), _table_grad(dx, tt, typew),
             dw.to(ln_w.dtype), db.to(ln_w.dtype), None, None, d_embeds,
         )
 

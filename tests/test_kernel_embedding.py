@@ -7,7 +7,16 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_checks import DEVICE, DTYPES, check_op, gpu, nan_poisoned_empty, requires_triton, row_strided
+from kernel_checks import (
+    DEVICE,
+    DTYPES,
+    assert_close,
+    check_op,
+    gpu,
+    nan_poisoned_empty,
+    requires_triton,
+    row_strided,
+)
 
 from fastbert import reference
 
@@ -121,3 +130,55 @@ def test_embedding_layernorm_gpu_backward_is_deterministic() -> None:
         y = kernels.embedding_layernorm(ids, tt, pos, *params, EPS)
         grads.append(torch.autograd.grad(y.float().square().sum(), params))
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_embedding_layernorm_table_grads_repeat_bitwise_and_match_reference(dtype: torch.dtype) -> None:
+    """Heavily duplicated ids (one id over 80 tokens in a row): two backward runs give bitwise equal table grads,
+    and they match fastbert.reference in fp64 within the kernel bounds."""
+    from fastbert import kernels
+
+    tokens, e = 150, 40
+    (ids, tt, pos), tables, ln = _case(tokens, e, vocab=7, positions=3, types=2)
+    ids[20:100] = 4
+    params = [t.to(dtype).requires_grad_() for t in (*tables, *ln)]
+    gout = torch.randn(tokens, e, dtype=dtype)
+    runs = []
+    for _ in range(2):
+        with nan_poisoned_empty():
+            y = kernels.embedding_layernorm(ids, tt, pos, *params, EPS)
+            runs.append(torch.autograd.grad(y, params[:3], gout))
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+    ref = [t.detach().double().requires_grad_() for t in params]
+    expect = torch.autograd.grad(reference.embedding_layernorm(ids, tt, pos, *ref, EPS), ref[:3], gout.double())
+    low = [t.detach().clone().requires_grad_() for t in params]  # plain torch at this dtype: the low-precision bound
+    torch_lowp = torch.autograd.grad(reference.embedding_layernorm(ids, tt, pos, *low, EPS), low[:3], gout)
+    for name, got, r, lp in zip(("word", "position", "type"), runs[0], expect, torch_lowp, strict=True):
+        assert_close(f"embedding table grad {name}", got, r, None if dtype == torch.float32 else lp)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_table_grad_is_the_fixed_order_fp32_sum(dtype: torch.dtype) -> None:
+    """The deterministic reduction's contract: row r of the grad sums, in fp32, the rows whose id is r in one fixed
+    order (token order inside each chunk of sorted positions, then the chunk sums in order; a run longer than
+    several chunks included), rounded once; rows no token names are 0."""
+    from fastbert.kernels import embedding
+
+    tokens, e, rows = 300, 70, 9
+    ids = torch.randint(0, rows - 1, (tokens,), device=DEVICE)  # row `rows - 1` is never named
+    ids[10:250] = 3
+    grad_rows = torch.randn(tokens, e, device=DEVICE) * torch.logspace(-3, 3, tokens, device=DEVICE)[:, None]
+    keys, order = torch.sort(ids.cpu(), stable=True)
+    expect = torch.zeros(rows, e)
+    for lo in range(0, tokens, embedding.SEGMENT_CHUNK):
+        pieces: dict[int, torch.Tensor] = {}
+        for i in range(lo, min(lo + embedding.SEGMENT_CHUNK, tokens)):
+            k = int(keys[i])
+            pieces[k] = pieces[k] + grad_rows[order[i]].cpu() if k in pieces else grad_rows[order[i]].cpu()
+        for k, piece in pieces.items():
+            expect[k] += piece
+    with nan_poisoned_empty():
+        got = embedding._table_grad(grad_rows, ids, torch.empty(rows, e, dtype=dtype, device=DEVICE))
+    if dtype == torch.bfloat16 and DEVICE.type == "cpu":  # triton 3.9's interpreter truncates fp32 -> bf16 (a GPU
+        expect = (expect.view(torch.int32) & -65536).view(torch.float32)  # rounds to nearest even): exact there
+    assert got.dtype == dtype and torch.equal(got.cpu(), expect.to(dtype))
