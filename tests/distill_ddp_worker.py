@@ -28,6 +28,7 @@ def run(teacher: str, out: str, on_step=None, **options) -> None:
         log_every=1,
         objectives=Objectives.distilbert(),
         student_overrides={"hidden_dropout_prob": 0.1},
+        device="cpu",  # gloo: two processes need no GPU (and a one-GPU machine has too few for two)
         **options,
     )
     result = distill(teacher, corpus(64), config, on_step=on_step)

@@ -155,7 +155,7 @@ def torchrun_pretrain(corpus, out: Path, *extra: str) -> None:
     cmd += ["--max-steps", "4", "--heldout-fraction", "0.2", "--log-every", "1", "--threads", "1", *extra]
     # fp32: DDP and FSDP are compared to 1e-5 below, an fp32 statement ('auto' is bf16 on CPUs with bf16 dot products,
     # where the two layouts round differently: 2e-4 apart after four AdamW steps on a Zen 4)
-    cmd += ["--precision", "fp32"]
+    cmd += ["--precision", "fp32", "--device", "cpu"]  # gloo: a one-GPU machine has too few GPUs for two processes
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count('"mlm_accuracy"') == 1  # only rank 0 reports

@@ -32,13 +32,21 @@ class DistEnv:
 
 
 def init_distributed(device: str | None = None) -> DistEnv:
-    """Join the torchrun process group if launched by torchrun (gloo on CPU, nccl on CUDA); else one process."""
+    """Join the torchrun process group if launched by torchrun (gloo on CPU, nccl on CUDA); else one process.
+    On CUDA each process takes its local rank's GPU: more processes on a node than GPUs is a UsageError, raised
+    before any CUDA call (each rank would otherwise die on its own 'invalid device ordinal')."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = resolve_device(device)
     if dev.type == "cuda" and dev.index is None:
+        processes, gpus = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), local + 1), torch.cuda.device_count()
+        if processes > gpus:
+            raise UsageError(
+                f"{processes} processes on this node but only {gpus} GPU{'s' if gpus != 1 else ''}: "
+                f"use --nproc_per_node {gpus} or --device cpu (gloo)"
+            )
         dev = torch.device("cuda", local)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
