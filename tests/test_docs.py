@@ -97,6 +97,22 @@ def scratch_copy(tmp: Path) -> Path:
     return repo
 
 
+def snippet_env() -> dict[str, str]:
+    """The snippets' environment: this repository first on PYTHONPATH with the caller's entries kept (they may hold
+    packages a snippet imports, e.g. the MiniLM weights), this venv first on PATH, offline, two threads."""
+    pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=pythonpath, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env.update(OMP_NUM_THREADS="2", TQDM_DISABLE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    return env
+
+
+def test_snippets_keep_the_callers_pythonpath(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    assert snippet_env()["PYTHONPATH"].split(os.pathsep) == [str(ROOT), str(tmp_path)]
+    monkeypatch.delenv("PYTHONPATH")
+    assert snippet_env()["PYTHONPATH"] == str(ROOT)
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
 def test_runnable_snippets_run(page: Path, tmp_path: Path) -> None:
     runnable = [s for s in snippets(page) if s.marker and s.marker[0] == "runs"]
@@ -105,8 +121,7 @@ def test_runnable_snippets_run(page: Path, tmp_path: Path) -> None:
     if any("../shared/data" in s.code for s in runnable) and not (ROOT.parent / "shared" / "data").is_dir():
         pytest.skip(f"{page.name}'s snippets read ../shared/data, absent here")
     repo = scratch_copy(tmp_path)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    env.update(OMP_NUM_THREADS="2", TQDM_DISABLE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env = snippet_env()
     for s in runnable:
         if s.language == "python":
             script = repo / f"snippet_{s.line}.py"

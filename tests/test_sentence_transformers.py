@@ -11,6 +11,8 @@ import torch
 import fastbert
 
 st = pytest.importorskip("sentence_transformers")
+# a submodule: `st.models` exists only once something imported it (the test failed when run alone)
+st_models = pytest.importorskip("sentence_transformers.models")
 
 SENTENCES = [
     "A man is playing a guitar.",
@@ -58,7 +60,7 @@ def test_cross_encoder_scores_through_fastbert(minilm_dir: Path) -> None:
 
 
 def test_a_sentence_transformers_model_without_an_encoder_is_refused_clearly() -> None:
-    pooling_only = st.SentenceTransformer(modules=[st.models.Pooling(8)], device="cpu")
+    pooling_only = st.SentenceTransformer(modules=[st_models.Pooling(8)], device="cpu")
     with pytest.raises(TypeError, match="holds no transformers encoder"):
         fastbert.optimize(pooling_only)
 
