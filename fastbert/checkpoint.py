@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from fastbert.config import BertConfig
+from fastbert.config import OFF_ONLY_FIELDS, BertConfig
 from fastbert.families import family_of, to_fastbert_keys, to_hf_keys
 
 log = logging.getLogger("fastbert.checkpoint")
@@ -294,6 +294,7 @@ class PreTrainedModel(nn.Module):
         hf_config = hf_model.config.to_dict()
         family = family_of(hf_config.get("model_type", "bert"))
         keep = _hf_fields() | {hf for hf, _ in family.config_names} | set(family.extra_fields) | {"model_type"}
+        keep |= {name for name, _ in OFF_ONLY_FIELDS if hf_config.get(name)}  # switched on: BertConfig refuses it
         config = BertConfig.from_dict({k: v for k, v in hf_config.items() if k in keep})
         _check_family(cls, config)
         param = next(hf_model.parameters())

@@ -61,6 +61,16 @@ _SIZES = (  # positive integers
 )
 _PROBABILITIES = ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout")  # None: not set
 PROBLEM_TYPES = (None, "regression", "single_label_classification", "multi_label_classification")
+# transformers fields that change what the model computes, which fastbert does not implement: each runs here only
+# switched off (false, 0, null or empty). Ignoring one would silently give other numbers (is_decoder: a causal mask,
+# 1.5 off), so it is refused. Not here: chunk_size_feed_forward, which splits the per-token FFN along the sequence to
+# save memory and computes the same numbers.
+OFF_ONLY_FIELDS = (
+    ("is_decoder", "a decoder (causal attention mask)"),
+    ("add_cross_attention", "cross-attention layers"),
+    ("is_encoder_decoder", "an encoder-decoder model"),
+    ("pruned_heads", "pruned attention heads"),
+)
 
 
 def _is_int(value: Any) -> bool:
@@ -79,6 +89,14 @@ def _label_map(id2label: Any) -> dict[int, Any]:
         return {int(k): v for k, v in id2label.items()}
     except (TypeError, ValueError):
         raise ValueError(f"id2label keys must be integers, got {list(id2label)[:10]}") from None
+
+
+def _not_implemented(name: str, value: Any, what: str, runs: str) -> ValueError:
+    """The error for a config field asking for what fastbert does not compute: the field, its value, what runs."""
+    return ValueError(
+        f"{name}={value!r} is not supported: it asks for {what}, which fastbert does not implement; fastbert runs "
+        f"{name} {runs} only. Load this model with transformers instead"
+    )
 
 
 class BertConfig:
@@ -163,8 +181,12 @@ class BertConfig:
                 raise ValueError("inner_group_num must be 1: ALBERT groups of several layers are not supported")
             if self.layer_sharing != "all":
                 raise ValueError(f"layer_sharing must be 'all' for {self.model_type}, got {self.layer_sharing!r}")
+        for name, what in OFF_ONLY_FIELDS:
+            if getattr(self, name, None):
+                raise _not_implemented(name, getattr(self, name), what, "switched off (false, 0, null or empty)")
         if self.position_embedding_type != "absolute":
-            raise ValueError(f"only absolute position embeddings are supported, got {self.position_embedding_type!r}")
+            raise _not_implemented("position_embedding_type", self.position_embedding_type, "other position "
+                                   "embeddings than absolute ones", "'absolute'")  # fmt: skip
 
     # ---------------------------------------------------------- derived values
     @property
