@@ -92,7 +92,8 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def markdown(doc: dict[str, Any]) -> str:
-    """One table per (model, dtype); skipped rows say why."""
+    """One table per (model, dtype); skipped rows say why. On a GPU the time columns are the GPU's (CUDA events) and
+    the host's (until the call returned: launch cost); on a CPU, wall and process CPU time (all threads)."""
     peaks = ", ".join(f"{k} {v / 1e9:,.0f} GFLOP/s" for k, v in doc["peak_flops"].items())
     ceilings = ", ".join(
         f"{k} {v / 1e9:,.0f} GFLOP/s" for k, v in (doc.get("arithmetic_peak_flops") or {}).items() if v is not None
@@ -121,16 +122,19 @@ def markdown(doc: dict[str, Any]) -> str:
         lines += ["What this CPU was found to do (`fastbert explain`):", ""]
         lines += [*(f"- {c}" for c in doc["capabilities"]), ""]
     labels = doc.get("dtype_labels") or {}
+    gpu = doc["device_type"] == "cuda"
+    times, second = ("GPU ms | host ms", "host_ms") if gpu else ("ms | cpu ms", "cpu_ms")
     for (model, dtype), rows in groups.items():
         lines += [f"## {model} {labels.get(dtype, dtype)}", ""]
-        lines.append("| shape | system | mode | ms | cpu ms | seq/s | real tok/s | vs sdpa | % peak | max abs err |")
+        lines.append(f"| shape | system | mode | {times} | seq/s | real tok/s | vs sdpa | % peak | max abs err |")
         lines.append("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
         for r in rows:
             if r["skipped"]:
                 lines.append(f"| {r['shape']} | {r['system']} | {r['mode']} | skipped: {r['skipped']} | | | | | | |")
                 continue
             lines.append(
-                f"| {r['shape']} | {r['system']} | {r['mode']} | {r['ms']:.1f} | {r['cpu_ms']:.0f} "
+                f"| {r['shape']} | {r['system']} | {r['mode']} | {r['ms']:.{2 if gpu else 1}f} "
+                f"| {_fmt(r.get(second), '.2f' if gpu else '.0f')} "
                 f"| {r['seq_per_s']:,.1f} | {r['tok_per_s']:,.0f} | {_fmt(r['speedup_vs_sdpa'], '.2f')}x "
                 f"| {r['pct_peak']:.1f} | {r['max_abs_err']:.2e} |"
             )

