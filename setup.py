@@ -2,13 +2,19 @@
 
 FASTBERT_BUILD_NATIVE=1 builds `fastbert._native_cpu` (C++/OpenMP, csrc/cpu); FASTBERT_BUILD_CUDA=1 also builds
 `fastbert._native_cuda` (csrc/cuda, needs torch with CUDA). MAX_JOBS bounds parallel compile jobs. Each build writes
-`_build_info.json` beside the extensions (compiler, flags, torch version, ISAs), which the native backend checks.
+`_build_info.json` beside the extensions (compiler, flags, torch version, ISAs, C++ runtime), which the native backend
+checks. Each extension must link the C++ runtime dynamically, as torch does: a kernel's C++ exception (TORCH_CHECK_*)
+crosses into torch's libraries, and with a static copy of libstdc++ (a wrapper compiler in CC/CXX that adds
+-static-libstdc++) it reaches Python garbled or kills the process. A build that would not is refused.
 """
 
 import glob
 import json
 import os
 import platform
+import re
+import shutil
+import subprocess
 
 from setuptools import find_packages, setup
 
@@ -18,6 +24,23 @@ CPU_FLAGS = ["-O3", "-std=c++20", "-fopenmp", "-fno-trapping-math", "-fno-math-e
 CPU_ISAS = "runtime dispatch: avx512bf16, avx512, avx2, generic"  # csrc/cpu/isa_*.cpp
 CUDA_ARCH_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_80,code=compute_80"]
 NVCC_FLAGS = ["-O3", "-std=c++20", *CUDA_ARCH_FLAGS]
+# The C++ runtime linked the way torch links it: libstdc++ and libgcc_s as shared libraries, named before the
+# driver's own (possibly static, from a wrapper's -static-libstdc++) copy, so that every C++ symbol resolves to them.
+LINK_FLAGS = ["-fopenmp", "-shared-libgcc", "-Wl,--push-state,--no-as-needed,-Bdynamic", "-lstdc++", "-Wl,--pop-state"]
+CXX_RUNTIMES = re.compile(r"^lib(stdc\+\+|c\+\+)\.so")  # GCC's or LLVM's C++ runtime, as a NEEDED entry
+
+
+def needed(path: str) -> list[str]:
+    """The shared libraries an ELF file names as NEEDED (readelf, from the binutils the linker came with)."""
+    if shutil.which("readelf") is None:
+        raise SystemExit("fastbert native build: readelf (binutils) not found; it checks the extension's linkage")
+    out = subprocess.run(["readelf", "-d", path], capture_output=True, text=True, check=True).stdout
+    return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out)
+
+
+def cxx_runtime(path: str) -> list[str]:
+    """The C++ runtime libraries `path` links dynamically (empty: none, or a static copy)."""
+    return [lib for lib in needed(path) if CXX_RUNTIMES.match(lib)]
 
 
 def _enabled(name: str) -> bool:
@@ -33,14 +56,15 @@ def native_build() -> dict:
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
     cpu_sources = sorted(glob.glob("csrc/cpu/*.cpp"))
-    ext = [
-        CppExtension("fastbert._native_cpu", cpu_sources, extra_compile_args=CPU_FLAGS, extra_link_args=["-fopenmp"])
-    ]
+    ext = [CppExtension("fastbert._native_cpu", cpu_sources, extra_compile_args=CPU_FLAGS, extra_link_args=LINK_FLAGS)]
     if build_cuda:
         cuda_sources = sorted(glob.glob("csrc/cuda/*.cpp") + glob.glob("csrc/cuda/*.cu"))
         ext.append(
             CUDAExtension(
-                "fastbert._native_cuda", cuda_sources, extra_compile_args={"cxx": ["-O3"], "nvcc": NVCC_FLAGS}
+                "fastbert._native_cuda",
+                cuda_sources,
+                extra_compile_args={"cxx": ["-O3"], "nvcc": NVCC_FLAGS},
+                extra_link_args=LINK_FLAGS[1:],
             )
         )
 
@@ -49,6 +73,15 @@ def native_build() -> dict:
 
         def build_extensions(self) -> None:
             super().build_extensions()
+            torch_runtime = cxx_runtime(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+            runtimes = {e.name: cxx_runtime(self.get_ext_fullpath(e.name)) for e in self.extensions}
+            for name, runtime in runtimes.items():
+                if not set(torch_runtime) <= set(runtime):
+                    raise SystemExit(
+                        f"fastbert native build: {name} links the C++ runtime {runtime or 'statically'}, torch links "
+                        f"{torch_runtime}: a kernel's C++ exception would crash the process; the compiler "
+                        f"{os.environ.get('CXX') or self.compiler.compiler_so[0]} must link it dynamically"
+                    )
             self.build_info = {
                 "torch": torch.__version__,
                 "torch_cuda": torch.version.cuda,
@@ -58,6 +91,8 @@ def native_build() -> dict:
                     e.name.rsplit(".", 1)[-1]: {
                         "file": os.path.basename(self.get_ext_fullpath(e.name)),
                         "flags": e.extra_compile_args,
+                        "link_flags": e.extra_link_args,
+                        "cxx_runtime": runtimes[e.name],
                         "isa": CPU_ISAS if e.name.endswith("cpu") else CUDA_ARCH_FLAGS,
                     }
                     for e in self.extensions
