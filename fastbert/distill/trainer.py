@@ -34,6 +34,7 @@ from fastbert.train import (
     LengthGroupedBatchSampler,
     LoopConfig,
     check_writable,
+    fingerprint,
     fit,
     init_distributed,
     latest_checkpoint,
@@ -41,7 +42,6 @@ from fastbert.train import (
     run_eval,
 )
 from fastbert.train import loop as train_loop
-from fastbert.train.state import fingerprint
 
 
 @dataclass

@@ -19,9 +19,15 @@ from fastbert.config import BertConfig
 from fastbert.errors import UsageError
 from fastbert.finetune.tasks import QATask, SequenceTask, TokenTask
 from fastbert.tokenization import WordPieceTokenizer
-from fastbert.train import LengthGroupedBatchSampler, LoopConfig, check_writable, fit, init_distributed
-from fastbert.train.loop import check_output_dir
-from fastbert.train.state import fingerprint
+from fastbert.train import (
+    LengthGroupedBatchSampler,
+    LoopConfig,
+    check_output_dir,
+    check_writable,
+    fingerprint,
+    fit,
+    init_distributed,
+)
 
 TASKS = ("sequence", "regression", "token", "qa")
 

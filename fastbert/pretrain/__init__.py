@@ -24,13 +24,13 @@ from fastbert.tokenization import WordPieceTokenizer
 from fastbert.train import (
     LengthGroupedBatchSampler,
     LoopConfig,
+    check_output_dir,
     check_writable,
+    fingerprint,
     fit,
     init_distributed,
     resume_checkpoint,
 )
-from fastbert.train.loop import check_output_dir
-from fastbert.train.state import fingerprint
 
 __all__ = ["build_model", "checkpoint_tokenizer", "load_corpus", "pretrain"]
 
