@@ -39,7 +39,8 @@ def versions() -> dict[str, str]:
 
 def git_commit() -> str:
     """HEAD, with "+dirty" when tracked files other than benchmarks/results/ differ from it (a suite that has already
-    written its results once is still measuring the committed code)."""
+    written its results once is still measuring the committed code). Where there is no git repository (a copy of the
+    working tree sent to a GPU machine), $FASTBERT_COMMIT as the sender set it, else "unknown"."""
     try:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
@@ -51,7 +52,7 @@ def git_commit() -> str:
         )
         return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return os.environ.get("FASTBERT_COMMIT") or "unknown"
 
 
 def write_results(directory: str, stem: str, doc: dict[str, Any], markdown: Callable[[dict], str],

@@ -262,3 +262,16 @@ def test_gpu_table_shows_gpu_and_host_ms() -> None:
     table = model_report.markdown(doc)
     assert "| mode | GPU ms | host ms | seq/s |" in table
     assert "| fastbert.optimize | weights | 2.50 | 0.40 | 400.0 |" in table
+
+
+def test_commit_without_a_repository_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A working tree copied to a GPU machine has no .git: the results name the commit the sender set."""
+
+    def no_repository(*args: object, **kwargs: object) -> None:
+        raise model_report.subprocess.CalledProcessError(128, "git")
+
+    monkeypatch.setattr(model_report.subprocess, "run", no_repository)
+    monkeypatch.setenv("FASTBERT_COMMIT", "05ee3c9+dirty")
+    assert model_report.git_commit() == "05ee3c9+dirty"
+    monkeypatch.delenv("FASTBERT_COMMIT")
+    assert model_report.git_commit() == "unknown"
