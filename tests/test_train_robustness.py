@@ -237,3 +237,26 @@ def test_a_bom_prefixed_csv_header_is_read(tmp_path):
     path.write_bytes("text,label\na cat,pos\n".encode("utf-8-sig"))
     (example,) = read_table(path, ["text"], "label")
     assert example.text == "a cat" and example.label == "pos"
+
+
+# ------------------------------------------------------------------------------------------------ distill
+def test_distill_refuses_another_runs_folder_and_checkpoint(tmp_path):
+    from distill_tiny import corpus as texts
+    from distill_tiny import make_teacher
+
+    from fastbert.distill import DistillConfig, distill
+
+    torch.set_num_threads(1)
+    teacher = make_teacher(str(tmp_path / "teacher"))
+
+    def tiny(**kw) -> DistillConfig:
+        base = dict(num_layers=2, batch_size=8, max_steps=4, checkpoint_every=2, log_every=1, max_eval=16)
+        return DistillConfig(str(tmp_path / "out"), **{**base, **kw})
+
+    distill(teacher, texts(48), tiny())
+    with pytest.raises(UsageError, match=r"holds another run .*student"):
+        distill(teacher, texts(48), tiny())
+    with pytest.raises(UsageError, match=r"step-2 is a checkpoint of another run .*seed: 0 there, 1 now"):
+        distill(teacher, texts(48), tiny(seed=1, resume="latest"))
+    longer = distill(teacher, texts(48), tiny(max_steps=6, resume="latest"))  # the same run, a larger budget
+    assert [r["step"] for r in longer.history if "loss" in r][-1] == 6
