@@ -1,37 +1,70 @@
-"""CUDA graphs for small batches: embeddings + encoder captured once per shape bucket and replayed.
+"""CUDA graphs for every batch size: embeddings + encoder captured once per bucket and replayed.
 
-At batch 1-8 a BERT forward is a few hundred small kernels and the GPU waits on Python and launch overhead; a graph
-replays them all with one launch. Graphs need static shapes, while unpadded execution has a data-dependent token count,
-so each graph is captured for a bucket (batch <= Bb, total tokens <= Tb, longest sequence <= Sb) and a call is laid
-into it: the real sequences first, then empty sequences up to Bb, then "filler" sequences of at most Sb tokens covering
-rows T..Tb (pad token ids, discarded after replay). The layout lives in a static `cu_seqlens`, so replay needs no host
-sync and every kernel sees a valid varlen batch.
+A BERT forward is a few hundred kernels; at small and medium batches the GPU waits on the host to launch them, and a
+graph replays them all with one launch. On by default for a CUDA model in eval mode without autograd (a plain forward:
+input_ids, no output_hidden_states/attentions); `enable(model, ...)` sets the limits, `disable(model)` turns it off,
+`FASTBERT_CUDA_GRAPHS=0` too (read when a model first runs on CUDA).
 
-Captured graphs hold the weights' addresses: any parameter change (in place or new storage) drops them all and the next
-call recaptures; enable graphs after moving or casting the model (as `fastbert.optimize` does). Used only in eval mode
-without autograd, and not with output_hidden_states/attentions or inputs_embeds.
+Graphs need static shapes, while unpadded execution has a data-dependent token count, so each graph is captured for a
+bucket (batch <= Bb, total tokens <= Tb, longest sequence <= Sb) and a call is laid into it: the real sequences first,
+then empty sequences up to Bb, then "filler" sequences of at most Sb tokens covering rows T..Tb (pad token ids,
+discarded after replay). The layout lives in a static `cu_seqlens`, so replay needs no host sync and every kernel sees a
+valid varlen batch. Token buckets: powers of two to 256, then steps of 256 to 2048, then steps of 1024 (vLLM's rule,
+coarser above): at most ~2x padding on tiny batches, under 12.5% above 2K tokens. A batch larger than the largest
+bucket (`max_tokens`, `max_batch`) is split into consecutive groups of sequences, one replay each.
+
+Memory: graphs share one pool; each bucket keeps its static inputs and output, and the pool holds the largest bucket's
+activations. `memory_limit` (bytes, default 2 GiB) bounds the estimate of both (`bucket_bytes`); a bucket that would
+pass it is not captured and that call runs eagerly, said in explain(). Captured graphs hold the weights' addresses: any
+parameter change drops them all and the next call recaptures. One lock per model: two threads never share the static
+buffers at once.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from fastbert.padding import Packing
-from fastbert.weight_stamp import stamp
 
-MAX_TOKENS, MAX_BATCH = 4096, 64  # default bucket limits: larger calls run eagerly, where launches no longer dominate
+MAX_TOKENS, MAX_BATCH = 16384, 256  # the largest bucket; a larger batch is split into replays
+MEMORY_LIMIT = 2 << 30  # bytes the graphs' buffers and activations may take (estimated)
+Capture = Callable[[Callable[[], torch.Tensor], object], tuple[Callable[[], None], torch.Tensor]]
 
 
-def _bucket_tokens(total: int) -> int:
-    """Powers of two up to 256 tokens, then multiples of 256: at most ~2x waste on tiny batches, <25% above 1K."""
-    return max(16, 1 << (total - 1).bit_length()) if total <= 256 else math.ceil(total / 256) * 256
+def bucket_tokens(total: int) -> int:
+    """The token bucket of a call: powers of two to 256 (at least 16), steps of 256 to 2048, then steps of 1024."""
+    if total <= 256:
+        return max(16, 1 << (total - 1).bit_length())
+    step = 256 if total <= 2048 else 1024
+    return math.ceil(total / step) * step
+
+
+def bucket_key(batch: int, total: int, max_seqlen: int) -> tuple[int, int, int]:
+    """(sequences, tokens, longest sequence) a call is laid into: powers of two, and `bucket_tokens`."""
+    return 1 << (batch - 1).bit_length(), bucket_tokens(total), max(16, 1 << (max_seqlen - 1).bit_length())
+
+
+def split(lengths: list[int], max_tokens: int, max_batch: int) -> list[tuple[int, int]]:
+    """Consecutive groups [b0, b1) of sequences, each at most `max_batch` sequences and `max_tokens` tokens."""
+    groups, start, tokens = [], 0, 0
+    for b, n in enumerate(lengths):
+        if b > start and (tokens + n > max_tokens or b - start >= max_batch):
+            groups.append((start, b))
+            start, tokens = b, 0
+        tokens += n
+    groups.append((start, len(lengths)))
+    return groups
 
 
 class _Graph:
-    """One captured bucket: static inputs, the static output, and the graph that links them."""
+    """One captured bucket: static inputs, the static output, and the replay that links them."""
 
     def __init__(self, batch: int, tokens: int, seqlen: int, device: torch.device) -> None:
         self.batch, self.tokens, self.seqlen = batch, tokens, seqlen
@@ -43,8 +76,9 @@ class _Graph:
         self.packing = Packing(
             batch + self.fillers, seqlen, self.cu_seqlens, seqlen, torch.arange(tokens, device=device)
         )
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.replay: Callable[[], None] | None = None
         self.out: torch.Tensor | None = None  # [Tb, H]
+        self.fill = torch.arange(1, self.fillers + 1, dtype=torch.int32, device=device) * seqlen  # [F]
 
     def load(self, ids: torch.Tensor, types: torch.Tensor, positions: torch.Tensor, packing: Packing) -> None:
         """Copy one packed batch into the static buffers (device copies only, no host sync)."""
@@ -54,50 +88,117 @@ class _Graph:
             static[total:].zero_()
         self.cu_seqlens[: batch + 1].copy_(packing.cu_seqlens, non_blocking=True)
         self.cu_seqlens[batch + 1 : self.batch + 1].fill_(total)  # empty sequences up to the bucket's batch
-        fillers = torch.arange(1, self.fillers + 1, dtype=torch.int32, device=self.ids.device) * self.seqlen + total
-        self.cu_seqlens[self.batch + 1 :].copy_(fillers.clamp_(max=self.tokens))  # rows total..Tb, <= Sb each
+        torch.add(self.fill, total, out=self.cu_seqlens[self.batch + 1 :]).clamp_(max=self.tokens)  # rows T..Tb
+
+
+def cuda_capture(run: Callable[[], torch.Tensor], pool: object) -> tuple[Callable[[], None], torch.Tensor]:
+    """Warm up on a side stream (kernel selection, Triton compiles, caches), capture into `pool`; (replay, output)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    graph.replay()
+    return graph.replay, out
 
 
 class CudaGraphs:
-    """Per-bucket CUDA graphs of a BertModel's embeddings + encoder; `model.cuda_graphs = CudaGraphs(model)`."""
+    """Per-bucket CUDA graphs of a BertModel's embeddings + encoder; `model.cuda_graphs = CudaGraphs(model)`.
+
+    `capture` and `device_type` are the only CUDA-specific parts: tests put a capture that replays by running the
+    function again, on CPU, to check the bucket logic (layout, splitting, memory bound, recapture) anywhere."""
+
+    capture: Capture = staticmethod(cuda_capture)
+    device_type = "cuda"
 
     def __init__(
-        self, model: nn.Module, max_tokens: int = MAX_TOKENS, max_batch: int = MAX_BATCH, max_graphs: int = 32
+        self,
+        model: nn.Module,
+        max_tokens: int = MAX_TOKENS,
+        max_batch: int = MAX_BATCH,
+        memory_limit: int = MEMORY_LIMIT,
+        max_graphs: int = 64,
     ) -> None:
-        self.model, self.max_tokens, self.max_batch, self.max_graphs = model, max_tokens, max_batch, max_graphs
-        self.graphs: dict[tuple[int, int, int], _Graph] = {}
+        positions = model.config.max_position_embeddings
+        if max_tokens < positions or max_batch < 1:
+            raise ValueError(f"max_tokens must be at least max_position_embeddings ({positions}), max_batch >= 1")
+        self.model, self.max_tokens, self.max_batch = model, max_tokens, max_batch
+        self.memory_limit, self.max_graphs = memory_limit, max_graphs
+        self.graphs: OrderedDict[tuple[int, int, int], _Graph] = OrderedDict()  # least recently used first
         self.pool = None
         self._params = list(model.parameters())  # the stamp is checked every call: keep it a flat loop
-        self._stamp: tuple | None = None
+        self._stamp: list | None = None
+        self._lock = threading.Lock()
+        cfg = model.config
+        width = cfg.hidden_size * 6 + cfg.intermediate_size  # QKV, context, two residual streams, FFN inner
+        self._token_bytes = width * next(iter(self._params)).element_size()
+        self.refused: dict[tuple[int, int, int], str] = {}  # buckets not captured, and why (explain())
 
-    def takes(self, packing: Packing, device: torch.device, plain_call: bool) -> bool:
-        """Whether this call can replay a graph (CUDA, eval, no autograd, small enough, a plain forward)."""
-        if not plain_call or device.type != "cuda" or self.model.training:
+    def takes(self, packing: Packing, device: torch.device, mode: object) -> bool:
+        """Whether this call can replay graphs (this device type, eval, no autograd, not already capturing)."""
+        if device.type != self.device_type or mode.training or mode.grad or mode.autocast is not None:
             return False
-        if torch.is_grad_enabled() and self._grads():
+        if packing.total == 0:
             return False
-        if packing.total == 0 or packing.total > self.max_tokens or packing.batch > self.max_batch:
-            return False
-        return not torch.cuda.is_current_stream_capturing()
+        return device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+
+    def bucket_bytes(self, key: tuple[int, int, int]) -> int:
+        """Estimated bytes of one bucket: its activations (the pool's high-water mark) and its static output."""
+        return key[1] * self._token_bytes + key[1] * self.model.config.hidden_size * 8
 
     def run(self, ids: torch.Tensor, types: torch.Tensor, positions: torch.Tensor, packing: Packing) -> torch.Tensor:
-        """Packed ids/types/positions [T] -> the encoder's output [T, H], via the bucket's graph."""
-        stamp = self._weights_stamp()
-        if stamp != self._stamp:  # weights changed since capture: the graphs read stale addresses
-            self.graphs.clear()
-            self._stamp = stamp
-        total = ids.shape[0]
-        seqlen = max(16, 1 << (packing.max_seqlen - 1).bit_length())
-        key = (1 << (packing.batch - 1).bit_length(), _bucket_tokens(total), seqlen)
+        """Packed ids/types/positions [T] -> the encoder's output [T, H], by replay (split when beyond a bucket)."""
+        with self._lock:
+            now = [(-1 if t.is_inference() else t._version, t.data_ptr()) for t in self._params]
+            if now != self._stamp:  # weights changed since capture: the graphs read stale addresses
+                self.graphs.clear()
+                self.refused.clear()
+                self._stamp = now
+            if packing.total <= self.max_tokens and packing.batch <= self.max_batch:
+                return self._one(ids, types, positions, packing)
+            cu = packing.cu_seqlens.tolist()  # a larger batch: split by sequence (one more host read)
+            lengths = [b - a for a, b in zip(cu, cu[1:], strict=False)]
+            outs = []
+            for b0, b1 in split(lengths, self.max_tokens, self.max_batch):
+                rows = slice(cu[b0], cu[b1])
+                part = Packing(b1 - b0, packing.seqlen, packing.cu_seqlens[b0 : b1 + 1] - cu[b0],
+                               max(lengths[b0:b1]), None)  # fmt: skip
+                if cu[b1] > cu[b0]:
+                    outs.append(self._one(ids[rows], types[rows], positions[rows], part, total=cu[b1] - cu[b0]))
+            return torch.cat(outs)
+
+    def _one(
+        self, ids: torch.Tensor, types: torch.Tensor, positions: torch.Tensor, packing: Packing, total: int = -1
+    ) -> torch.Tensor:
+        total = ids.shape[0] if total < 0 else total
+        key = bucket_key(packing.batch, total, packing.max_seqlen)
         graph = self.graphs.get(key)
         if graph is None:
-            if len(self.graphs) >= self.max_graphs:
+            if (why := self._admit(key)) is not None:
+                self.refused[key] = why
                 return self._eager(ids, types, positions, packing)
             graph = self._capture(key, ids, types, positions, packing)
         else:
+            self.graphs.move_to_end(key)
             graph.load(ids, types, positions, packing)
-            graph.graph.replay()
+            graph.replay()
         return graph.out[:total].clone()
+
+    def _admit(self, key: tuple[int, int, int]) -> str | None:
+        """Why a new bucket is not captured (memory bound), or None; the least recently used graph beyond
+        `max_graphs` is dropped."""
+        largest = max((k[1] for k in self.graphs), default=0)
+        outputs = sum(self.bucket_bytes(k) - k[1] * self._token_bytes for k in self.graphs)
+        need = outputs + self.bucket_bytes(key) + max(largest - key[1], 0) * self._token_bytes
+        if need > self.memory_limit:
+            return f"{need / 2**20:.0f} MiB estimated > memory_limit {self.memory_limit / 2**20:.0f} MiB"
+        while len(self.graphs) >= self.max_graphs:
+            self.graphs.popitem(last=False)
+        return None
 
     def _eager(self, ids: torch.Tensor, types: torch.Tensor, positions: torch.Tensor, packing: Packing) -> torch.Tensor:
         x = self.model.embeddings(ids, types, positions)
@@ -111,36 +212,62 @@ class CudaGraphs:
         positions: torch.Tensor,
         packing: Packing,
     ) -> _Graph:
-        """Warm up on a side stream (kernel selection, Triton autotuning, caches), then capture into the shared pool."""
         with torch.inference_mode(False):  # normal tensors: later calls may copy into them outside inference mode
             graph = _Graph(*key, device=ids.device)
         graph.load(ids, types, positions, packing)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._eager(graph.ids, graph.types, graph.positions, graph.packing)
-        torch.cuda.current_stream().wait_stream(stream)
-        if self.pool is None:
+        if self.pool is None and self.device_type == "cuda":
             self.pool = torch.cuda.graph_pool_handle()
-        graph.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph.graph, pool=self.pool):
-            graph.out = self._eager(graph.ids, graph.types, graph.positions, graph.packing)
-        graph.graph.replay()
+        graph.replay, graph.out = type(self).capture(
+            lambda: self._eager(graph.ids, graph.types, graph.positions, graph.packing), self.pool
+        )
         self.graphs[key] = graph
         return graph
 
-    def _grads(self) -> bool:
-        return any(p.requires_grad for p in self._params)
+    def describe(self) -> str:
+        """explain()'s words: the buckets captured, their estimated memory, and what was refused."""
+        used = sum(self.bucket_bytes(k) for k in self.graphs)
+        said = (f"CUDA graphs: {len(self.graphs)} buckets captured (~{used / 2**20:.0f} MiB estimated of "
+                f"{self.memory_limit / 2**20:.0f} MiB), up to {self.max_batch} sequences / {self.max_tokens} tokens "
+                "a replay, larger batches split")  # fmt: skip
+        refused = "; ".join(f"{k}: {why}" for k, why in self.refused.items())
+        return said + (f"; eager for {refused}" if refused else "")
 
-    def _weights_stamp(self) -> tuple:
-        return stamp(*self._params)
 
-
-def enable(model: nn.Module, **limits: int) -> nn.Module:
-    """Turn on CUDA graphs for `model` (a BertModel or any head around one); returns the model."""
+def _base(model: nn.Module) -> nn.Module:
     base = getattr(model, getattr(model, "base_model_prefix", ""), model)
     if not hasattr(base, "cuda_graphs"):
         raise TypeError(f"{type(model).__name__} is not a fastbert BertModel or head")
+    return base
+
+
+def enable(model: nn.Module, **limits: int) -> nn.Module:
+    """Turn on CUDA graphs for `model` (a BertModel or any head around one) with these limits (max_tokens, max_batch,
+    memory_limit in bytes, max_graphs); returns the model."""
+    base = _base(model)
     base.cuda_graphs = CudaGraphs(base, **limits)
     return model
+
+
+def disable(model: nn.Module) -> nn.Module:
+    """Turn CUDA graphs off for `model` (every forward runs eagerly); returns the model."""
+    _base(model).cuda_graphs = False
+    return model
+
+
+def default_on() -> bool:
+    """Whether a CUDA model in eval mode gets graphs without asking (FASTBERT_CUDA_GRAPHS=0 says no)."""
+    return os.environ.get("FASTBERT_CUDA_GRAPHS", "1") != "0"
+
+
+def warmup(model: nn.Module, shapes: list[tuple[int, int]], vocab_id: int = 1000) -> int:
+    """Run one forward per (batch, seqlen) of full-length sequences so the first real requests find their graphs
+    captured and their kernels compiled (no first-request stall); returns how many buckets are captured after."""
+    base = _base(model)
+    device = next(base.parameters()).device
+    with torch.inference_mode():
+        for batch, seqlen in shapes:
+            ids = torch.full((batch, seqlen), min(vocab_id, base.config.vocab_size - 1), device=device)
+            for _ in range(2):  # the first binds the plan, the second captures
+                base(ids, attention_mask=torch.ones_like(ids))
+    graphs = base.cuda_graphs
+    return len(graphs.graphs) if isinstance(graphs, CudaGraphs) else 0

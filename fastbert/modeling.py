@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastbert import layer_stack, ops, reference
+from fastbert import cuda_graphs, layer_stack, ops, plan, reference
 from fastbert.checkpoint import PreTrainedModel
 from fastbert.config import BertConfig
 from fastbert.cuda_graphs import CudaGraphs
@@ -264,6 +264,15 @@ STACKED_FORWARDS = (BertLayer.forward, BertAttention.forward, BertSelfAttention.
                     BertIntermediate.forward, BertOutput.forward)  # fmt: skip
 
 
+def _embeddings_refusal(embeddings: nn.Module) -> str | None:
+    """Why the embeddings must run as a module (another forward, hooks, a mode unlike the model's), or None."""
+    if type(embeddings).forward is not BertEmbeddings.forward or "forward" in embeddings.__dict__:
+        return f"the embeddings ({type(embeddings).__name__}) run another forward than fastbert's"
+    if any(m._forward_hooks or m._forward_pre_hooks for m in embeddings.modules()):
+        return "the embeddings have forward hooks"
+    return None
+
+
 class BertPooler(nn.Module):
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
@@ -290,7 +299,9 @@ class BertModel(PreTrainedModel):
         self.embeddings = BertEmbeddings(config)
         self.encoder = BertEncoder(config)
         self.pooler = BertPooler(config) if add_pooling_layer and config.family.pooler else None
-        self.cuda_graphs: CudaGraphs | None = None  # small-batch replay on a GPU: fastbert.cuda_graphs.enable(model)
+        # replay on a GPU: None = on by default once on CUDA in eval, False = off (fastbert.cuda_graphs.enable/disable)
+        self.cuda_graphs: CudaGraphs | bool | None = None
+        self.plans = plan.Plans(type(self).__name__)  # the ops bound per mode, and the executor (fastbert.plan)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -380,14 +391,12 @@ class BertModel(PreTrainedModel):
         ids, types, positions = (
             packing.pack(t) if t is not None else None for t in (input_ids, token_type_ids, position_ids)
         )
-        plain = input_ids is not None and not (output_hidden_states or output_attentions)
-        if self.cuda_graphs is not None and self.cuda_graphs.takes(packing, device, plain):
-            x, hidden, attentions = self.cuda_graphs.run(ids, types, positions, packing), [], []
-        else:
-            x = self.embeddings(
-                ids, types, positions, packing.pack(inputs_embeds) if inputs_embeds is not None else None
-            )
+        embeds = packing.pack(inputs_embeds) if inputs_embeds is not None else None
+        if output_hidden_states or output_attentions:
+            x = self.embeddings(ids, types, positions, embeds)
             x, hidden, attentions = self.encoder(x, packing, output_hidden_states, output_attentions)
+        else:
+            x, hidden, attentions = self._planned(ids, types, positions, embeds, packing), [], []
         sequence_output = packing.repad(x)
         pooled = self.pooler(sequence_output) if self.pooler is not None else None
         out = BaseModelOutputWithPooling(
@@ -397,6 +406,54 @@ class BertModel(PreTrainedModel):
             attentions=tuple(_pad_probs(p, seqlen) for p in attentions) or None,
         )
         return out if return_dict else out.to_tuple()
+
+    def _planned(
+        self,
+        ids: torch.Tensor | None,  # [T]
+        types: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        embeds: torch.Tensor | None,  # [T, E]
+        packing: Packing,
+    ) -> torch.Tensor:  # [T, H]
+        """Embeddings + encoder by this mode's plan (fastbert.plan): the first forward in a mode runs module by module
+        and binds the plan; later ones replay a CUDA graph, run the CPU layer stack, or loop over the layers' tensors
+        with the bound ops, whichever the mode and the model allow."""
+        word = self.embeddings.word_embeddings.weight
+        device = packing.cu_seqlens.device
+        grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+        mode = plan.current_mode(self, device, word.dtype, grad)
+        bound = self.plans.lookup(mode)
+        if bound is None:  # the first forward in this mode: module by module, watching what each op runs on
+            with ops.watching() as seen:
+                x = self.encoder(self.embeddings(ids, types, positions, embeds), packing)[0]
+            self.plans.bind(mode, seen).executor_note = "bound after its first forward, which ran module by module"
+            return x
+        graphs = self.cuda_graphs
+        if graphs is None and device.type == "cuda" and cuda_graphs.default_on():
+            graphs = self.cuda_graphs = CudaGraphs(self)
+        if graphs and embeds is None and graphs.takes(packing, device, mode):
+            bound.executor_note, bound.graphs = "CUDA graph replay by token bucket", graphs
+            return graphs.run(ids, types, positions, packing)
+        if device.type == "cpu" and not grad and bound.how["attention"].startswith("bound to native"):
+            bound.executor_note = "the CPU layer stack (the first layer op by op, the rest in one native call)"
+            return self.encoder(self.embeddings(ids, types, positions, embeds), packing)[0]
+        layers, executor = list(self.encoder.layer._modules.values()), self.plans.encoder
+        if executor is None or executor.layers != layers:
+            executor = self.plans.set_encoder(plan.Encoder(layers, self.config))
+        why = executor.refusal(STACKED_FORWARDS, mode.training) or _embeddings_refusal(self.embeddings)
+        if why is not None:
+            bound.executor_note = f"module by module, because {why}"
+            return self.encoder(self.embeddings(ids, types, positions, embeds), packing)[0]
+        bound.executor_note = "one loop over the layers' tensors with the bound ops"
+        e = self.embeddings
+        norm, tables = e._modules["LayerNorm"], (e._modules["word_embeddings"], e._modules["position_embeddings"])
+        x = bound.functions["embedding_layernorm"](
+            ids, types, positions, tables[0]._parameters["weight"], tables[1]._parameters["weight"], e.type_table(),
+            norm._parameters["weight"], norm._parameters["bias"], norm.eps, e.dropout_p, mode.training, embeds,
+        )  # fmt: skip
+        if (projection := e._modules.get("projection")) is not None:
+            x = bound.functions["linear"](x, projection._parameters["weight"], projection._parameters["bias"], None)
+        return executor(bound, x, packing)
 
     def _empty_output(
         self, lead: torch.Tensor, seqlen: int, return_dict: bool, output_hidden_states: bool, output_attentions: bool

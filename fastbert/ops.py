@@ -32,9 +32,9 @@ from fastbert.backends import triton as triton_backend
 from fastbert.backends.spec import COMPOUND_OPS, FLOATS, KERNEL_OPS, OPS, Backend, BackendUnavailable
 
 __all__ = [
-    "COMPOUND_OPS", "KERNEL_OPS", "OPS", "Backend", "BackendUnavailable", "backends", "decisions", "exclude_backends",
-    "explain", "forced_backend", "opt_in", "recording", "register_backend", "register_explainer", "select",
-    "use_backend",
+    "COMPOUND_OPS", "KERNEL_OPS", "OPS", "Backend", "BackendUnavailable", "backends", "decisions", "dispatch_scope",
+    "exclude_backends", "explain", "forced_backend", "opt_in", "recording", "register_backend", "register_explainer",
+    "select", "use_backend", "watching",
     "attention", "bias_act", "bias_residual_layernorm", "dense_residual_layernorm", "embedding_layernorm", "linear",
 ]  # fmt: skip
 
@@ -150,6 +150,24 @@ def select(op: str, args: tuple, kwargs: dict) -> tuple[Callable, str]:
     raise BackendUnavailable(f"{op}: no backend takes {device.type}/{dtype}: {_reasons(why)}")
 
 
+def dispatch_scope() -> tuple[str | None, frozenset, frozenset]:
+    """This thread's dispatch state now: (forced backend, excluded backends, opted-in backends); a plan is bound to it
+    (fastbert.plan), so FASTBERT_BACKEND and the scopes are read once per forward, not once per op."""
+    return forced_backend(), getattr(_state, "excluded", frozenset()), getattr(_state, "opted_in", frozenset())
+
+
+@contextlib.contextmanager
+def watching() -> Iterator[list[tuple[str, str]]]:
+    """Inside the block, every dispatch decision this thread makes, nested ones included (a composed op's parts, a
+    first-use timing's rivals), is appended to the list it gives as (op, backend): what fastbert.plan binds from."""
+    previous = getattr(_state, "seen", None)
+    _state.seen = seen = []
+    try:
+        yield seen
+    finally:
+        _state.seen = previous
+
+
 def _first_float(args: tuple) -> torch.dtype:
     return next((a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), torch.float32)
 
@@ -163,6 +181,9 @@ def _record(op: str, dtype: torch.dtype, name: str, note: str, why: tuple[tuple[
     makes one, so this is on the dispatch's hot path). Not while torch.compile traces: its logger breaks the graph."""
     if torch.compiler.is_compiling():
         return
+    seen = getattr(_state, "seen", None)
+    if seen is not None:
+        seen.append((op, name))
     facts = (dtype, name, note, why)
     if _last_facts.get(op) == facts:
         return

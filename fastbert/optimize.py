@@ -32,7 +32,7 @@ def optimize(
     - moved to `device` / cast to `dtype` (bf16 or fp16 runs every GEMM in that dtype; statistics stay fp32);
     - eval mode; `freeze` turns off requires_grad so the inference-only fast paths (oneDNN prepacked GEMMs) apply
       even outside `torch.no_grad()`;
-    - CUDA graphs for small batches when the model ends up on a GPU (`cuda_graphs=None` means "if on CUDA");
+    - CUDA graphs when the model ends up on a GPU (`cuda_graphs=None` means "if on CUDA", False turns them off);
     - a sentence-transformers SentenceTransformer or CrossEncoder keeps its pipeline (tokenizer, pooling, head) and
       gets fastbert's encoder swapped in, in place; it is returned too;
     - `quantize="int8"`: the encoder's GEMMs run as dynamic int8 on CPU wherever int8 is measured faster (explain()
@@ -65,6 +65,8 @@ def optimize(
         if not on_cuda:
             raise ValueError("cuda_graphs=True needs the model on a CUDA device")
         graphs.enable(model)
+    elif cuda_graphs is False:
+        graphs.disable(model)
     return model
 
 

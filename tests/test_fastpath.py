@@ -11,7 +11,7 @@ import torch
 import fastbert
 from fastbert import ops, reference
 from fastbert.backends import onednn
-from fastbert.cuda_graphs import _bucket_tokens, _Graph
+from fastbert.cuda_graphs import _Graph, bucket_key
 from fastbert.padding import unpad, unpad_and_read
 
 transformers = pytest.importorskip("transformers")
@@ -231,7 +231,7 @@ def test_cuda_graph_bucket_layout_computes_the_same_encoder(lengths: list[int]) 
     packing = unpad(mask, len(lengths), seqlen, torch.device("cpu"))
     positions = packing.pack(torch.arange(seqlen).expand(len(lengths), seqlen))
     packed_ids, types = packing.pack(ids), torch.zeros(packing.total, dtype=torch.long)
-    key = (1 << (len(lengths) - 1).bit_length(), _bucket_tokens(packing.total), max(16, 1 << (seqlen - 1).bit_length()))
+    key = bucket_key(len(lengths), packing.total, seqlen)
     graph = _Graph(*key, device=torch.device("cpu"))
     graph.load(packed_ids, types, positions, packing)
     cu = graph.cu_seqlens

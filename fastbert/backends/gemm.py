@@ -133,13 +133,15 @@ def judge(
     names: tuple[str, str],
     margin: float,
 ) -> tuple[bool, str]:
-    """`mine` against `other` (the path that runs without it) on this call, timed once per (weight shape, epilogue,
-    size class): the fp32 and int8 GEMM backends' first-use verdict. `names`: (mine, other) in words."""
+    """`mine` against `other` (the path that runs without it) on this call, per (weight shape, epilogue, size class):
+    the fp32 and int8 GEMM backends' first-use verdict, checked again while provisional (timing.judge). `names`:
+    (mine, other) in words."""
     x, weight = call["x"], call["weight"]
     rows = x.numel() // x.shape[-1]
     key = (*weight.shape, call.get("act"), op == "dense_residual_layernorm", timing.size_class(rows))
-    if key in verdicts:  # every call after the first of its class: no words to build
-        return verdicts[key]
+    verdict = verdicts.get(key)
+    if verdict is not None and getattr(verdict, "evidence", None) is None:  # settled: no words to build
+        return verdict
     epilogue = " + residual + LayerNorm" if key[3] else (f" + {key[2]}" if key[2] else "")
     what = timing.gemm_words(rows, weight, epilogue)
     return timing.judge(verdicts, key, lambda: mine(**call), lambda: other(**call), names, what, margin)
@@ -182,4 +184,5 @@ SPEC = Backend(
     module=sys.modules[__name__],
     ops=COMPOUND_OPS,
     limits={op: (lambda call, forced, op=op: _refuses(op, call, forced)) for op in COMPOUND_OPS},
+    decides_per_call="times each GEMM shape class at first use against the path without it",
 )

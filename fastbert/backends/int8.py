@@ -155,5 +155,6 @@ SPEC = Backend(
     module=sys.modules[__name__],
     ops=COMPOUND_OPS,
     limits={op: (lambda call, forced, op=op: _refuses(op, call, forced)) for op in COMPOUND_OPS},
+    decides_per_call="times each GEMM shape class at first use against the path without it",
     opt_in="only in models quantized with fastbert.optimize(model, quantize='int8')",
 )

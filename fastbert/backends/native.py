@@ -169,6 +169,87 @@ def _no_dropout(dropout_p: float, training: bool) -> None:
         raise ValueError("native kernels implement no dropout: pass dropout_p=0 or training=False")
 
 
+# Dynamo cannot trace into a pybind function: under torch.compile each op goes through a torch custom op
+# (`torch.ops.fastbert.native_*`, forward only, with a fake implementation giving the output's shape and dtype), so
+# the compiled graph holds the kernel whole instead of breaking at it. Eager calls skip the custom op's dispatch.
+@torch.library.custom_op("fastbert::native_embedding_layernorm", mutates_args=())
+def _embedding_layernorm_op(
+    input_ids: torch.Tensor | None,
+    token_type_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    word_weight: torch.Tensor,
+    position_weight: torch.Tensor,
+    type_weight: torch.Tensor,
+    ln_weight: torch.Tensor,
+    ln_bias: torch.Tensor,
+    eps: float,
+    inputs_embeds: torch.Tensor | None,
+) -> torch.Tensor:
+    lead = inputs_embeds if inputs_embeds is not None else word_weight
+    return _ext(lead.device).embedding_layernorm(
+        input_ids, token_type_ids, position_ids, word_weight, position_weight, type_weight, ln_weight, ln_bias, eps,
+        inputs_embeds,
+    )  # fmt: skip
+
+
+@_embedding_layernorm_op.register_fake
+def _(input_ids, token_type_ids, position_ids, word_weight, position_weight, type_weight, ln_weight, ln_bias, eps,
+      inputs_embeds):  # fmt: skip
+    if inputs_embeds is not None:
+        return inputs_embeds.new_empty(inputs_embeds.shape)
+    return word_weight.new_empty(*input_ids.shape, word_weight.shape[-1])
+
+
+@torch.library.custom_op("fastbert::native_bias_act", mutates_args=())
+def _bias_act_op(x: torch.Tensor, bias: torch.Tensor, kind: str) -> torch.Tensor:
+    return _ext(x.device).bias_act(x, bias, kind)
+
+
+@_bias_act_op.register_fake
+def _(x, bias, kind):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("fastbert::native_bias_residual_layernorm", mutates_args=())
+def _bias_residual_layernorm_op(
+    x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:  # fmt: skip
+    return _ext(x.device).bias_residual_layernorm(x, bias, residual, ln_weight, ln_bias, eps)
+
+
+@_bias_residual_layernorm_op.register_fake
+def _(x, bias, residual, ln_weight, ln_bias, eps):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("fastbert::native_attention", mutates_args=())
+def _attention_op(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float) -> torch.Tensor:
+    return _ext(qkv.device).attention(qkv, cu_seqlens, max_seqlen, scale)
+
+
+@_attention_op.register_fake
+def _(qkv, cu_seqlens, max_seqlen, scale):
+    return qkv.new_empty(qkv.shape[0], qkv.shape[2], qkv.shape[3])
+
+
+def _kernels(device: torch.device) -> Any:
+    """What runs the ops: the extension itself, or under torch.compile the custom ops that wrap it."""
+    return _COMPILED if torch.compiler.is_compiling() else _ext(device)
+
+
+class _CompiledOps:
+    """The extension's op functions as custom ops (same names and arguments), for torch.compile's graphs."""
+
+    embedding_layernorm = staticmethod(_embedding_layernorm_op)
+    bias_act = staticmethod(_bias_act_op)
+    bias_residual_layernorm = staticmethod(_bias_residual_layernorm_op)
+    attention = staticmethod(_attention_op)
+
+
+_COMPILED = _CompiledOps()
+
+
 # One function per op, with fastbert.ops' signatures.
 def embedding_layernorm(
     input_ids: torch.Tensor | None,  # [*] int
@@ -187,7 +268,7 @@ def embedding_layernorm(
     """LayerNorm(word[ids] + position[pos] + type[tt]) in one pass, fp32 sum and statistics."""
     _no_dropout(dropout_p, training)
     device = (inputs_embeds if inputs_embeds is not None else word_weight).device
-    return _ext(device).embedding_layernorm(
+    return _kernels(device).embedding_layernorm(
         input_ids, token_type_ids, position_ids, word_weight, position_weight, type_weight, ln_weight, ln_bias,
         float(eps), inputs_embeds,
     )  # fmt: skip
@@ -195,7 +276,7 @@ def embedding_layernorm(
 
 def bias_act(x: torch.Tensor, bias: torch.Tensor, kind: str = reference.ACT_GELU) -> torch.Tensor:
     """act(x + bias) for act in gelu (erf), gelu_tanh, relu; x [*, N], bias [N]."""
-    return _ext(x.device).bias_act(x, bias, kind)
+    return _kernels(x.device).bias_act(x, bias, kind)
 
 
 def bias_residual_layernorm(
@@ -210,7 +291,7 @@ def bias_residual_layernorm(
 ) -> torch.Tensor:  # [*, N]
     """LayerNorm(x + bias + residual) in one pass (dropout must be off)."""
     _no_dropout(dropout_p, training)
-    return _ext(x.device).bias_residual_layernorm(x, bias, residual, ln_weight, ln_bias, float(eps))
+    return _kernels(x.device).bias_residual_layernorm(x, bias, residual, ln_weight, ln_bias, float(eps))
 
 
 def attention(
@@ -224,7 +305,7 @@ def attention(
     """Varlen bidirectional attention over packed QKV (CPU only), exact fp32 softmax."""
     _no_dropout(dropout_p, training)
     scale = 1.0 / math.sqrt(qkv.shape[-1]) if scale is None else float(scale)
-    return _ext(qkv.device).attention(qkv, cu_seqlens, int(max_seqlen), scale)
+    return _kernels(qkv.device).attention(qkv, cu_seqlens, int(max_seqlen), scale)
 
 
 def _limit(op: str) -> LimitCheck:
@@ -238,4 +319,5 @@ SPEC = Backend(
     module=sys.modules[__name__],
     ops=KERNEL_OPS,
     limits={op: _limit(op) for op in KERNEL_OPS},
+    forward_only=True,
 )

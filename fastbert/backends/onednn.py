@@ -42,6 +42,7 @@ _packs = WeightCache()
 _verdicts: dict[tuple, tuple[bool, str]] = {}
 
 
+@torch.compiler.assume_constant_result  # asked once, maybe while torch.compile traces: mkldnn.is_available breaks it
 def unavailable_reason() -> str | None:
     """Why this backend cannot load here, or None."""
     if not torch.backends.mkldnn.is_available():
@@ -159,8 +160,9 @@ def _verdict(
     rows, run = x.numel() // x.shape[-1], gemm_dtype(dtype)
     # bf16 via fp32 is fp32's case
     key = (run, *weight.shape, act is not None, bias is not None, timing.size_class(rows))
-    if key in _verdicts:
-        return _verdicts[key]
+    verdict = _verdicts.get(key)
+    if verdict is not None and getattr(verdict, "evidence", None) is None:  # settled (timing.judge re-checks the rest)
+        return verdict
     with torch.no_grad(), torch.autocast("cpu", enabled=False):
         xs = x.reshape(rows, -1).to(dtype)
         w, b = weight.to(dtype).to(run), bias.to(dtype).to(run) if bias is not None else None
@@ -236,6 +238,7 @@ SPEC = Backend(
     dtypes=(torch.float32, torch.bfloat16),
     module=sys.modules[__name__],
     ops=("linear", "dense_residual_layernorm", "attention"),
+    forward_only=True,
     limits={
         "linear": lambda call, forced: refuses_linear(**call, forced=forced),
         "dense_residual_layernorm": refuses_dense_residual_layernorm,

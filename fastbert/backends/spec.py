@@ -41,6 +41,8 @@ class Backend:
     device_check: Callable[[str], str | None] | None = None  # e.g. Triton on CPU only under TRITON_INTERPRET=1
     auto_devices: tuple[str, ...] | None = None  # devices automatic dispatch sends here (None: all of `devices`)
     opt_in: str | None = None  # set: automatic dispatch uses it only inside ops.opt_in(name); says who asks for it
+    decides_per_call: str | None = None  # set: its choice can change from call to call (says why); never bound once
+    forward_only: bool = False  # refuses inputs that require grad: under autograd, its choice is made per call
     _ready: tuple[bool, str | None] | None = field(default=None, repr=False)
     _static: dict[tuple, tuple[str | None, str | None]] = field(default_factory=dict, repr=False)
 
@@ -58,6 +60,11 @@ class Backend:
     def function(self, op: str) -> Callable[..., Any]:
         """The function that runs `op` on this backend."""
         return self.impls.get(op) or getattr(self.module, op)
+
+    def inference_function(self, op: str) -> Callable[..., Any] | None:
+        """The forward-only launcher of `op` (no autograd, no statistics for a backward), if the backend has one: the
+        module's `INFERENCE` table."""
+        return getattr(self.module, "INFERENCE", {}).get(op)
 
     def refuses(
         self, op: str, device: torch.device, dtype: torch.dtype, call: dict[str, Any], forced: bool = False
