@@ -10,19 +10,29 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
+
+from fastbert.errors import require
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 ROBERTA_SPECIAL_TOKENS = ("<pad>", "<unk>", "<s>", "</s>", "<mask>")  # the same roles, in the same order
 
 
 def _require_tokenizers():
-    try:
-        import tokenizers
-    except ImportError as exc:  # the training extra; inference never needs it
-        raise ImportError("tokenisation needs the `tokenizers` package: pip install 'fastbert-kernels[train]'") from exc
-    return tokenizers
+    """The `tokenizers` package (the training extra; inference never needs it), or MissingExtraError saying so."""
+    return require("tokenizers", "train", "tokenisation")
+
+
+@dataclass(frozen=True)
+class Window:
+    """One (question, context slice) pair as the model reads it: the attributes a `tokenizers.Encoding` has."""
+
+    ids: list[int]
+    type_ids: list[int]
+    offsets: list[tuple[int, int]]  # per token, in its own text
+    sequence_ids: list[int | None]  # 0 question, 1 context, None special
 
 
 class WordPieceTokenizer:
@@ -64,7 +74,14 @@ class WordPieceTokenizer:
             if not os.path.isfile(file):
                 continue
             if file.endswith(".json"):
-                return cls(tokenizers.Tokenizer.from_file(file))
+                try:
+                    backend = tokenizers.Tokenizer.from_file(file)
+                except Exception as exc:  # tokenizers raises a bare Exception for a malformed or truncated file
+                    raise ValueError(
+                        f"{file} is not a tokenizer file tokenizers can read (truncated or corrupted?): {exc}; "
+                        "save the tokenizer again, or point at a vocab.txt"
+                    ) from None
+                return cls(backend)
             from tokenizers.implementations import BertWordPieceTokenizer
 
             return cls(BertWordPieceTokenizer(file, lowercase=True if lowercase is None else lowercase)._tokenizer)
@@ -122,8 +139,8 @@ class WordPieceTokenizer:
     ) -> list:
         """Raw `tokenizers.Encoding`s with special tokens, truncated to max_length (offsets, word ids, overflow).
 
-        `strategy="only_second"` with `stride` > 0 keeps the cut-off tail of the second text as overlapping windows
-        in each encoding's `.overflowing` (sliding windows for long QA contexts); `is_pretokenized` takes word lists.
+        `is_pretokenized` takes word lists. For sliding windows over long contexts use `windows` (tokenizers' own pair
+        overflow, `strategy="only_second"` with `stride`, drops windows in tokenizers 0.23.2).
         """
         if isinstance(texts, str):
             raise TypeError("pass a list of texts, not a single string")
@@ -133,6 +150,49 @@ class WordPieceTokenizer:
         self._tok.no_padding()
         inputs = list(zip(texts, pairs, strict=True)) if pairs is not None else list(texts)
         return self._tok.encode_batch(inputs, is_pretokenized=is_pretokenized)
+
+    def windows(
+        self, questions: Sequence[str], contexts: Sequence[str], max_length: int, stride: int
+    ) -> list[list[Window]]:
+        """Each (question, context) pair as windows of at most `max_length` tokens: the whole question, and the context
+        in slices of the room left, each starting `room - stride` tokens after the last, until one ends at its end.
+
+        Cut here from one untruncated encoding of the pair, not by tokenizers' pair overflow: tokenizers 0.23.2
+        silently keeps only the first windows (2 of 7 of a 128-token context); the windows are those of 0.23.3.
+        """
+        if len(questions) != len(contexts):
+            raise ValueError(f"{len(questions)} questions but {len(contexts)} contexts")
+        if stride < 0:
+            raise ValueError(f"stride must be >= 0, got {stride}")
+        self._tok.no_truncation()
+        self._tok.no_padding()
+        pairs = list(zip(questions, contexts, strict=True))
+        return [self._cut(e, max_length, stride) for e in self._tok.encode_batch(pairs)]
+
+    @staticmethod
+    def _cut(enc, max_length: int, stride: int) -> list[Window]:
+        """One pair's encoding cut into windows (its context tokens are contiguous: the template wraps them)."""
+        seq = enc.sequence_ids
+        context = [i for i, s in enumerate(seq) if s == 1]
+        fields = (enc.ids, enc.type_ids, enc.offsets, seq)
+        if len(seq) <= max_length:
+            return [Window(*(list(f) for f in fields))]
+        begin, end = (context[0], context[-1] + 1) if context else (0, 0)
+        room = max_length - (len(seq) - (end - begin))
+        if room <= 0:
+            raise ValueError(
+                f"the question and special tokens take {len(seq) - (end - begin)} tokens: max_length {max_length} "
+                "leaves no room for the context"
+            )
+        if stride >= room:
+            raise ValueError(f"stride {stride} must be smaller than the {room} context tokens a window holds here")
+        out, start = [], begin
+        while True:
+            stop = min(start + room, end)
+            out.append(Window(*(list(f[:begin]) + list(f[start:stop]) + list(f[end:]) for f in fields)))
+            if stop == end:
+                return out
+            start += room - stride
 
     def pad(
         self, ids: Sequence[Sequence[int]], type_ids: Sequence[Sequence[int]] | None = None, pad_to: int | None = None

@@ -68,16 +68,37 @@ def test_pairs_match_transformers(tokenizers_pair, max_length):
             assert torch.equal(got[key], value), key
 
 
-def test_sliding_windows_match_transformers_overflow(tokenizers_pair):
+def test_sliding_windows_cover_the_context_and_match_transformers_overflow(tokenizers_pair):
+    """Windows: the question whole, context slices of the room left overlapping by `stride`, the last one ending at
+    the context's end. tokenizers 0.23.2's pair overflow (and transformers' through it) kept 2 of 7 here."""
+    import tokenizers
+
     ours, _, theirs = tokenizers_pair
     question, context = "Where is it?", " ".join(f"word{i}" for i in range(60))
-    encodings = ours.encode([question], [context], max_length=32, strategy="only_second", stride=8)
-    windows = [encodings[0], *encodings[0].overflowing]
-    expected = theirs(
-        question, context, truncation="only_second", max_length=32, stride=8, return_overflowing_tokens=True
-    )["input_ids"]
-    assert [w.ids for w in windows] == expected
-    assert len(windows) > 2
+    windows = ours.windows([question], [context], max_length=32, stride=8)[0]
+    q, c = ours.encode_ids([question])[0], ours.encode_ids([context])[0]
+    room, start, expected = 32 - len(q) - 3, 0, []
+    while not expected or start - (room - 8) + room < len(c):
+        expected.append([ours.cls_id, *q, ours.sep_id, *c[start:start + room], ours.sep_id])
+        start += room - 8
+    assert [w.ids for w in windows] == expected and len(expected) > 2
+    assert all(w.type_ids == [0] * (len(q) + 2) + [1] * (len(w.ids) - len(q) - 2) for w in windows)
+    if tokenizers.__version__ != "0.23.2":  # that version's overflow drops windows: nothing to compare with
+        overflow = theirs(
+            question, context, truncation="only_second", max_length=32, stride=8, return_overflowing_tokens=True
+        )
+        assert [w.ids for w in windows] == overflow["input_ids"]
+
+
+def test_windows_refuse_a_stride_the_room_cannot_hold(tokenizers_pair):
+    """A clear error, where tokenizers' own overflow panics in Rust."""
+    ours = tokenizers_pair[0]
+    context = " ".join(f"word{i}" for i in range(60))
+    with pytest.raises(ValueError, match="stride 30 must be smaller than the 25 context tokens"):
+        ours.windows(["Where is it?"], [context], max_length=32, stride=30)
+    with pytest.raises(ValueError, match="leaves no room for the context"):
+        ours.windows(["Where is it? " * 20], [context], max_length=32, stride=8)
+    assert len(ours.windows(["Where is it?"], ["word1 word2"], max_length=32, stride=20)[0]) == 1  # fits: one
 
 
 def test_trained_vocabulary_round_trips_through_transformers(tmp_path):

@@ -1,6 +1,6 @@
 """Extractive QA: long contexts as overlapping windows, answer spans as token positions, and back to text.
 
-A context longer than `max_length` is cut into windows that overlap by `stride` tokens (tokenizers' overflow); a
+A context longer than `max_length` is cut into windows that overlap by `stride` tokens (`WordPieceTokenizer.windows`); a
 window that does not hold the whole answer is trained to point at [CLS] (position 0). At prediction time each
 window proposes its best spans and the highest start+end logit over all windows of a question wins.
 """
@@ -29,16 +29,10 @@ def make_windows(
     tokenizer: WordPieceTokenizer, examples: list[QAExample], max_length: int = 384, stride: int = 128
 ) -> list[QAWindow]:
     """Tokenise (question, context) pairs into windows of at most max_length tokens overlapping by `stride`."""
-    encodings = tokenizer.encode(
-        [e.question for e in examples],
-        [e.context for e in examples],
-        max_length=max_length,
-        strategy="only_second",
-        stride=stride,
-    )
+    per_example = tokenizer.windows([e.question for e in examples], [e.context for e in examples], max_length, stride)
     windows = []
-    for i, (example, first) in enumerate(zip(examples, encodings, strict=True)):
-        for enc in [first, *first.overflowing]:
+    for i, (example, pieces) in enumerate(zip(examples, per_example, strict=True)):
+        for enc in pieces:
             offsets = [off if seq == 1 else None for off, seq in zip(enc.offsets, enc.sequence_ids, strict=True)]
             window = QAWindow(i, list(enc.ids), list(enc.type_ids), offsets)
             if example.answers:
