@@ -80,8 +80,7 @@ def load_checkpoint_dir(directory: str | os.PathLike, allow_pickle: bool = False
     if os.path.isfile(single):
         return load_state_dict_file(single, allow_pickle)
     if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
+        shards = _shards_of(index)
         state: dict[str, torch.Tensor] = {}
         for shard in shards:
             state.update(load_state_dict_file(os.path.join(directory, shard), allow_pickle))
@@ -91,6 +90,22 @@ def load_checkpoint_dir(directory: str | os.PathLike, allow_pickle: bool = False
         if os.path.isfile(path):
             return load_state_dict_file(path, allow_pickle)
     raise FileNotFoundError(f"no {WEIGHTS_NAME} (or {WEIGHTS_INDEX_NAME}) in {directory}")
+
+
+def _shards_of(index: str) -> list[str]:
+    """The shard files a safetensors index names; an index without a weight_map is a CheckpointError naming it."""
+    with open(index, encoding="utf-8") as f:
+        try:
+            values = json.load(f)
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+            raise CheckpointError(f"{index}: not a JSON index file ({exc})") from None
+    weight_map = values.get("weight_map") if isinstance(values, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(
+            f"{index}: no weight_map (an object of tensor name -> shard file) in this index; write the index again "
+            f"or remove it and keep a single {WEIGHTS_NAME}"
+        )
+    return sorted(set(weight_map.values()))
 
 
 def _normalise_keys(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

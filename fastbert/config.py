@@ -239,7 +239,10 @@ class BertConfig:
         """A config.json; a file that is not JSON or holds a bad field is a ValueError naming the file."""
         with open(path, encoding="utf-8") as f:
             try:
-                return cls.from_dict(json.load(f))
+                values = json.load(f)
+                if not isinstance(values, dict):
+                    raise ValueError(f"a config.json must hold a JSON object of fields, got a {type(values).__name__}")
+                return cls.from_dict(values)
             except UnsupportedModelError as exc:
                 raise UnsupportedModelError(f"{os.fspath(path)}: {exc}") from None
             except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors too

@@ -1,7 +1,8 @@
 """The errors a `fastbert` command reports in one line (no traceback), their exit codes, and the checks that raise
 them: numeric option ranges (an argparse type) and a text reader that names the file and line of a bad byte.
 
-Exit code 2: a usage error (an option out of range or inconsistent with another, a device this machine lacks).
+Exit code 2: a usage error (an option out of range or inconsistent with another, a device this machine lacks, an
+optional dependency the command needs that is not installed).
 Exit code 1: a data error (a missing, empty or undecodable file, a bad column or label, a bad checkpoint or config),
 an unwritable output folder, or a result that failed its own check. Anything else is a bug: it keeps its traceback.
 """
@@ -9,13 +10,28 @@ an unwritable output folder, or a result that failed its own check. Anything els
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import os
 from collections.abc import Callable
+from types import ModuleType
 
 
 class UsageError(ValueError):
     """A command-line option (or API argument) that cannot be used as given: exit code 2."""
+
+
+class MissingExtraError(ImportError):
+    """An optional dependency (a `fastbert-kernels[extra]`) that a feature needs is not installed: exit code 2."""
+
+
+def require(module: str, extra: str, what: str) -> ModuleType:
+    """Import `module`, or raise MissingExtraError saying which extra installs it (one line, not a traceback)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        message = f"{what} needs the `{module}` package: pip install 'fastbert-kernels[{extra}]'"
+        raise MissingExtraError(message) from exc
 
 
 class DataError(ValueError):
@@ -28,7 +44,7 @@ class CheckError(RuntimeError):
 
 def exit_code(exc: BaseException) -> int | None:
     """The exit code of an error the user can act on (2 usage, 1 data/files/checks); None for a bug."""
-    if isinstance(exc, UsageError):
+    if isinstance(exc, (UsageError, MissingExtraError)):
         return 2
     if isinstance(exc, (ValueError, OSError, CheckError)):  # ValueError: DataError, CheckpointError, config errors
         return 1

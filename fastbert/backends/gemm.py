@@ -14,7 +14,6 @@ tiling and epilogue.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 
@@ -157,7 +156,7 @@ def summary(verdicts: dict[tuple, tuple[bool, str]], what: str, rest: str) -> st
 
 
 def _refuses(op: str, call: dict, forced: bool) -> str | None:
-    mode = os.environ.get("FASTBERT_CPU_GEMM", "auto")
+    mode = timing.cpu_gemm_mode()
     if mode in ("onednn", "torch") and not forced:
         return f"FASTBERT_CPU_GEMM={mode}"
     mine = linear if op == "linear" else dense_residual_layernorm

@@ -18,7 +18,6 @@ flash CPU kernel) straight on the packed tensor: no padded copy, no mask, no wor
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 
@@ -81,7 +80,7 @@ def refuses_linear(
         return f"does not take {dtype}"
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1] or weight.device.type != "cpu":
         return "not a CPU [N, K] weight matching x"
-    mode = os.environ.get("FASTBERT_CPU_GEMM", "auto")
+    mode = timing.cpu_gemm_mode()
     if mode == "torch":
         return "FASTBERT_CPU_GEMM=torch"
     if mode in ("gemm", "onednn") or forced or x.numel() == 0:  # gemm: what fastbert's GEMM refuses, oneDNN takes

@@ -3,12 +3,25 @@ measurement (oneDNN's GEMMs, fastbert's fp32 and int8 GEMMs)."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
 import torch
 
 SMALL_M = 128  # calibration size classes: latency-sized (M < 128 rows) and throughput-sized inputs
+
+
+CPU_GEMM_MODES = ("auto", "gemm", "onednn", "torch")
+
+
+def cpu_gemm_mode() -> str:
+    """FASTBERT_CPU_GEMM (default auto: timed at first use); a value that is not a mode is a ValueError listing the
+    accepted ones, not a silent auto."""
+    mode = os.environ.get("FASTBERT_CPU_GEMM", "auto")
+    if mode not in CPU_GEMM_MODES:
+        raise ValueError(f"FASTBERT_CPU_GEMM={mode!r} is not one of {', '.join(CPU_GEMM_MODES)}")
+    return mode
 
 
 def size_class(rows: int) -> str:

@@ -7,11 +7,13 @@ all-padding row is caught at export time rather than in production.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
 import tempfile
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +22,7 @@ from tqdm.auto import tqdm
 
 import fastbert
 from fastbert.checkpoint import PreTrainedModel
-from fastbert.errors import CheckError
+from fastbert.errors import CheckError, UsageError, require
 from fastbert.onnx import int8 as int8_graph
 from fastbert.onnx.graph import INPUTS, ReferenceGraph, head_name, output_names, spec_of
 from fastbert.onnx.parity import check_parity, parity_shapes
@@ -71,6 +73,33 @@ def _check_path(path: str | os.PathLike) -> str:
     if not os.path.isdir(parent):
         raise FileNotFoundError(f"cannot write {path}: directory {parent} does not exist")
     return path
+
+
+@contextlib.contextmanager
+def _atomic(path: str) -> Iterator[str]:
+    """A temporary name beside `path` to write to, renamed to `path` on success and removed on failure: a full disk or
+    a failed write never leaves a truncated file under the real name."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".partial.onnx",
+                               dir=os.path.dirname(os.path.abspath(path)))  # fmt: skip
+    os.close(fd)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+
+
+def max_opset() -> int:
+    """The newest opset both the installed onnx and torch's TorchScript exporter (the one used here) write."""
+    onnx = require("onnx", "onnx", "ONNX export")
+    try:
+        from torch.onnx._constants import ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET as torch_max
+    except ImportError:  # a private name: where torch lacks it, onnx's bound alone applies
+        torch_max = None
+    newest = onnx.defs.onnx_opset_version()
+    return min(newest, torch_max) if torch_max else newest
 
 
 def dynamic_axes(model: nn.Module) -> dict[str, dict[int, str]]:
@@ -190,7 +219,8 @@ def optimize(model: PreTrainedModel, path: str, optimized_path: str) -> dict[str
     wrong = {op: (fused.get(op, 0), n) for op, n in expected.items() if fused.get(op, 0) != n}
     if wrong:
         raise CheckError(f"onnxruntime's optimizer did not fuse the graph as expected (got, expected): {wrong}")
-    optimized.save_model_to_file(optimized_path)
+    with _atomic(optimized_path) as tmp:
+        optimized.save_model_to_file(tmp)
     return fused
 
 
@@ -220,6 +250,12 @@ def export(
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if opset < OPSET:
         raise ValueError(f"opset must be >= {OPSET} (LayerNormalization), got {opset}")
+    if check or optimize_graph or quantize:
+        require("onnxruntime", "onnx", "checking, optimizing or quantizing an ONNX export")
+    newest = max_opset()
+    if opset > newest:
+        raise UsageError(f"opset {opset} is beyond what this installation writes: the newest that both onnx and "
+                         f"torch's ONNX exporter write is {newest}; use an opset from {OPSET} to {newest}")  # fmt: skip
     if quantize not in (None, "int8"):
         raise ValueError(f"quantize must be None or 'int8', got {quantize!r}")
     if quantize and dtype != "fp32":
@@ -229,7 +265,8 @@ def export(
         with tempfile.TemporaryDirectory(prefix="fastbert-int8-export-") as tmp:
             fp32 = export(model, os.path.join(tmp, "fp32.onnx"), opset=opset, check=check,
                           optimize_graph=optimize_graph, shapes=shapes, progress=False)  # fmt: skip
-            int8_graph.quantize_graph(fp32.optimized_path or fp32.path, path)
+            with _atomic(path) as tmp_int8:
+                int8_graph.quantize_graph(fp32.optimized_path or fp32.path, tmp_int8)
             report = dataclasses.replace(fp32, path=path, optimized_path=None, quantize=quantize)
         if check:
             source = copy.deepcopy(model).to(device="cpu", dtype=torch.float32).eval()
@@ -240,8 +277,8 @@ def export(
     report = ExportReport(path=path, dtype=dtype)
     source = copy.deepcopy(model).to(device="cpu", dtype=torch.float32).eval()
     exported = source if dtype == "fp32" else copy.deepcopy(source).to(DTYPES[dtype])
-    with torch.no_grad():
-        _write(ReferenceGraph(exported).eval(), exported, path, opset)
+    with torch.no_grad(), _atomic(path) as tmp:
+        _write(ReferenceGraph(exported).eval(), exported, tmp, opset)
     _check_symbolic(path, exported)
     shapes = shapes if shapes is not None else parity_shapes(model.config)
     if check:

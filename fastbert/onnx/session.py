@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from fastbert.config import BertConfig
+from fastbert.errors import require
 from fastbert.onnx.graph import INPUTS, SPECS
 from fastbert.outputs import ModelOutput
 from fastbert.validation import check_inputs
@@ -46,8 +47,7 @@ class Session:
         providers: list[str] | None = None,
         spin: bool = True,
     ) -> None:
-        import onnxruntime as ort
-
+        ort = require("onnxruntime", "onnx", "an ONNX Session")
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise FileNotFoundError(
