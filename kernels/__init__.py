@@ -1,7 +1,9 @@
 """Triton kernels for fastbert's fused ops, installed as `fastbert.kernels`. They know nothing of models.
 
-One file per op (forward and backward kernels, launcher, autograd Function); the functions here have exactly the
-signatures of `fastbert.ops`' public functions. Importing this package tries to import Triton; without it the
+One file per op (forward and backward kernels, launcher, autograd Function, and the custom ops torch.compile traces);
+the functions here have exactly the signatures of `fastbert.ops`' public functions. `INFERENCE` maps each op to its
+forward-only launcher (no autograd Function, no statistics for a backward, dropout ignored), for grad-free plans.
+Importing this package tries to import Triton; without it the
 package still imports and `unavailable_reason()` says why, so `import fastbert` never needs it. On CPU tensors the
 kernels run under TRITON_INTERPRET=1 (tests).
 """
@@ -12,17 +14,27 @@ from . import limits  # plain Python: what the kernels take, readable without Tr
 
 _IMPORT_ERROR: str | None = None
 try:
-    from .attention import attention
-    from .bias_act import bias_act
-    from .bias_residual_layernorm import bias_residual_layernorm
-    from .embedding import embedding_layernorm
+    from .attention import attention, attention_inference
+    from .bias_act import bias_act, bias_act_inference
+    from .bias_residual_layernorm import bias_residual_layernorm, bias_residual_layernorm_inference
+    from .embedding import embedding_layernorm, embedding_layernorm_inference
     from .linear_act import linear_act  # an extra: GEMM + bias + activation, not a dispatch op
+
+    INFERENCE = {
+        "embedding_layernorm": embedding_layernorm_inference,
+        "bias_act": bias_act_inference,
+        "bias_residual_layernorm": bias_residual_layernorm_inference,
+        "attention": attention_inference,
+    }
 except ImportError as exc:  # triton missing or too old: a reason to fall back, reported by unavailable_reason()
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+    INFERENCE = {}
 
 __all__ = [
-    "limits",
-    "attention", "bias_act", "bias_residual_layernorm", "embedding_layernorm", "linear_act", "unavailable_reason",
+    "INFERENCE", "limits",
+    "attention", "attention_inference", "bias_act_inference", "bias_residual_layernorm_inference",
+    "embedding_layernorm_inference", "bias_act", "bias_residual_layernorm", "embedding_layernorm", "linear_act",
+    "unavailable_reason",
 ]
 
 

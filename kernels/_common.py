@@ -63,3 +63,22 @@ def interpreter_bf16(t: torch.Tensor) -> bool:
 def check_dropout(p: float) -> None:
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout probability must be in [0, 1], got {p}")
+
+
+class Saved:
+    """Stands in for an autograd ctx where a Function's forward or backward runs inside a torch custom op (the path
+    torch.compile traces): the custom op's own autograd registration saves and hands over the tensors."""
+
+    saved_tensors: tuple = ()
+
+    def __init__(self, saved: tuple = (), **attrs: object) -> None:
+        self.saved_tensors = saved
+        self.__dict__.update(attrs)
+
+    def save_for_backward(self, *tensors: torch.Tensor | None) -> None:
+        self.saved_tensors = tensors
+
+
+def seed_tensor(seed: int) -> torch.Tensor:
+    """A dropout seed as a custom op's output (ops return tensors): one int64 on the CPU, read without a device sync."""
+    return torch.tensor([seed], dtype=torch.int64)

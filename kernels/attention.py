@@ -13,6 +13,7 @@ dQ per query block (no atomics); the log-sum-exp per query row is the only softm
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -67,6 +68,7 @@ def _attn_fwd(
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    STATS: tl.constexpr = True,  # store the log-sum-exp for a backward; inference leaves it out (lse_ptr unused)
 ):
     start, length = _seq_bounds(cu_ptr)
     m0 = tl.program_id(0) * BLOCK_M
@@ -103,7 +105,8 @@ def _attn_fwd(
     tok = (start + rows).to(tl.int64)
     o_ptr = out_ptr + tok[:, None] * (H * D) + h * D + d[None, :]
     tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (d < D)[None, :])
-    tl.store(lse_ptr + tok * H + h, m_i + tl.log2(l_i), mask=rmask)
+    if STATS:
+        tl.store(lse_ptr + tok * H + h, m_i + tl.log2(l_i), mask=rmask)
 
 
 @triton.jit
@@ -245,10 +248,21 @@ def _attn_bwd_dq(
 def _blocks(head_dim: int, max_seqlen: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps): 64x64 tiles up to D=64, 64x32 above; never past the longest
     sequence (rounded up to 16, the smallest dot); 4 warps up to D=64, 8 above."""
+    return _tiles(head_dim, max(16, triton.next_power_of_2(max(max_seqlen, 1))))
+
+
+@functools.cache
+def _tiles(head_dim: int, cap: int) -> tuple[int, int, int, int]:
+    """_blocks for a shape class: the head dim and the longest sequence's power of two (`cap`)."""
     block_d = C.feature_block(head_dim)
-    cap = max(16, triton.next_power_of_2(max(max_seqlen, 1)))
     block_m, block_n = (64, 64) if block_d <= 64 else (64, 32)
     return min(block_m, cap), min(block_n, cap), block_d, 4 if block_d <= 64 else 8
+
+
+def _dot_modes(qkv: torch.Tensor) -> tuple[str, bool]:
+    """(PRECISION, UPCAST) of the dots: TF32 for fp32 where torch allows it (16-bit inputs ignore it); fp32 operands
+    for bf16 on the interpreter (see _device.dot)."""
+    return fp32_dot_precision() if qkv.dtype == torch.float32 else "tf32", C.interpreter_bf16(qkv)
 
 
 class FlashAttention(torch.autograd.Function):
@@ -264,8 +278,7 @@ class FlashAttention(torch.autograd.Function):
         batch = cu_seqlens.numel() - 1
         seed, keep = (C.dropout_seed() if p > 0 else 0), C.keep_scale(p)
         block_m, block_n, block_d, warps = _blocks(dim, max_seqlen)
-        precision = fp32_dot_precision() if qkv.dtype == torch.float32 else "tf32"  # 16-bit ignores it
-        upcast = C.interpreter_bf16(qkv)  # see _device.dot
+        precision, upcast = _dot_modes(qkv)
         if total and batch and max_seqlen:
             _attn_fwd[(triton.cdiv(max_seqlen, block_m), batch, heads)](
                 qkv, cu_seqlens, out, lse, qkv.stride(0), qkv.stride(1), qkv.stride(2), heads, dim, max_seqlen,
@@ -308,6 +321,17 @@ def attention(
     scale: float | None = None,
 ) -> torch.Tensor:
     """Varlen bidirectional attention over packed QKV `[T, 3, nH, D]` -> `[T, nH, D]`; differentiable in qkv."""
+    p, scale = _check(qkv, cu_seqlens, max_seqlen, dropout_p, training, scale)
+    if torch.compiler.is_compiling():
+        return _attention_op(qkv, cu_seqlens, int(max_seqlen), p, scale)[0]
+    return FlashAttention.apply(qkv, cu_seqlens, int(max_seqlen), p, scale)
+
+
+def _check(
+    qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, dropout_p: float, training: bool,
+    scale: float | None,
+) -> tuple[float, float]:  # fmt: skip
+    """The call's limits; (dropout probability in effect, softmax scale)."""
     if qkv.dim() != 4 or qkv.shape[1] != 3:
         raise ValueError(f"qkv must be [T, 3, nH, D], got {tuple(qkv.shape)}")
     if qkv.shape[-1] > MAX_HEAD_DIM:
@@ -318,5 +342,80 @@ def attention(
     p = dropout_p if training else 0.0
     if p > 0 and max_seqlen > MAX_SEQLEN_DROPOUT:
         raise ValueError(f"attention dropout needs max_seqlen <= {MAX_SEQLEN_DROPOUT}, got {max_seqlen}")
-    scale = scale if scale is not None else 1.0 / math.sqrt(qkv.shape[-1])
-    return FlashAttention.apply(qkv, cu_seqlens, int(max_seqlen), p, float(scale))
+    return p, float(scale if scale is not None else 1.0 / math.sqrt(qkv.shape[-1]))
+
+
+def attention_inference(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Varlen attention `[T, 3, nH, D]` -> `[T, nH, D]`, forward kernel only: no autograd Function, no log-sum-exp
+    written, dropout ignored (inference), launch blocks from the cached rule."""
+    if torch.compiler.is_compiling():  # a Triton launch in a traced graph goes through the custom op
+        return attention(qkv, cu_seqlens, max_seqlen, scale=scale)
+    _, scale = _check(qkv, cu_seqlens, max_seqlen, 0.0, False, scale)
+    total, _, heads, dim = qkv.shape
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    out = torch.empty(total, heads, dim, dtype=qkv.dtype, device=qkv.device)
+    batch = cu_seqlens.numel() - 1
+    if total and batch and max_seqlen:
+        block_m, block_n, block_d, warps = _blocks(dim, max_seqlen)
+        precision, upcast = _dot_modes(qkv)
+        _attn_fwd[(triton.cdiv(max_seqlen, block_m), batch, heads)](
+            qkv, cu_seqlens, out, out, qkv.stride(0), qkv.stride(1), qkv.stride(2), heads, dim, max_seqlen,
+            scale * LOG2E, 0.0, 1.0, 0, DROPOUT=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+            PRECISION=precision, UPCAST=upcast, STATS=False, num_warps=warps,
+        )
+    return out
+
+
+# torch.compile: the kernels as custom ops. The forward op returns what the backward op needs besides the inputs
+# (the output, the fp32 log-sum-exp, the dropout seed); the backward op is registered as its gradient.
+@torch.library.custom_op("fastbert::triton_attention", mutates_args=())
+def _attention_op(
+    qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, p: float, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ctx = C.Saved()
+    out = FlashAttention.forward(ctx, qkv, cu_seqlens, max_seqlen, p, scale)
+    return out, ctx.saved_tensors[3], C.seed_tensor(ctx.args[3])
+
+
+@_attention_op.register_fake
+def _(qkv, cu_seqlens, max_seqlen, p, scale):
+    total, _, heads, dim = qkv.shape
+    return (qkv.new_empty(total, heads, dim), qkv.new_empty(total, heads, dtype=torch.float32),
+            torch.empty(1, dtype=torch.int64))  # fmt: skip
+
+
+@torch.library.custom_op("fastbert::triton_attention_backward", mutates_args=())
+def _attention_backward_op(
+    dout: torch.Tensor, qkv: torch.Tensor, cu_seqlens: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    seed: torch.Tensor, max_seqlen: int, p: float, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
+    args = (max_seqlen, p, C.keep_scale(p), int(seed.item()), scale, *_dot_modes(qkv))
+    return FlashAttention.backward(C.Saved((qkv, cu_seqlens, out, lse), args=args), dout)[0]
+
+
+@_attention_backward_op.register_fake
+def _(dout, qkv, cu_seqlens, out, lse, seed, max_seqlen, p, scale):
+    return qkv.new_empty(qkv.shape)
+
+
+def _attention_setup(ctx, inputs, output) -> None:
+    qkv, cu_seqlens, ctx.max_seqlen, ctx.p, ctx.scale = inputs
+    out, lse, seed = output
+    ctx.save_for_backward(qkv, cu_seqlens, out, lse, seed)
+
+
+def _attention_grad(ctx, dout, *_):
+    dqkv = _attention_backward_op(dout, *ctx.saved_tensors, ctx.max_seqlen, ctx.p, ctx.scale)
+    return dqkv, None, None, None, None
+
+
+_attention_op.register_autograd(_attention_grad, setup_context=_attention_setup)

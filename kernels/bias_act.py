@@ -7,6 +7,8 @@ the bias grad as per-program fp32 partial rows summed afterwards (deterministic,
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -103,6 +105,7 @@ def _bias_act_bwd(
     tl.store(dbias_ptr + pid * N + cols, tl.sum(db, axis=0), mask=cmask)
 
 
+@functools.cache
 def _blocks(n: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps): columns up to 1024 wide per program, rows to fill the tile."""
     block_n = min(C.feature_block(n), 1024)
@@ -148,10 +151,72 @@ class BiasAct(torch.autograd.Function):
         return dx.view(ctx.shape), partial.sum(0).to(bias.dtype), None
 
 
-def bias_act(x: torch.Tensor, bias: torch.Tensor, kind: str = "gelu") -> torch.Tensor:
-    """act(x + bias) for kind in gelu (erf), gelu_tanh, relu; differentiable in x and bias."""
+def _check(x: torch.Tensor, bias: torch.Tensor, kind: str) -> None:
     if kind not in ACT_IDS:
         raise ValueError(f"unknown activation {kind!r}; expected one of {tuple(ACT_IDS)}")
     if bias.shape != x.shape[-1:]:
         raise ValueError(f"bias must have shape {tuple(x.shape[-1:])}, got {tuple(bias.shape)}")
+
+
+def bias_act(x: torch.Tensor, bias: torch.Tensor, kind: str = "gelu") -> torch.Tensor:
+    """act(x + bias) for kind in gelu (erf), gelu_tanh, relu; differentiable in x and bias."""
+    _check(x, bias, kind)
+    if torch.compiler.is_compiling():
+        return _bias_act_op(x, bias, kind)
     return BiasAct.apply(x, bias, kind)
+
+
+def bias_act_inference(x: torch.Tensor, bias: torch.Tensor, kind: str = "gelu") -> torch.Tensor:
+    """act(x + bias), forward kernel only: no autograd Function, launch blocks from the cached rule (inference)."""
+    if torch.compiler.is_compiling():  # a Triton launch in a traced graph goes through the custom op
+        return bias_act(x, bias, kind)
+    _check(x, bias, kind)
+    n = x.shape[-1]
+    rows = C.as_rows(x, n)
+    y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    m = rows.shape[0]
+    if m:
+        block_m, block_n, warps = _blocks(n)
+        _bias_act_fwd[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+            rows, bias, y, m, n, rows.stride(0), ACT=ACT_IDS[kind], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        )
+    return y.view(x.shape)
+
+
+# torch.compile: the kernels as custom ops (forward, and a backward op registered as its gradient), so the compiler
+# keeps each launch whole in its graph instead of breaking at the Triton launch.
+@torch.library.custom_op("fastbert::triton_bias_act", mutates_args=())
+def _bias_act_op(x: torch.Tensor, bias: torch.Tensor, kind: str) -> torch.Tensor:
+    return BiasAct.forward(C.Saved(), x, bias, kind)
+
+
+@_bias_act_op.register_fake
+def _(x, bias, kind):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("fastbert::triton_bias_act_backward", mutates_args=())
+def _bias_act_backward_op(
+    dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, kind: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dx, dbias, _ = BiasAct.backward(C.Saved((C.as_rows(x, x.shape[-1]), bias), kind=kind, shape=x.shape), dy)
+    return dx, dbias
+
+
+@_bias_act_backward_op.register_fake
+def _(dy, x, bias, kind):
+    return x.new_empty(x.shape), bias.new_empty(bias.shape)
+
+
+def _bias_act_setup(ctx, inputs, output) -> None:
+    x, bias, ctx.kind = inputs
+    ctx.save_for_backward(x, bias)
+
+
+def _bias_act_grad(ctx, dy):
+    x, bias = ctx.saved_tensors
+    dx, dbias = _bias_act_backward_op(dy, x, bias, ctx.kind)
+    return dx, dbias, None
+
+
+_bias_act_op.register_autograd(_bias_act_grad, setup_context=_bias_act_setup)

@@ -9,6 +9,8 @@ bias grads are per-program fp32 partial rows summed afterwards (deterministic, n
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -51,6 +53,7 @@ def _brln_fwd(
     DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STATS: tl.constexpr = True,  # store (mean, rstd) for a backward; inference leaves them out (pointers unused)
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -62,8 +65,9 @@ def _brln_fwd(
     h, _ = _hidden(x_ptr, res_ptr, b, rows, cols, mask, N, stride_x, stride_r, p, scale, seed, DROPOUT)
     y, mean, rstd = layernorm_tile(h, mask, w, lnb, N, eps)
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(mean_ptr + rows, mean, mask=rmask)
-    tl.store(rstd_ptr + rows, rstd, mask=rmask)
+    if STATS:
+        tl.store(mean_ptr + rows, mean, mask=rmask)
+        tl.store(rstd_ptr + rows, rstd, mask=rmask)
 
 
 @triton.jit(do_not_specialize=["seed"])
@@ -123,6 +127,7 @@ def _brln_bwd(
     tl.store(dparts_ptr + 2 * programs * N + part, tl.sum(dlnb, axis=0), mask=cmask)
 
 
+@functools.cache
 def _blocks(n: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps): the whole row, as many rows as fill the tile."""
     block_n = C.feature_block(n)
@@ -187,6 +192,17 @@ def bias_residual_layernorm(
     training: bool = False,
 ) -> torch.Tensor:
     """LayerNorm(dropout(x + bias) + residual), fused; differentiable in every tensor argument."""
+    _check(x, bias, residual, ln_weight, ln_bias, dropout_p)
+    p = dropout_p if training else 0.0
+    if torch.compiler.is_compiling():
+        return _brln_op(x, bias, residual, ln_weight, ln_bias, eps, p)[0]
+    return BiasResidualLayerNorm.apply(x, bias, residual, ln_weight, ln_bias, eps, p)
+
+
+def _check(
+    x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor,
+    dropout_p: float,
+) -> None:  # fmt: skip
     n = x.shape[-1]
     if residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} must equal x shape {tuple(x.shape)}")
@@ -194,5 +210,81 @@ def bias_residual_layernorm(
         if t.shape != (n,):
             raise ValueError(f"{name} must have shape ({n},), got {tuple(t.shape)}")
     C.check_dropout(dropout_p)
-    p = dropout_p if training else 0.0
-    return BiasResidualLayerNorm.apply(x, bias, residual, ln_weight, ln_bias, eps, p)
+
+
+def bias_residual_layernorm_inference(
+    x: torch.Tensor,
+    bias: torch.Tensor,
+    residual: torch.Tensor,
+    ln_weight: torch.Tensor,
+    ln_bias: torch.Tensor,
+    eps: float,
+    dropout_p: float = 0.0,
+    training: bool = False,
+) -> torch.Tensor:
+    """LayerNorm(x + bias + residual), forward kernel only: no autograd Function, no (mean, rstd) written, dropout
+    ignored (inference), launch blocks from the cached rule."""
+    if torch.compiler.is_compiling():  # a Triton launch in a traced graph goes through the custom op
+        return bias_residual_layernorm(x, bias, residual, ln_weight, ln_bias, eps)
+    _check(x, bias, residual, ln_weight, ln_bias, dropout_p)
+    n = x.shape[-1]
+    xr, rr = C.as_rows(x, n), C.as_rows(residual, n)
+    m = xr.shape[0]
+    y = torch.empty(xr.shape, dtype=x.dtype, device=x.device)
+    if m:
+        block_m, block_n, warps = _blocks(n)
+        _brln_fwd[(triton.cdiv(m, block_m),)](
+            xr, bias, rr, ln_weight, ln_bias, y, y, y, m, n, xr.stride(0), rr.stride(0), eps, 0.0, 1.0, 0,
+            DROPOUT=False, BLOCK_M=block_m, BLOCK_N=block_n, STATS=False, num_warps=warps,
+        )
+    return y.view(x.shape)
+
+
+# torch.compile: the kernels as custom ops. The forward op returns what the backward op needs besides the inputs
+# (fp32 mean and rstd, the dropout seed); the backward op is registered as its gradient.
+@torch.library.custom_op("fastbert::triton_bias_residual_layernorm", mutates_args=())
+def _brln_op(
+    x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor,
+    eps: float, p: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    ctx = C.Saved()
+    y = BiasResidualLayerNorm.forward(ctx, x, bias, residual, ln_weight, ln_bias, eps, p)
+    mean, rstd = ctx.saved_tensors[-2:]
+    return y, mean, rstd, C.seed_tensor(ctx.seed)
+
+
+@_brln_op.register_fake
+def _(x, bias, residual, ln_weight, ln_bias, eps, p):
+    rows = x.numel() // x.shape[-1]
+    stats = x.new_empty(rows, dtype=torch.float32)
+    return x.new_empty(x.shape), stats, torch.empty_like(stats), torch.empty(1, dtype=torch.int64)
+
+
+@torch.library.custom_op("fastbert::triton_bias_residual_layernorm_backward", mutates_args=())
+def _brln_backward_op(
+    dy: torch.Tensor, x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, ln_weight: torch.Tensor,
+    ln_bias: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, seed: torch.Tensor, p: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    n = x.shape[-1]
+    saved = (C.as_rows(x, n), bias, C.as_rows(residual, n), ln_weight, ln_bias, mean, rstd)
+    ctx = C.Saved(saved, p=p, scale=C.keep_scale(p), seed=int(seed.item()), shape=x.shape, res_dtype=residual.dtype)
+    dx, dbias, dres, dw, dlnb = BiasResidualLayerNorm.backward(ctx, dy)[:5]
+    return dx, dbias.clone(), dres, dw.clone(), dlnb.clone()  # views of one buffer; an op's outputs may not alias
+
+
+@_brln_backward_op.register_fake
+def _(dy, x, bias, residual, ln_weight, ln_bias, mean, rstd, seed, p):
+    return tuple(t.new_empty(t.shape) for t in (x, bias, residual, ln_weight, ln_bias))
+
+
+def _brln_setup(ctx, inputs, output) -> None:
+    x, bias, residual, ln_weight, ln_bias, _, ctx.p = inputs
+    _, mean, rstd, seed = output
+    ctx.save_for_backward(x, bias, residual, ln_weight, ln_bias, mean, rstd, seed)
+
+
+def _brln_grad(ctx, dy, *_):
+    return (*_brln_backward_op(dy, *ctx.saved_tensors, ctx.p), None, None)
+
+
+_brln_op.register_autograd(_brln_grad, setup_context=_brln_setup)

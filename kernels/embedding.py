@@ -14,6 +14,8 @@ nn.Embedding's own sort-based backward does (one sort of the ids, two passes ove
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -69,6 +71,7 @@ def _embedding_ln_fwd(
     DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STATS: tl.constexpr = True,  # store (mean, rstd) for a backward; inference leaves them out (pointers unused)
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -84,8 +87,9 @@ def _embedding_ln_fwd(
     if DROPOUT:
         y = tl.where(dropout_keep(seed, rows[:, None] * E + cols[None, :], p), y * scale, 0.0)
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * E + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(mean_ptr + rows, mean, mask=rmask)
-    tl.store(rstd_ptr + rows, rstd, mask=rmask)
+    if STATS:
+        tl.store(mean_ptr + rows, mean, mask=rmask)
+        tl.store(rstd_ptr + rows, rstd, mask=rmask)
 
 
 @triton.jit(do_not_specialize=["seed"])
@@ -147,6 +151,7 @@ def _embedding_ln_bwd(
     tl.store(dparts_ptr + programs * E + part, tl.sum(db, axis=0), mask=cmask)
 
 
+@functools.cache
 def _blocks(n: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps): the whole row, as many rows as fill the tile."""
     block_n = C.feature_block(n)
@@ -317,6 +322,25 @@ def embedding_layernorm(
     inputs_embeds: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """LayerNorm(word[ids] + position[pos] + type[tt]) then dropout, fused; differentiable in every float tensor."""
+    _check(input_ids, token_type_ids, position_ids, word_weight, position_weight, type_weight, dropout_p, inputs_embeds)
+    p = dropout_p if training else 0.0
+    args = (input_ids, token_type_ids, position_ids, word_weight, position_weight, type_weight, ln_weight, ln_bias,
+            eps, p, inputs_embeds)  # fmt: skip
+    if torch.compiler.is_compiling():
+        return _embedding_op(*args)[0]
+    return EmbeddingLayerNorm.apply(*args)
+
+
+def _check(
+    input_ids: torch.Tensor | None,
+    token_type_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    word_weight: torch.Tensor,
+    position_weight: torch.Tensor,
+    type_weight: torch.Tensor,
+    dropout_p: float,
+    inputs_embeds: torch.Tensor | None,
+) -> None:
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids and inputs_embeds")
     e = word_weight.shape[-1]
@@ -330,8 +354,131 @@ def embedding_layernorm(
     if inputs_embeds is not None and inputs_embeds.shape[-1] != e:
         raise ValueError(f"inputs_embeds must end in {e}, got {tuple(inputs_embeds.shape)}")
     C.check_dropout(dropout_p)
-    p = dropout_p if training else 0.0
-    return EmbeddingLayerNorm.apply(
-        input_ids, token_type_ids, position_ids, word_weight, position_weight, type_weight, ln_weight, ln_bias,
+
+
+def embedding_layernorm_inference(
+    input_ids: torch.Tensor | None,
+    token_type_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    word_weight: torch.Tensor,
+    position_weight: torch.Tensor,
+    type_weight: torch.Tensor,
+    ln_weight: torch.Tensor,
+    ln_bias: torch.Tensor,
+    eps: float,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    inputs_embeds: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """LayerNorm(word[ids] + position[pos] + type[tt]), forward kernel only: no autograd Function, no (mean, rstd)
+    written, dropout ignored (inference), launch blocks from the cached rule."""
+    if torch.compiler.is_compiling():  # a Triton launch in a traced graph goes through the custom op
+        return embedding_layernorm(input_ids, token_type_ids, position_ids, word_weight, position_weight, type_weight,
+                                   ln_weight, ln_bias, eps, inputs_embeds=inputs_embeds)  # fmt: skip
+    _check(input_ids, token_type_ids, position_ids, word_weight, position_weight, type_weight, dropout_p, inputs_embeds)
+    e = word_weight.shape[-1]
+    has_embeds = inputs_embeds is not None
+    tables = [t if t.stride(-1) == 1 else t.contiguous() for t in (word_weight, position_weight, type_weight)]
+    tt, pos = token_type_ids.reshape(-1).contiguous(), position_ids.reshape(-1).contiguous()
+    m = tt.numel()
+    y = torch.empty(m, e, dtype=inputs_embeds.dtype if has_embeds else word_weight.dtype, device=word_weight.device)
+    if m:
+        emb = C.as_rows(inputs_embeds, e) if has_embeds else y
+        ids = tt if has_embeds else input_ids.reshape(-1).contiguous()
+        block_m, block_n, warps = _blocks(e)
+        _embedding_ln_fwd[(triton.cdiv(m, block_m),)](
+            ids, emb, tt, pos, *tables, ln_weight, ln_bias, y, y, y, m, e, *(t.stride(0) for t in tables),
+            emb.stride(0) if has_embeds else 0, eps, 0.0, 1.0, 0, HAS_EMBEDS=has_embeds, DROPOUT=False,
+            BLOCK_M=block_m, BLOCK_N=block_n, STATS=False, num_warps=warps,
+        )
+    return y.view(*(inputs_embeds.shape[:-1] if has_embeds else input_ids.shape), e)
+
+
+# torch.compile: the kernels as custom ops. The forward op returns what the backward op needs besides the inputs
+# (fp32 mean and rstd, the dropout seed); the backward op is registered as its gradient.
+@torch.library.custom_op("fastbert::triton_embedding_layernorm", mutates_args=())
+def _embedding_op(
+    input_ids: torch.Tensor | None,
+    token_type_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    word_weight: torch.Tensor,
+    position_weight: torch.Tensor,
+    type_weight: torch.Tensor,
+    ln_weight: torch.Tensor,
+    ln_bias: torch.Tensor,
+    eps: float,
+    p: float,
+    inputs_embeds: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ctx = C.Saved()
+    y = EmbeddingLayerNorm.forward(
+        ctx, input_ids, token_type_ids, position_ids, word_weight, position_weight, type_weight, ln_weight, ln_bias,
         eps, p, inputs_embeds,
+    )  # fmt: skip
+    mean, rstd = ctx.saved_tensors[-2:]
+    return y, mean, rstd, C.seed_tensor(ctx.seed)
+
+
+@_embedding_op.register_fake
+def _(input_ids, token_type_ids, position_ids, word_weight, position_weight, type_weight, ln_weight, ln_bias, eps, p,
+      inputs_embeds):  # fmt: skip
+    lead = inputs_embeds if inputs_embeds is not None else word_weight
+    shape = (*(inputs_embeds.shape[:-1] if inputs_embeds is not None else input_ids.shape), word_weight.shape[-1])
+    stats = lead.new_empty(token_type_ids.numel(), dtype=torch.float32)
+    return lead.new_empty(shape), stats, torch.empty_like(stats), torch.empty(1, dtype=torch.int64)
+
+
+@torch.library.custom_op("fastbert::triton_embedding_layernorm_backward", mutates_args=())
+def _embedding_backward_op(
+    dy: torch.Tensor,
+    input_ids: torch.Tensor | None,
+    token_type_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    word_weight: torch.Tensor,
+    position_weight: torch.Tensor,
+    type_weight: torch.Tensor,
+    ln_weight: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    seed: torch.Tensor,
+    p: float,
+    inputs_embeds: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad of word_weight or, with inputs_embeds, of inputs_embeds; position; type; ln weight; ln bias)."""
+    e, has_embeds = word_weight.shape[-1], inputs_embeds is not None
+    tables = [t if t.stride(-1) == 1 else t.contiguous() for t in (word_weight, position_weight, type_weight)]
+    tt, pos = token_type_ids.reshape(-1).contiguous(), position_ids.reshape(-1).contiguous()
+    ids = tt if has_embeds else input_ids.reshape(-1).contiguous()
+    emb = C.as_rows(inputs_embeds, e) if has_embeds else None
+    ctx = C.Saved(
+        (ids, emb, tt, pos, *tables, ln_weight, mean, rstd), p=p, scale=C.keep_scale(p), seed=int(seed.item()),
+        has_embeds=has_embeds, emb_shape=inputs_embeds.shape if has_embeds else None,
+        emb_dtype=inputs_embeds.dtype if has_embeds else word_weight.dtype,
+    )  # fmt: skip
+    _, _, _, d_word, d_pos, d_type, dw, db, _, _, d_embeds = EmbeddingLayerNorm.backward(ctx, dy)
+    return d_embeds if has_embeds else d_word, d_pos, d_type, dw.clone(), db.clone()  # dw, db: views of one buffer
+
+
+@_embedding_backward_op.register_fake
+def _(dy, input_ids, token_type_ids, position_ids, word_weight, position_weight, type_weight, ln_weight, mean, rstd,
+      seed, p, inputs_embeds):  # fmt: skip
+    first = inputs_embeds if inputs_embeds is not None else word_weight
+    return tuple(t.new_empty(t.shape) for t in (first, position_weight, type_weight, ln_weight, ln_weight))
+
+
+def _embedding_setup(ctx, inputs, output) -> None:
+    ids, tt, pos, word, posw, typew, ln_w, _, _, ctx.p, embeds = inputs
+    _, mean, rstd, seed = output
+    ctx.save_for_backward(ids, tt, pos, word, posw, typew, ln_w, mean, rstd, seed, embeds)
+
+
+def _embedding_grad(ctx, dy, *_):
+    ids, tt, pos, word, posw, typew, ln_w, mean, rstd, seed, embeds = ctx.saved_tensors
+    first, d_pos, d_type, dw, db = _embedding_backward_op(
+        dy, ids, tt, pos, word, posw, typew, ln_w, mean, rstd, seed, ctx.p, embeds
     )
+    d_embeds, d_word = (first, None) if embeds is not None else (None, first)
+    return None, None, None, d_word, d_pos, d_type, dw, db, None, None, d_embeds
+
+
+_embedding_op.register_autograd(_embedding_grad, setup_context=_embedding_setup)

@@ -112,3 +112,36 @@ def check_op(
         assert g.dtype == dtype, f"{name}: grad {i} dtype {g.dtype}, expected {dtype}"
         assert g.device == out.device, f"{name}: grad {i} on {g.device}, its input on {out.device}"
         assert_close(f"{name}/grad{i}", g, r, lg)
+
+
+def check_inference(
+    name: str,
+    launcher: Callable[..., torch.Tensor],
+    reference: Callable[..., torch.Tensor],
+    inputs: Sequence[object],
+    dtype: torch.dtype,
+    view: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> None:
+    """A forward-only launcher (kernels.INFERENCE) vs `reference` in fp64, as check_op's forward: its output is the
+    one tensor it allocates (no statistics for a backward; NaN-poisoned, so every element must be written), and it
+    records no autograd graph though its float inputs require grad."""
+    rounded = [t.detach().to(dtype) if _is_float(t) else t for t in inputs]
+    ref = reference(*[t.double() if _is_float(t) else t for t in rounded])
+    args = [(view(t) if view is not None else t).requires_grad_() if _is_float(t) else t for t in rounded]
+    allocated: list[tuple[tuple[int, ...], torch.dtype]] = []
+    real_empty = torch.empty
+
+    def counted(*a, **k) -> torch.Tensor:
+        t = real_empty(*a, **k)
+        allocated.append((tuple(t.shape), t.dtype))
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    with mock.patch.object(torch, "empty", counted):
+        out = launcher(*args)
+    low = reference(*rounded) if dtype != torch.float32 else None
+    assert out.grad_fn is None, f"{name}: the inference launcher recorded an autograd graph ({out.grad_fn})"
+    assert allocated == [(tuple(out.reshape(-1, out.shape[-1]).shape), dtype)] or allocated == [
+        (tuple(out.shape), dtype)
+    ], f"{name}: allocated {allocated}, expected only the output"
+    assert out.dtype == dtype, f"{name}: output dtype {out.dtype}, expected {dtype}"
+    assert_close(f"{name}/inference", out, ref, low)

@@ -6,7 +6,17 @@ import math
 
 import pytest
 import torch
-from kernel_checks import DEVICE, DTYPES, LOW, check_op, gpu, nan_poisoned_empty, requires_triton, row_strided
+from kernel_checks import (
+    DEVICE,
+    DTYPES,
+    LOW,
+    check_inference,
+    check_op,
+    gpu,
+    nan_poisoned_empty,
+    requires_triton,
+    row_strided,
+)
 
 from fastbert import reference
 
@@ -139,3 +149,14 @@ def test_attention_gpu_is_deterministic() -> None:
     assert torch.equal(grads[0], grads[1])
 
 
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("dim", [26, 64])
+def test_attention_inference_launcher(dim: int, dtype: torch.dtype) -> None:
+    from fastbert import kernels
+
+    qkv = torch.randn(sum(RAGGED), 3, 2, dim, dtype=torch.float64, device=DEVICE)
+    cu, longest = _cu(RAGGED), max(RAGGED)
+    check_inference(f"attention[d={dim}]", lambda x: kernels.INFERENCE["attention"](x, cu, longest, 0.1, True),
+                    lambda x: reference.attention(x, cu, longest), [qkv], dtype, row_strided)

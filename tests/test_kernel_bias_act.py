@@ -6,7 +6,7 @@ import functools
 
 import pytest
 import torch
-from kernel_checks import DEVICE, DTYPES, check_op, gpu, requires_triton, row_strided
+from kernel_checks import DEVICE, DTYPES, check_inference, check_op, gpu, requires_triton, row_strided
 
 from fastbert import reference
 
@@ -61,3 +61,14 @@ def test_bias_act_empty_input() -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_bias_act_gpu_bert_shapes(kind: str, dtype: torch.dtype) -> None:
     _check(kind, dtype, (4093, 3072), view=row_strided, device=torch.device("cuda"))
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+def test_bias_act_inference_launcher(kind: str, dtype: torch.dtype) -> None:
+    from fastbert import kernels
+
+    x = torch.randn(2, 19, 100, dtype=torch.float64, device=DEVICE) * 3
+    bias = torch.randn(100, dtype=torch.float64, device=DEVICE)
+    check_inference(f"bias_act[{kind}]", functools.partial(kernels.INFERENCE["bias_act"], kind=kind),
+                    functools.partial(reference.bias_act, kind=kind), [x, bias], dtype, row_strided)

@@ -7,7 +7,16 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_checks import DEVICE, DTYPES, check_op, gpu, nan_poisoned_empty, requires_triton, row_strided
+from kernel_checks import (
+    DEVICE,
+    DTYPES,
+    check_inference,
+    check_op,
+    gpu,
+    nan_poisoned_empty,
+    requires_triton,
+    row_strided,
+)
 
 from fastbert import reference
 
@@ -102,3 +111,15 @@ def test_bias_residual_layernorm_autocast_mix(dtype: torch.dtype) -> None:
     assert (out.double() - ref).abs().max() <= tol * ref.abs().max()
     for g, rg in zip(grads, ref_grads, strict=True):
         assert (g.double() - rg).abs().max() <= tol * max(1.0, rg.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_bias_residual_layernorm_inference_launcher(dtype: torch.dtype) -> None:
+    from fastbert import kernels
+
+    # 37 rows (not a block multiple), 384 columns; dropout arguments are ignored (inference)
+    check_inference(
+        "bias_residual_layernorm", functools.partial(kernels.INFERENCE["bias_residual_layernorm"], eps=EPS,
+                                                     dropout_p=0.1, training=True),
+        functools.partial(reference.bias_residual_layernorm, eps=EPS), _inputs(37, 384), dtype, row_strided,
+    )

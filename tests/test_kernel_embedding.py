@@ -11,6 +11,7 @@ from kernel_checks import (
     DEVICE,
     DTYPES,
     assert_close,
+    check_inference,
     check_op,
     gpu,
     nan_poisoned_empty,
@@ -182,3 +183,19 @@ def test_table_grad_is_the_fixed_order_fp32_sum(dtype: torch.dtype) -> None:
     if dtype == torch.bfloat16 and DEVICE.type == "cpu":  # triton 3.9's interpreter truncates fp32 -> bf16 (a GPU
         expect = (expect.view(torch.int32) & -65536).view(torch.float32)  # rounds to nearest even): exact there
     assert got.dtype == dtype and torch.equal(got.cpu(), expect.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_embedding_layernorm_inference_launcher(dtype: torch.dtype) -> None:
+    from fastbert import kernels
+
+    (ids, tt, pos), tables, ln = _case(37, 78)
+    check_inference("embedding_layernorm", functools.partial(kernels.INFERENCE["embedding_layernorm"], eps=EPS),
+                    functools.partial(reference.embedding_layernorm, eps=EPS), [ids, tt, pos, *tables, *ln], dtype)
+    emb = torch.randn(37, 78, dtype=torch.float64, device=DEVICE)
+
+    def via(fn):
+        return lambda tt, pos, w, p, t, lw, lb, e: fn(None, tt, pos, w, p, t, lw, lb, EPS, inputs_embeds=e)
+
+    check_inference("embedding_layernorm[inputs_embeds]", via(kernels.INFERENCE["embedding_layernorm"]),
+                    via(reference.embedding_layernorm), [tt, pos, *tables, *ln, emb], dtype, row_strided)

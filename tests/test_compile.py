@@ -1,0 +1,138 @@
+"""torch.compile of a fastbert model: the fused kernels are torch custom ops (native CPU kernels forward only; Triton
+kernels with a backward op registered as their gradient), so dynamo traces through them instead of breaking the graph
+at each one. Compiled outputs and gradients match eager (DESIGN.md: fp32 atol 1e-5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import NATIVE_CPU, NATIVE_CPU_REASON, ragged_batch, tiny_bert
+from kernel_checks import requires_triton
+from torch._dynamo.utils import counters
+
+from fastbert import kernels
+
+ATOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _batch(device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    ids, mask, types = ragged_batch(120, 3, 9, torch.Generator().manual_seed(1))
+    return {k: v.to(device) for k, v in dict(input_ids=ids, attention_mask=mask, token_type_ids=types).items()}
+
+
+def _valid(out: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return out[mask.bool()]
+
+
+def _train_step(model: torch.nn.Module, run, batch: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    out = run(**batch).last_hidden_state
+    loss = _valid(out, batch["attention_mask"]).pow(2).mean()
+    loss.backward()
+    # a parameter the loss does not reach (the pooler) has no grad in eager, a zero grad from a compiled graph
+    return loss.detach(), [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.skipif(NATIVE_CPU is None, reason=f"native CPU extension unavailable: {NATIVE_CPU_REASON}")
+def test_native_custom_ops_have_matching_fake_implementations() -> None:
+    x, bias, res = torch.randn(5, 12), torch.randn(12), torch.randn(5, 12)
+    ids, pos = torch.randint(0, 20, (2, 3)), torch.arange(3).expand(2, 3)
+    tables = torch.randn(20, 12), torch.randn(4, 12), torch.randn(2, 12)
+    qkv, cu = torch.randn(5, 3, 2, 6), torch.tensor([0, 2, 5], dtype=torch.int32)
+    ops = torch.ops.fastbert
+    for op, args in (
+        (ops.native_bias_act, (x, bias, "gelu")),
+        (ops.native_bias_residual_layernorm, (x, bias, res, bias, bias, 1e-5)),
+        (ops.native_embedding_layernorm, (ids, pos % 2, pos, *tables, bias, bias, 1e-5, None)),
+        (ops.native_embedding_layernorm, (None, pos % 2, pos, *tables, bias, bias, 1e-5, torch.randn(2, 3, 12))),
+        (ops.native_attention, (qkv, cu, 3, 0.4)),
+    ):
+        torch.library.opcheck(op.default, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_compiled_inference_matches_eager_without_graph_breaks_in_the_encoder() -> None:
+    model, batch = tiny_bert(), _batch()
+    with torch.no_grad():
+        eager = model(**batch).last_hidden_state
+        compiled = torch.compile(model, backend="aot_eager")(**batch).last_hidden_state
+    mask = batch["attention_mask"]
+    torch.testing.assert_close(_valid(compiled, mask), _valid(eager, mask), atol=ATOL, rtol=0)
+    breaks = counters["graph_break"]
+    assert all("aten._local_scalar_dense" in reason for reason in breaks), f"graph breaks: {dict(breaks)}"
+    assert sum(breaks.values()) <= 2, f"more breaks than the unpad host sync: {dict(breaks)}"
+
+
+def test_compiled_encoder_is_one_graph() -> None:
+    """The encoder (every layer's fused ops and GEMMs) traces whole: zero graph breaks, fullgraph compiles."""
+    from fastbert.padding import unpad
+
+    model, batch = tiny_bert(), _batch()
+    mask = batch["attention_mask"]
+    packing = unpad(mask, *mask.shape, mask.device)
+    with torch.no_grad():
+        x = model.embeddings(packing.pack(batch["input_ids"]), packing.pack(batch["token_type_ids"]),
+                             packing.pack(torch.arange(9).expand(3, 9)))  # fmt: skip
+        eager = model.encoder(x, packing)[0]
+        compiled = torch.compile(model.encoder, fullgraph=True, backend="eager")(x, packing)[0]
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    torch.testing.assert_close(compiled, eager, atol=ATOL, rtol=0)
+
+
+def test_compiled_training_step_matches_eager() -> None:
+    model = tiny_bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0).train()
+    batch = _batch()
+    loss, grads = _train_step(model, model, batch)
+    compiled = torch.compile(model, backend="aot_eager")
+    for _ in range(2):  # the second step runs the cached graph
+        closs, cgrads = _train_step(model, compiled, batch)
+        torch.testing.assert_close(closs, loss, atol=ATOL, rtol=0)
+        for c, e in zip(cgrads, grads, strict=True):
+            torch.testing.assert_close(c, e, atol=ATOL, rtol=0)
+
+
+def _triton_case(device: torch.device | str) -> None:
+    """Inference and a training step (dropout on: the seed drawn at run time follows torch.manual_seed) with every
+    fused op forced onto the Triton kernels, compiled vs eager."""
+    model = tiny_bert(backend="triton").to(device).train()
+    batch = _batch(device)
+    torch.manual_seed(3)
+    loss, grads = _train_step(model, model, batch)
+    compiled = torch.compile(model, backend="aot_eager")
+    torch.manual_seed(3)
+    closs, cgrads = _train_step(model, compiled, batch)
+    torch.testing.assert_close(closs, loss, atol=ATOL, rtol=0)
+    for c, e in zip(cgrads, grads, strict=True):
+        torch.testing.assert_close(c, e, atol=ATOL, rtol=0)
+    assert all("aten._local_scalar_dense" in reason for reason in counters["graph_break"]), counters["graph_break"]
+    model.eval()
+    with torch.no_grad():
+        eager = model(**batch).last_hidden_state
+        out = compiled(**batch).last_hidden_state
+    torch.testing.assert_close(out, eager, atol=ATOL, rtol=0)
+
+
+@requires_triton
+def test_compiled_triton_kernels_under_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter case runs where there is no GPU (the gpu case covers CUDA)")
+    _triton_case("cpu")
+
+
+@pytest.mark.gpu
+@requires_triton
+def test_compiled_triton_kernels_on_gpu() -> None:
+    _triton_case("cuda")
+
+
+def test_inference_table_names_every_kernel_op() -> None:
+    if kernels.unavailable_reason() is not None:
+        pytest.skip(str(kernels.unavailable_reason()))
+    assert set(kernels.INFERENCE) == {"embedding_layernorm", "bias_act", "bias_residual_layernorm", "attention"}
