@@ -118,7 +118,7 @@ def test_first_use_verdict_decides_and_explain_says_why(faster: bool, monkeypatc
     """Measured faster, the GEMMs run here; measured slower, they stay on the path that ran before, unchanged."""
     monkeypatch.delenv("FASTBERT_CPU_GEMM", raising=False)
     monkeypatch.setattr(gemm, "_verdicts", {})
-    monkeypatch.setattr(timing, "best_times", lambda *fns, **kw: [1.0, 2.0] if faster else [2.0, 1.0])
+    monkeypatch.setattr(timing, "samples", lambda *fns, **kw: [[1.0], [2.0]] if faster else [[2.0], [1.0]])
     model = tiny_model()
     out = run_tiny(model)
     assert ops.decisions()["linear"].startswith("gemm") == faster
@@ -135,7 +135,7 @@ def test_first_use_verdict_decides_and_explain_says_why(faster: bool, monkeypatc
 @pytest.mark.parametrize("mode", ["gemm", "onednn", "torch"])
 def test_cpu_gemm_switch_fixes_the_choice_without_timing(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FASTBERT_CPU_GEMM", mode)
-    monkeypatch.setattr(timing, "best_times", lambda *fns, **kw: pytest.fail("timed a GEMM despite the switch"))
+    monkeypatch.setattr(timing, "samples", lambda *fns, **kw: pytest.fail("timed a GEMM despite the switch"))
     run_tiny(tiny_model())
     assert ops.decisions()["linear"].split(" ")[0] == mode
 

@@ -1,15 +1,33 @@
 """Timing a fast path against the path it would replace, on the call's own input, for the backends that choose by
-measurement (oneDNN's GEMMs, fastbert's fp32 and int8 GEMMs)."""
+measurement (oneDNN's GEMMs, fastbert's fp32 and int8 GEMMs).
+
+Verdicts survive a busy machine. A neighbour's load only adds time, to whichever path it hits: each check takes
+interleaved samples of both paths and keeps each one's best. A check whose samples were disturbed (a path's median
+well above its best) gives a provisional verdict: the path that runs without the fast one (fp32, the next path) keeps
+the calls, and the shape is checked again later, spaced out in time, until a quiet check settles it on the best times
+seen over every check (or, still disturbed after `CHECKS` checks, on the path without it). A settled verdict never
+changes again: every later call of its shape runs the same path.
+"""
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 SMALL_M = 128  # calibration size classes: latency-sized (M < 128 rows) and throughput-sized inputs
+REPEATS = 9  # interleaved samples of each path per check
+NOISY = 1.5  # a path whose median sample is this far above its best was disturbed while timed (quiet: 1.0-1.1x)
+NOISE_FLOOR_S = 50e-6  # ...by at least this much per call: below it a wrong pick costs too little to check again
+CHECKS = 4  # a verdict settles after at most this many checks
+RECHECK_CALLS = 8  # a provisional verdict is checked again after this many calls of its shape...
+RECHECK_AFTER_S = 3.0  # ...and this long after its last check (3x longer after each), so a start-up burst has passed
+
+_recheck = threading.Lock()  # one re-check at a time; other threads meanwhile run the provisional verdict's path
 
 
 CPU_GEMM_MODES = ("auto", "gemm", "onednn", "torch")
@@ -29,20 +47,92 @@ def size_class(rows: int) -> str:
     return "small" if rows < SMALL_M else "large"
 
 
-def best_times(*fns: Callable[[], object], repeats: int = 9) -> list[float]:
-    """Best-of-`repeats` wall seconds per function, interleaved so cache noise hits both alike; the minimum drops the
-    runs a shared machine descheduled. Not process CPU time: Linux adds the worker threads' CPU time at scheduler ticks
-    (4 ms), so a 2 ms multi-threaded GEMM reads 2 or 6 ms, and with two functions interleaved the tick can land on the
-    same one every time (seen: fastbert's GEMM judged 3x slower than torch's, and the slow path chosen)."""
+def samples(*fns: Callable[[], object], repeats: int = REPEATS) -> list[list[float]]:
+    """`repeats` wall-time samples (seconds) per function, interleaved so that cache noise and a neighbour's load hit
+    all alike. Not process CPU time: Linux adds the worker threads' CPU time at scheduler ticks (4 ms), so a 2 ms
+    multi-threaded GEMM reads 2 or 6 ms, and with two functions interleaved the tick can land on the same one every
+    time (seen: fastbert's GEMM judged 3x slower than torch's, and the slow path chosen)."""
     for fn in fns:
         fn()  # warm-up: packing, oneDNN primitive creation, page faults
-    best = [float("inf")] * len(fns)
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        for i, fn in enumerate(fns):
+        for fn, out in zip(fns, times, strict=True):
             start = time.perf_counter()
             fn()
-            best[i] = min(best[i], time.perf_counter() - start)
-    return best
+            out.append(time.perf_counter() - start)
+    return times
+
+
+def disturbance(times: list[float]) -> float:
+    """How far a path's samples were pushed above its best: median / best when the median is at least
+    `NOISE_FLOOR_S` above the best, else 1.0 (quiet, or too small a GEMM to matter)."""
+    ordered = sorted(times)
+    best, median = ordered[0], ordered[len(ordered) // 2]
+    return median / best if best > 0 and median - best >= NOISE_FLOOR_S else 1.0
+
+
+@dataclass
+class Evidence:
+    """What a verdict rests on: each path's best seconds over every check so far, and the last check's disturbance."""
+
+    mine: float
+    other: float
+    checks: int
+    disturbed: float
+    last_check: float  # time.perf_counter() at the end of the last check
+    calls: int = 0  # calls of the shape since the last check
+
+    def add(self, mine: list[float], other: list[float]) -> None:
+        """One more check's samples."""
+        self.mine, self.other = min(self.mine, *mine), min(self.other, *other)
+        self.checks += 1
+        self.disturbed = max(disturbance(mine), disturbance(other))
+        self.last_check, self.calls = time.perf_counter(), 0
+
+    def due(self) -> bool:
+        """Whether this call should check again (counts the call)."""
+        self.calls += 1
+        wait = RECHECK_AFTER_S * 3 ** (self.checks - 1)
+        return self.calls >= RECHECK_CALLS and time.perf_counter() - self.last_check >= wait
+
+
+class Verdict(tuple):
+    """(wins, why) as the backends store and read it, with the `evidence` behind it while it is provisional (None once
+    settled: it never changes again)."""
+
+    evidence: Evidence | None
+
+    def __new__(cls, wins: bool, why: str, evidence: Evidence | None) -> Verdict:
+        verdict = super().__new__(cls, (wins, why))
+        verdict.evidence = evidence
+        return verdict
+
+
+def _margin_words(names: tuple[str, str], margin: float) -> str:
+    if margin == 1.0:
+        return f"{names[0]} must be faster"
+    if margin > 1.0:
+        return f"{names[0]} must be {margin - 1:.0%} faster"
+    return f"{names[0]} unless {names[1]} is {1 / margin - 1:.0%} faster"
+
+
+def decide(evidence: Evidence, names: tuple[str, str], what: str, margin: float) -> Verdict:
+    """The verdict `evidence` supports, in explain()'s words: how many samples and checks, both best times, the margin,
+    and whether it is settled. Disturbed evidence never picks `names[0]`: the path without it keeps the calls."""
+    fast, plain = evidence.mine, evidence.other
+    noisy = evidence.disturbed >= NOISY
+    settled = not noisy or evidence.checks >= CHECKS
+    wins = fast * margin < plain and not noisy
+    how = f"best of {REPEATS * evidence.checks} interleaved samples each over {evidence.checks} check(s), " + (
+        _margin_words(names, margin) + (" (within the tie margin)" if wins and fast > plain else ""))  # fmt: skip
+    if noisy:
+        state = (f"samples disturbed (median {evidence.disturbed:.1f}x best): {names[1]} kept, "
+                 + ("settled after the last check" if settled else "provisional until a quieter re-check"))  # fmt: skip
+    else:
+        state = "settled"
+    why = (f"{names[0] if wins else names[1]} for {what}: {names[0]} {fast * 1e3:.2f} ms vs {names[1]} "
+           f"{plain * 1e3:.2f} ms; {how}; {state}")  # fmt: skip
+    return Verdict(wins, why, None if settled else evidence)
 
 
 def judge(
@@ -54,20 +144,32 @@ def judge(
     what: str,
     margin: float = 1.0,
 ) -> tuple[bool, str]:
-    """The verdict for `key`, timed once: whether `mine` beats `other` (the path that runs without it) on the call's
-    own input by `margin` (1.1: by 10%; 1 / 1.1: unless `other` is 10% faster), and why in explain()'s words.
-    `names`: (mine, other) in words; `what`: the work timed, e.g. "[T, K] x [K, N] + gelu". Threads that time the
-    same key at once all take the first verdict stored, so every call of a key runs the same path (same output)."""
-    if key not in verdicts:
+    """The verdict for `key`: whether `mine` beats `other` (the path that runs without it) on the call's own input by
+    `margin` (1.1: by 10%; 1 / 1.1: unless `other` is 10% faster), and why in explain()'s words; timed at first use
+    and again while provisional (see the module's docstring). `names`: (mine, other) in words; `what`: the work
+    timed, e.g. "[T, K] x [K, N] + gelu". Threads that time the same key at once all take the first verdict stored,
+    so every call of a key runs the same path (same output) until a re-check settles it."""
+    verdict = verdicts.get(key)
+    evidence = getattr(verdict, "evidence", None)
+    if verdict is not None and (evidence is None or not evidence.due()):
+        return verdict
+    if verdict is not None and not _recheck.acquire(blocking=False):
+        return verdict  # another thread is re-checking it
+    try:
         with torch.no_grad():
-            fast, plain = best_times(mine, other)
-        wins = fast * margin < plain
-        return verdicts.setdefault(key, (
-            wins,
-            f"{names[0] if wins else names[1]} for {what}: {names[0]} {fast * 1e3:.2f} ms vs {names[1]} "
-            f"{plain * 1e3:.2f} ms{' (within the tie margin)' if wins and fast > plain else ''}",
-        ))  # fmt: skip
-    return verdicts[key]
+            fast, plain = samples(mine, other)
+        if evidence is None:
+            evidence = Evidence(float("inf"), float("inf"), 0, 1.0, 0.0)
+        evidence.add(fast, plain)
+        decided = decide(evidence, names, what, margin)
+        if verdict is None:
+            return verdicts.setdefault(key, decided)
+        if verdicts.get(key) is verdict:
+            verdicts[key] = decided
+        return verdicts[key]
+    finally:
+        if verdict is not None:
+            _recheck.release()
 
 
 def gemm_words(rows: int, weight: torch.Tensor, epilogue: str = "") -> str:
