@@ -332,9 +332,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per system first (compiles happen here)")
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--compile-backend", default="inductor", help="torch.compile's backend for the compile rows")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, all cores)")
     p.add_argument("--out", default=RESULTS)
     args = p.parse_args(argv)
     device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = args.model or ("bert-base" if device.type == "cuda" else ("tiny" if args.quick else "bert-mini"))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(args.precision) or capabilities.fast_dtype(device)
     rounds = args.rounds or (10 if device.type == "cuda" else 3)
