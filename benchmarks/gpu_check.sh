@@ -8,11 +8,13 @@
 #   bash benchmarks/gpu_check.sh                               # everything (allow ~20 min)
 #   STAGES="install tests" bash benchmarks/gpu_check.sh        # then "kernels", then "native model", ...
 #   MODEL_ARGS="--quick --models bert-base" STAGES=model bash benchmarks/gpu_check.sh
+#   TRAIN_ARGS=--quick STAGES=train bash benchmarks/gpu_check.sh   # training steps, 32 x 128 rows only
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-STAGES=${STAGES:-"install tests kernels native model"}
+STAGES=${STAGES:-"install tests kernels native model train"}
 MODEL_ARGS=${MODEL_ARGS:-}
+TRAIN_ARGS=${TRAIN_ARGS:-}  # --quick: 3 rows instead of 5 (each torch.compile row compiles its model once, ~1 min)
 LOGS=${OUT:-benchmarks/results/gpu_logs}
 export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30  # progress every 30 s, not a log flooded with bars
 mkdir -p "$LOGS" benchmarks/results
@@ -61,6 +63,9 @@ for stage in $STAGES; do
         model)
             # shellcheck disable=SC2086  # MODEL_ARGS is a list of options
             run model "$PY" -m benchmarks.run_model --out benchmarks/results $MODEL_ARGS ;;
+        train)
+            # shellcheck disable=SC2086  # TRAIN_ARGS is a list of options
+            run train "$PY" -m benchmarks.bench_train_step --out benchmarks/results $TRAIN_ARGS ;;
         *) echo "unknown stage $stage"; status=2 ;;
     esac
 done
