@@ -188,3 +188,10 @@ def test_an_export_that_fails_mid_write_leaves_no_truncated_onnx(tmp_path: Path,
     with pytest.raises(OSError, match="No space left"):
         export(model, tmp_path / "m.onnx", check=False, progress=False)
     assert list(tmp_path.iterdir()) == []  # neither the file nor a temporary one
+
+
+def test_export_onnx_of_a_config_json_that_is_a_list_is_one_line(tiny_dir: Path, capsys) -> None:
+    (tiny_dir / "config.json").write_text("[1, 2]")
+    code, err = run_cli(["export-onnx", str(tiny_dir), str(tiny_dir / "m.onnx")], capsys)
+    assert code == 1
+    assert_one_line(err, r"config.json: a config.json must hold a JSON object of fields, got a list")

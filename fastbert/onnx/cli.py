@@ -47,8 +47,8 @@ def run(args: argparse.Namespace) -> int:
 
     if not os.path.isdir(args.checkpoint):
         raise DataError(f"checkpoint directory {args.checkpoint} does not exist")
+    model_type = BertConfig.from_pretrained(args.checkpoint).model_type  # checks config.json before _head_of reads it
     kind = HEADS[args.head].head_kind if args.head else _head_of(args.checkpoint)
-    model_type = BertConfig.from_pretrained(args.checkpoint).model_type  # the family's class of that head
     model = model_class(model_type, kind).from_pretrained(args.checkpoint)
     export(
         model,
