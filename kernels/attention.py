@@ -366,7 +366,7 @@ def attention_inference(
     if total and batch and max_seqlen:
         block_m, block_n, block_d, warps = _blocks(dim, max_seqlen)
         precision, upcast = _dot_modes(qkv)
-        _attn_fwd[(triton.cdiv(max_seqlen, block_m), batch, heads)](
+        _attn_fwd[(-(-max_seqlen // block_m), batch, heads)](
             qkv, cu_seqlens, out, out, qkv.stride(0), qkv.stride(1), qkv.stride(2), heads, dim, max_seqlen,
             scale * LOG2E, 0.0, 1.0, 0, DROPOUT=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
             PRECISION=precision, UPCAST=upcast, STATS=False, num_warps=warps,

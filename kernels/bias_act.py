@@ -177,7 +177,7 @@ def bias_act_inference(x: torch.Tensor, bias: torch.Tensor, kind: str = "gelu") 
     m = rows.shape[0]
     if m:
         block_m, block_n, warps = _blocks(n)
-        _bias_act_fwd[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+        _bias_act_fwd[(-(-m // block_m), -(-n // block_n))](
             rows, bias, y, m, n, rows.stride(0), ACT=ACT_IDS[kind], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
         )
     return y.view(x.shape)

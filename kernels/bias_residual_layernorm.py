@@ -233,7 +233,7 @@ def bias_residual_layernorm_inference(
     y = torch.empty(xr.shape, dtype=x.dtype, device=x.device)
     if m:
         block_m, block_n, warps = _blocks(n)
-        _brln_fwd[(triton.cdiv(m, block_m),)](
+        _brln_fwd[(-(-m // block_m),)](
             xr, bias, rr, ln_weight, ln_bias, y, y, y, m, n, xr.stride(0), rr.stride(0), eps, 0.0, 1.0, 0,
             DROPOUT=False, BLOCK_M=block_m, BLOCK_N=block_n, STATS=False, num_warps=warps,
         )

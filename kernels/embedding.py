@@ -386,7 +386,7 @@ def embedding_layernorm_inference(
         emb = C.as_rows(inputs_embeds, e) if has_embeds else y
         ids = tt if has_embeds else input_ids.reshape(-1).contiguous()
         block_m, block_n, warps = _blocks(e)
-        _embedding_ln_fwd[(triton.cdiv(m, block_m),)](
+        _embedding_ln_fwd[(-(-m // block_m),)](
             ids, emb, tt, pos, *tables, ln_weight, ln_bias, y, y, y, m, e, *(t.stride(0) for t in tables),
             emb.stride(0) if has_embeds else 0, eps, 0.0, 1.0, 0, HAS_EMBEDS=has_embeds, DROPOUT=False,
             BLOCK_M=block_m, BLOCK_N=block_n, STATS=False, num_warps=warps,

@@ -1,0 +1,85 @@
+"""fastbert's host work per BERT-base forward on the CUDA path, on any CPU, side by side with transformers.
+
+    python -m benchmarks.bench_host              # batch 1 x 128 and 8 x 128 ragged
+    python -m benchmarks.bench_host --shapes 1x128 32x512
+
+Python calls and dispatch decisions are counted (deterministic: tests/test_host_work.py asserts ceilings on them);
+host ms is the wall time of one forward with the Triton launches stubbed and torch's GEMMs running on this CPU, so it
+includes the GEMMs: a figure for comparing the rows of one run, not a GPU host time. The graphed row stubs graph
+capture and replay (benchmarks/host_work.py). Results: benchmarks/results/host_work_cpu.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton's kernels are built: launches go to the interpreter
+
+import torch  # noqa: E402
+
+from benchmarks import model_report  # noqa: E402
+from benchmarks.host_work import BERT_BASE, count, cuda_path, host_ms, stub_graphs  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def inputs(shape: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """'BxS': a batch of B sequences padded to S, lengths uniform in [S/4, S] (all S when B is 1)."""
+    batch, seqlen = (int(v) for v in shape.split("x"))
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(seqlen // 4, seqlen + 1, (batch,), generator=gen) if batch > 1 else torch.tensor([seqlen])
+    mask = (torch.arange(seqlen)[None] < lengths[:, None]).long()
+    return torch.randint(1, 1000, (batch, seqlen), generator=gen) * mask, mask
+
+
+def rows(shape: str) -> list[dict]:
+    import transformers
+
+    import fastbert
+
+    torch.manual_seed(0)
+    ids, mask = inputs(shape)
+    config = transformers.BertConfig(**BERT_BASE)
+    config._attn_implementation = "sdpa"
+    hf = transformers.BertModel(config).eval()
+    fb = fastbert.BertModel.from_hf(hf).eval()
+    out = []
+    with torch.no_grad():
+        hf(ids, attention_mask=mask)
+        work = count(lambda: hf(ids, attention_mask=mask))
+        out.append(dict(system="transformers sdpa", ms=host_ms(lambda: hf(ids, attention_mask=mask)), **vars(work)))
+        with cuda_path() as launches:
+            for name in ("fastbert (plan, eager)", "fastbert (plan, CUDA graphs stubbed)"):
+                if "graphs" in name:
+                    stub_graphs(fb)
+                for _ in range(2):  # the first binds the plan, the second captures
+                    fb(ids, attention_mask=mask)
+                work = count(lambda: fb(ids, attention_mask=mask), launches)
+                out.append(dict(system=name, ms=host_ms(lambda: fb(ids, attention_mask=mask)), **vars(work)))
+    return [dict(shape=shape, **r) for r in out]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=["1x128", "8x128"])
+    parser.add_argument("--out", default=RESULTS)
+    args = parser.parse_args(argv)
+    table = [r for shape in args.shapes for r in rows(shape)]
+    lines = ["| shape | system | Python calls | dispatches | Triton launches | host ms (CPU GEMMs included) |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    lines += [f"| {r['shape']} | {r['system']} | {r['python_calls']:,} | {r['dispatches']} | {r['launches']} | "
+              f"{r['ms']:.1f} |" for r in table]  # fmt: skip
+    print("\n".join(lines))
+    meta = dict(device=model_report.device_name(torch.device("cpu")), versions=model_report.versions(),
+                commit=model_report.git_commit())  # fmt: skip
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "host_work_cpu.json"), "w", encoding="utf-8") as fh:
+        json.dump(dict(meta=meta, rows=table), fh, indent=1)
+    with open(os.path.join(args.out, "host_work_cpu.md"), "w", encoding="utf-8") as fh:
+        fh.write("# Host work per BERT-base forward: the CUDA path with Triton launches stubbed\n\n")
+        fh.write(f"{meta['device']}; commit {meta['commit']}; {meta['versions']}\n\n" + "\n".join(lines) + "\n")
+
+if __name__ == "__main__":
+    main()
