@@ -14,7 +14,7 @@ TORCH_INC     = $(shell $(PY) -c "from torch.utils import cpp_extension as c; \
                   print(*map('-I{}'.format, c.include_paths()))")
 PY_INC        = $(shell $(PY) -c "import sysconfig; print('-I' + sysconfig.get_paths()['include'])")
 
-.PHONY: venv test bench lint clean native cuda-check
+.PHONY: venv test test-oldest bench lint clean native cuda-check
 
 venv: $(STAMP)
 
@@ -61,6 +61,25 @@ test: venv lint native cuda-check
 	$(PY) -m pytest -q tests benchmarks --benchmark-disable
 	$(AVX2_ENV) $(PY) -m pytest -q $(AVX2_TESTS) --benchmark-disable
 
+# The oldest versions setup.py claims (requirements/oldest.txt) in a second venv, on a small subset of the suite:
+# equivalence with transformers, tokenization, a Triton kernel under the interpreter, ONNX parity, sentence-transformers.
+# Same torch as .venv, so the native extension built there loads here too.
+OLD_VENV     := .venv-oldest
+OLD_PY       := $(OLD_VENV)/bin/python
+OLDEST_TESTS := tests/test_model_equivalence.py tests/test_tokenization.py tests/test_kernel_embedding.py \
+                tests/test_onnx.py tests/test_sentence_transformers.py tests/test_native_linkage.py
+
+$(OLD_VENV)/.installed: requirements/oldest.txt setup.py
+	rm -rf $(OLD_VENV)
+	$(PYTHON) -m venv $(OLD_VENV)
+	$(OLD_PY) -m pip install -q --upgrade pip setuptools wheel
+	$(OLD_PY) -m pip install -q -r requirements/oldest.txt
+	$(OLD_PY) -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+test-oldest: $(OLD_VENV)/.installed native
+	$(OLD_PY) -m pytest -q -p no:cacheprovider $(OLDEST_TESTS)
+
 # The native CPU kernels are part of the fast path: built here too, but a machine without a compiler still benchmarks.
 bench: venv
 	$(PIP) -r requirements/bench.txt
@@ -70,4 +89,4 @@ bench: venv
 	$(PY) -m benchmarks.bench_gemm
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(OLD_VENV) build *.egg-info

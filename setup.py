@@ -115,11 +115,13 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["fastbert", "fastbert.*"]) + ["fastbert.kernels"],
     package_dir={"fastbert.kernels": "kernels"},
-    install_requires=["torch>=2.4", "safetensors>=0.4", "numpy", "tqdm"],
+    # Lower bounds are the versions `make test-oldest` runs (requirements/oldest.txt); CI runs both ends.
+    install_requires=["torch>=2.13", "safetensors>=0.4.3", "numpy", "tqdm"],
     extras_require={
-        "triton": ["triton>=3.6"],
-        "onnx": ["onnx>=1.16", "onnxruntime>=1.18", "onnxscript"],
-        "train": ["tokenizers>=0.19"],
+        "triton": ["triton>=3.8"],
+        "onnx": ["onnx>=1.17", "onnxruntime>=1.21", "onnxscript"],
+        "train": ["tokenizers>=0.22.1"],
+        "hf": ["transformers>=5.3", "sentence-transformers>=6.0"],
     },
     entry_points={"console_scripts": ["fastbert=fastbert.cli:main"]},
     **native_build(),
