@@ -81,7 +81,10 @@ def layer_parts(layer: nn.Module) -> LayerParts | None:
 
 def current_mode(model: nn.Module, device: torch.device, dtype: torch.dtype, grad: bool) -> Mode:
     """The mode of a forward now (environment variables and the thread's dispatch scopes are read here, once)."""
-    autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+    try:
+        autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+    except RuntimeError:  # a device type autocast does not know (meta): no autocast there
+        autocast = None
     state = ops.dispatch_scope()
     return Mode(device, dtype, autocast, grad, model.training, *state)
 
@@ -185,7 +188,7 @@ class Encoder:
     def refusal(self, forwards: tuple[Callable, ...], training: bool) -> str | None:
         """Why this forward must run module by module (another forward, hooks, a module in another mode), or None.
         Checked every forward: hooks and modes can change at any time."""
-        if any(p is None for p in self.parts):
+        if None in self.parts:
             return "a layer is not built as fastbert's BertLayer"
         if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
             return "global module forward hooks are registered"
