@@ -1,0 +1,123 @@
+"""The CUDA-graph executor's logic on CPU: a capture that replays by running the captured function again stands in for
+CUDA graphs, so buckets, the static varlen layout, splitting beyond the largest bucket, the memory bound, recapture
+after a weight change and the lock are checked on any machine (tests/test_cuda_graphs.py replays real graphs)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from fastbert import cuda_graphs
+from fastbert.cuda_graphs import CudaGraphs, bucket_key, bucket_tokens, split
+from tests.conftest import tiny_bert
+
+
+class RerunGraphs(CudaGraphs):
+    """CudaGraphs on CPU: 'replay' runs the captured function again into the same static output."""
+
+    device_type = "cpu"
+    captures = 0
+
+    @staticmethod
+    def capture(run, pool):  # noqa: ANN001, ANN205
+        RerunGraphs.captures += 1
+        out = run()
+        return (lambda: out.copy_(run())), out
+
+
+def batch(lengths: list[int], seqlen: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    mask = (torch.arange(seqlen)[None] < torch.tensor(lengths)[:, None]).long()
+    return torch.randint(1, 120, mask.shape, generator=gen) * mask, mask
+
+
+def graphed(**limits: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    eager = tiny_bert(max_position_embeddings=64)
+    model = tiny_bert(max_position_embeddings=64)
+    model.cuda_graphs = RerunGraphs(model, **limits)
+    return eager, model
+
+
+def test_buckets() -> None:
+    assert [bucket_tokens(n) for n in (1, 16, 17, 256, 257, 2048, 2049, 5000)] == [16, 16, 32, 256, 512, 2048, 3072,
+                                                                                     5120]  # fmt: skip
+    assert bucket_key(3, 100, 40) == (4, 128, 64)
+    assert split([5, 5, 5, 5, 5], max_tokens=12, max_batch=8) == [(0, 2), (2, 4), (4, 5)]
+    assert split([1] * 7, max_tokens=100, max_batch=3) == [(0, 3), (3, 6), (6, 7)]
+
+
+@pytest.mark.parametrize(
+    "lengths", [[3], [16, 1, 9], [5, 0, 12, 2, 7], [40, 33, 64, 1, 50, 17, 9, 64, 3]], ids=["1", "3", "5", "9"]
+)
+def test_replay_equals_eager_including_split_batches(lengths: list[int]) -> None:
+    """max_tokens 64 / max_batch 4: the 9-sequence batch is split into replays; every output equals eager."""
+    eager, model = graphed(max_tokens=64, max_batch=4)
+    ids, mask = batch(lengths, max(lengths) or 1)
+    with torch.inference_mode():
+        expected = eager(ids, attention_mask=mask).last_hidden_state
+        for _ in range(3):  # binds, captures, replays
+            out = model(ids, attention_mask=mask).last_hidden_state
+    assert torch.allclose(out, expected, rtol=0, atol=1e-5)
+    assert "CUDA graph replay by token bucket" in model.plans.lookup(next(iter(model.plans.plans))).describe()
+
+
+def test_memory_bound_runs_eagerly_and_says_why() -> None:
+    eager, model = graphed(memory_limit=1)
+    ids, mask = batch([7, 3], 7)
+    with torch.inference_mode():
+        for _ in range(2):
+            out = model(ids, attention_mask=mask).last_hidden_state
+        assert torch.allclose(out, eager(ids, attention_mask=mask).last_hidden_state, rtol=0, atol=1e-5)
+    assert not model.cuda_graphs.graphs and "memory_limit" in model.cuda_graphs.describe()
+
+
+def test_a_weight_change_drops_the_graphs() -> None:
+    eager, model = graphed()
+    ids, mask = batch([9, 4], 9)
+    with torch.inference_mode():
+        for _ in range(2):
+            model(ids, attention_mask=mask)
+        captured = RerunGraphs.captures
+    with torch.no_grad():
+        for m in (model, eager):
+            m.encoder.layer[0].output.dense.weight.mul_(0.5)
+    with torch.inference_mode():
+        out = model(ids, attention_mask=mask).last_hidden_state
+        assert torch.allclose(out, eager(ids, attention_mask=mask).last_hidden_state, rtol=0, atol=1e-5)
+    assert RerunGraphs.captures == captured + 1
+
+
+def test_two_threads_replaying_one_model_get_their_own_outputs() -> None:
+    eager, model = graphed()
+    inputs = [batch([9, 4], 9, seed=s) for s in (1, 2)]
+    with torch.inference_mode():
+        expected = [eager(i, attention_mask=m).last_hidden_state for i, m in inputs]
+        for i, m in inputs:
+            model(i, attention_mask=m)
+    results: dict[int, list] = {0: [], 1: []}
+
+    def work(k: int) -> None:
+        with torch.inference_mode():
+            for _ in range(20):
+                results[k].append(model(inputs[k][0], attention_mask=inputs[k][1]).last_hidden_state)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for k in (0, 1):
+        assert len(results[k]) == 20
+        assert all(torch.allclose(r, expected[k], rtol=0, atol=1e-5) for r in results[k])
+
+
+def test_limits_and_switches() -> None:
+    model = tiny_bert(max_position_embeddings=64)
+    with pytest.raises(ValueError, match="max_tokens"):
+        cuda_graphs.enable(model, max_tokens=32)
+    cuda_graphs.disable(model)
+    assert model.cuda_graphs is False
+    with pytest.raises(TypeError, match="not a fastbert"):
+        cuda_graphs.enable(torch.nn.Linear(2, 2))

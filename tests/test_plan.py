@@ -1,0 +1,120 @@
+"""fastbert.plan: the first forward in a mode binds each op once; later forwards loop over the layers with the bound
+ops and compute exactly what the module-by-module path computes, fall back to it when a model says so (hooks, another
+forward, a module in another mode), and bind again when the mode changes."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+import fastbert
+from benchmarks.host_work import CUDA_PATH_EXCLUDED
+from fastbert import ops
+from tests.conftest import tiny_bert
+
+
+def ragged() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(1, 120, (3, 11), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    mask[2, 1:] = 0
+    return ids, mask
+
+
+def counted(model: torch.nn.Module, *args, **kwargs) -> tuple[torch.Tensor, int]:
+    """last_hidden_state and how many dispatch decisions (ops.select calls) the forward made."""
+    calls = [0]
+    select = ops.select
+
+    def counting(*a, **k):  # noqa: ANN002, ANN003
+        calls[0] += 1
+        return select(*a, **k)
+
+    ops.select = counting
+    try:
+        return model(*args, **kwargs).last_hidden_state, calls[0]
+    finally:
+        ops.select = select
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_bound_forward_equals_the_module_by_module_one(backend: str) -> None:
+    """Forced torch and Triton (interpreter), torch's GEMMs (the CUDA path's choice): every op is bound, and the second
+    forward dispatches only the pooler's GEMM."""
+    model, (ids, mask) = tiny_bert(), ragged()
+    with torch.no_grad(), ops.use_backend(backend), ops.exclude_backends(*CUDA_PATH_EXCLUDED):
+        first, decisions_first = counted(model, ids, attention_mask=mask)
+        second, decisions_second = counted(model, ids, attention_mask=mask)
+    assert decisions_first > 10 and decisions_second == 1  # the pooler's linear is outside the encoder loop
+    assert torch.equal(first, second)
+    said = fastbert.explain()
+    assert "one loop over the layers' tensors" in said and f"attention -> bound to {backend}" in said
+
+
+def test_training_with_a_bound_plan_gives_the_same_gradients() -> None:
+    model, (ids, mask) = tiny_bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), ragged()
+    model.train()
+    grads = []
+    with ops.use_backend("torch"):
+        for _ in range(2):  # the first binds, the second runs the plan's loop
+            model.zero_grad()
+            model(ids, attention_mask=mask).last_hidden_state.square().sum().backward()
+            grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    assert "(training, with grad, forced torch): one loop" in fastbert.explain()
+    assert len(grads[0]) > 20 and all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+def test_hooks_and_mode_changes_are_seen_every_forward() -> None:
+    model, (ids, mask) = tiny_bert(), ragged()
+    with torch.no_grad(), ops.use_backend("torch"):
+        model(ids, attention_mask=mask)
+        seen = []
+        handle = model.encoder.layer[1].output.register_forward_hook(lambda m, a, out: seen.append(out.shape))
+        model(ids, attention_mask=mask)
+        assert len(seen) == 1 and "module by module, because a BertOutput has forward hooks" in fastbert.explain()
+        handle.remove()
+        model.encoder.layer[0].attention.train()  # one module in another mode than the model
+        model(ids, attention_mask=mask)
+        assert "a BertAttention is in training mode" in fastbert.explain()
+        model.train()
+        model(ids, attention_mask=mask)  # a new mode: a forward that binds, module by module
+    assert len(model.plans.plans) == 2
+
+
+def test_weights_changed_in_place_or_replaced_are_read_by_the_next_forward() -> None:
+    model, (ids, mask) = tiny_bert(), ragged()
+    with torch.no_grad(), ops.use_backend("torch"):
+        for _ in range(2):
+            model(ids, attention_mask=mask)
+        model.encoder.layer[0].attention.self.key.weight.mul_(1.5)  # in place: the cached QKV weight is stale
+        model.encoder.layer[1].attention.self.value.bias = torch.nn.Parameter(torch.randn(78))  # a new tensor
+        after = model(ids, attention_mask=mask).last_hidden_state
+        fresh = copy.deepcopy(model)  # no plan: module by module
+        expected = fresh(ids, attention_mask=mask).last_hidden_state
+    assert torch.equal(after, expected)
+
+
+def test_a_model_with_plans_copies_and_pickles() -> None:
+    model, (ids, mask) = tiny_bert(), ragged()
+    with torch.no_grad():
+        for _ in range(2):
+            out = model(ids, attention_mask=mask).last_hidden_state
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for twin in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
+        assert not twin.plans.plans
+        with torch.no_grad():
+            assert torch.allclose(twin(ids, attention_mask=mask).last_hidden_state, out, rtol=0, atol=1e-5)
+
+
+def test_autocast_and_forward_only_backends_stay_dispatched() -> None:
+    model, (ids, mask) = tiny_bert(), ragged()
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        for _ in range(2):
+            model(ids, attention_mask=mask)
+    said = fastbert.explain()
+    assert "autocast bfloat16" in said and "dispatched per call: autocast" in said
