@@ -58,7 +58,7 @@ AVX2_TESTS := tests/test_capabilities.py tests/test_fastpath.py tests/test_preci
               tests/test_gemm.py
 
 test: venv lint native cuda-check
-	$(PY) -m pytest -q tests benchmarks --benchmark-disable
+	$(PY) -m pytest -q -n 2 tests benchmarks --benchmark-disable  # two workers: the 2-core CI machine, in half the time
 	$(AVX2_ENV) $(PY) -m pytest -q $(AVX2_TESTS) --benchmark-disable
 
 # The oldest versions setup.py claims (requirements/oldest.txt) in a second venv, on a small subset of the suite:
