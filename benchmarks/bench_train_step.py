@@ -228,12 +228,14 @@ def run_task(task: Task, model: str, systems: tuple[str, ...], device: torch.dev
     steps: dict[str, Step] = {}
     rows = {s: Row(task.label, s, task.shape.batch, task.shape.seqlen, real) for s in systems}
     for system in systems:
+        begin = time.perf_counter()
         try:
             steps[system] = make_step(task, system, models, batch, device, dtype, compile_backend)
             for i in range(warmup):
                 loss = float(steps[system]())
                 if i == 0:
                     rows[system].loss0 = loss
+            log(f"{task.label} {system}: loss0 {rows[system].loss0:.5f}, warm-up {time.perf_counter() - begin:.1f} s")
         except Exception as exc:  # a failing system is a row with its reason, never the end of the suite
             rows[system].skipped = failure(exc)
             steps.pop(system, None)
