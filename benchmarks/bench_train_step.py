@@ -29,6 +29,7 @@ import copy
 import os
 import statistics
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -266,6 +267,7 @@ def markdown(doc: dict[str, Any]) -> str:
     lines = [
         f"# Training step: {doc['device']}",
         "",
+        *([doc["note"], ""] if doc.get("note") else []),
         f"{doc['model']} ({doc['precision']}), dropout {doc['dropout']}, AdamW ({doc['optimizer']}); "
         f"median of {doc['rounds']} interleaved rounds after {doc['warmup']} warm-up steps. Peak matmul measured in "
         f"this run: {doc['peak_tflops']:.2f} TFLOP/s. Commit {doc['commit']}; "
@@ -312,7 +314,8 @@ def plot(doc: dict[str, Any], path: str) -> None:
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xticks(range(len(tasks)), tasks, fontsize=8)
     ax.set_ylabel("steps/s vs transformers sdpa")
-    ax.set_title(f"Training step, {doc['model']} {doc['precision']}: {doc['device']}", fontsize=9)
+    title = f"Training step, {doc['model']} {doc['precision']}: {doc['device']}"
+    ax.set_title(textwrap.fill(title, 100), fontsize=8)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -335,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--compile-backend", default="inductor", help="torch.compile's backend for the compile rows")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, all cores)")
+    p.add_argument("--note", default="", help="what the device name leaves out (CPU generation, machine load)")
     p.add_argument("--out", default=RESULTS)
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -359,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": model_report.versions(),
         "commit": model_report.git_commit(),
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "note": args.note,
         "model": model,
         "precision": precision,
         "dropout": args.dropout,
