@@ -143,7 +143,7 @@ def test_embedding_layernorm_table_grads_repeat_bitwise_and_match_reference(dtyp
     (ids, tt, pos), tables, ln = _case(tokens, e, vocab=7, positions=3, types=2)
     ids[20:100] = 4
     params = [t.to(dtype).requires_grad_() for t in (*tables, *ln)]
-    gout = torch.randn(tokens, e, dtype=dtype)
+    gout = torch.randn(tokens, e, dtype=dtype, device=DEVICE)
     runs = []
     for _ in range(2):
         with nan_poisoned_empty():
