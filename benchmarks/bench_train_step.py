@@ -217,9 +217,10 @@ def task_flops(task: Task, models: dict[str, nn.Module], lengths: torch.Tensor) 
 
 def run_task(task: Task, model: str, systems: tuple[str, ...], device: torch.device, dtype: torch.dtype,
              rounds: int, warmup: int, dropout: float, peak: float, log: Callable[[str], None],
-             compile_backend: str = "inductor") -> list[Row]:  # fmt: skip
+             compile_backend: str = "inductor", deadline: float = float("inf")) -> list[Row]:  # fmt: skip
     """Every system on the row's batch: warm-up steps (the first one's loss is loss0; compiles happen here), then
-    `rounds` interleaved timed steps; a system that raises becomes a row with its reason."""
+    `rounds` interleaved timed steps; a system that raises, or that would start after `deadline` (perf_counter
+    seconds), becomes a row with its reason."""
     models = task_models(task, model, dropout)
     vocab = next(iter(models.values())).config.vocab_size
     batch = task_batch(task, vocab, device)
@@ -230,6 +231,9 @@ def run_task(task: Task, model: str, systems: tuple[str, ...], device: torch.dev
     rows = {s: Row(task.label, s, task.shape.batch, task.shape.seqlen, real) for s in systems}
     for system in systems:
         begin = time.perf_counter()
+        if begin > deadline:
+            rows[system].skipped = "not run: the --max-minutes budget was spent before this row"
+            continue
         try:
             steps[system] = make_step(task, system, models, batch, device, dtype, compile_backend)
             for i in range(warmup):
@@ -316,7 +320,8 @@ def plot(doc: dict[str, Any], path: str) -> None:
     ax.set_ylabel("steps/s vs transformers sdpa")
     title = f"Training step, {doc['model']} {doc['precision']}: {doc['device']}"
     ax.set_title(textwrap.fill(title, 100), fontsize=8)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[1]:  # none where no system ran
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -339,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile-backend", default="inductor", help="torch.compile's backend for the compile rows")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, all cores)")
     p.add_argument("--note", default="", help="what the device name leaves out (CPU generation, machine load)")
+    p.add_argument("--max-minutes", type=float, help="start no system after this (a compile under way finishes)")
     p.add_argument("--out", default=RESULTS)
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -351,11 +357,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{model}, {precision} ({'chosen' if args.precision == 'auto' else 'asked'}), device {device}", flush=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     start = time.perf_counter()
+    deadline = start + 60 * args.max_minutes if args.max_minutes else float("inf")
     peak = measure_peak(device, dtype)
     rows: list[Row] = []
     for task in tasks_for(args.quick, model == "tiny"):
         rows += run_task(task, model, tuple(args.systems), device, dtype, rounds, max(1, args.warmup), args.dropout,
-                         peak, lambda line: print(line, file=sys.stderr, flush=True), args.compile_backend)  # fmt: skip
+                         peak, lambda line: print(line, file=sys.stderr, flush=True), args.compile_backend,
+                         deadline)  # fmt: skip
     doc = {
         "device": model_report.device_name(device),
         "cpu": capabilities.cpu_model() if device.type == "cpu" else None,

@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 STAGES=${STAGES:-"install tests kernels native model train"}
 MODEL_ARGS=${MODEL_ARGS:-}
-TRAIN_ARGS=${TRAIN_ARGS:-}  # --quick: 3 rows instead of 5 (each torch.compile row compiles its model once, ~1 min)
+TRAIN_ARGS=${TRAIN_ARGS:-}  # --quick: 3 rows instead of 5; rows not started within 8 min are listed as not run
 LOGS=${OUT:-benchmarks/results/gpu_logs}
 export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30  # progress every 30 s, not a log flooded with bars
 mkdir -p "$LOGS" benchmarks/results
@@ -65,7 +65,7 @@ for stage in $STAGES; do
             run model "$PY" -m benchmarks.run_model --out benchmarks/results $MODEL_ARGS ;;
         train)
             # shellcheck disable=SC2086  # TRAIN_ARGS is a list of options
-            run train "$PY" -m benchmarks.bench_train_step --out benchmarks/results $TRAIN_ARGS ;;
+            run train "$PY" -m benchmarks.bench_train_step --out benchmarks/results --max-minutes 8 $TRAIN_ARGS ;;
         *) echo "unknown stage $stage"; status=2 ;;
     esac
 done

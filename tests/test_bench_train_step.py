@@ -76,6 +76,11 @@ def test_a_failing_system_is_a_row_with_its_reason(tmp_path, fixed_peak, monkeyp
     assert "did not run: RuntimeError: boom in fastbert" in doc["markdown"]
 
 
+def test_rows_past_the_time_budget_say_so(tmp_path, fixed_peak) -> None:
+    doc = _run(tmp_path, "--systems", "transformers sdpa", "fastbert", "--max-minutes", "1e-9")
+    assert doc["rows"] and all("--max-minutes" in r["skipped"] and r["ms"] is None for r in doc["rows"])
+
+
 def test_useful_flops_formula() -> None:
     lengths = torch.tensor([3, 5])
     # 6 * P * tokens + 12 * L * sum(s^2) * d; a forward without grad is a third
