@@ -100,7 +100,7 @@ def cuda_capture(run: Callable[[], torch.Tensor], pool: object) -> tuple[Callabl
             run()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):  # a server's other threads go on
         out = run()
     graph.replay()
     return graph.replay, out
@@ -260,8 +260,9 @@ def default_on() -> bool:
 
 
 def warmup(model: nn.Module, shapes: list[tuple[int, int]], vocab_id: int = 1000) -> int:
-    """Run one forward per (batch, seqlen) of full-length sequences so the first real requests find their graphs
-    captured and their kernels compiled (no first-request stall); returns how many buckets are captured after."""
+    """Run forwards of full-length sequences at each (batch, seqlen) ahead of traffic: the plan is bound, the kernels
+    compiled and the buckets those shapes fall in captured, so requests of those shapes find them (ragged traffic
+    falls in other token buckets: warm up with batches like it). Returns how many buckets are captured after."""
     base = _base(model)
     device = next(base.parameters()).device
     with torch.inference_mode():

@@ -46,6 +46,7 @@ class Mode(NamedTuple):
     forced: str | None
     excluded: frozenset
     opted_in: frozenset
+    tf32: bool  # fp32 on CUDA: whether torch allows TF32 (which fp32 attention kernel is exact enough follows it)
 
 
 class LayerParts(NamedTuple):
@@ -86,7 +87,10 @@ def current_mode(model: nn.Module, device: torch.device, dtype: torch.dtype, gra
     except RuntimeError:  # a device type autocast does not know (meta): no autocast there
         autocast = None
     state = ops.dispatch_scope()
-    return Mode(device, dtype, autocast, grad, model.training, *state)
+    tf32 = dtype == torch.float32 and device.type == "cuda" and (
+        torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+    )
+    return Mode(device, dtype, autocast, grad, model.training, *state, tf32)
 
 
 class Plan:

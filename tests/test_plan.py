@@ -118,3 +118,25 @@ def test_autocast_and_forward_only_backends_stay_dispatched() -> None:
             model(ids, attention_mask=mask)
     said = fastbert.explain()
     assert "autocast bfloat16" in said and "dispatched per call: autocast" in said
+
+
+def test_the_tf32_setting_is_part_of_a_cuda_fp32_mode() -> None:
+    """Which fp32 attention runs on CUDA follows torch's TF32 switch, so a change of it binds another plan."""
+    from fastbert.plan import current_mode
+
+    model, cuda = tiny_bert(), torch.device("cuda")
+    matmul, before = (
+        torch.backends.cuda.matmul,
+        (torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision()),
+    )
+    try:
+        matmul.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
+        exact = current_mode(model, cuda, torch.float32, False)
+        matmul.allow_tf32 = True
+        assert current_mode(model, cuda, torch.float32, False) != exact and not exact.tf32
+    finally:
+        matmul.allow_tf32 = before[0]
+        torch.set_float32_matmul_precision(before[1])
+    assert current_mode(model, cuda, torch.float16, False) == current_mode(model, cuda, torch.float16, False)
+    assert not current_mode(model, torch.device("cpu"), torch.float32, False).tf32
