@@ -127,3 +127,26 @@ def test_gpu_fp32_matches_transformers() -> None:
         b = eager(ids, attention_mask=mask).last_hidden_state
     valid = mask.bool()
     assert (a[valid] - b[valid]).abs().max().item() <= 1e-4
+
+
+def test_the_drop_in_path_replays_graphs_by_default_and_splits_large_batches() -> None:
+    """BertModel(...).cuda().half().eval() gets graphs with no call to optimize; a batch beyond the largest bucket is
+    split into replays; warmup() captures ahead; every output equals the eager one (graphs off)."""
+    torch.manual_seed(0)
+    config = fastbert.BertConfig(**SMALL)
+    model = fastbert.BertModel(config).cuda().half().eval()
+    eager = fastbert.cuda_graphs.disable(fastbert.BertModel(config).cuda().half().eval())
+    eager.load_state_dict(model.state_dict())
+    ids, mask = batch([37, 5, 100, 64, 1, 90, 12, 64, 33], 100)
+    with torch.inference_mode():
+        expected = eager(ids, attention_mask=mask).last_hidden_state
+        for _ in range(3):
+            out = model(ids, attention_mask=mask).last_hidden_state
+        assert isinstance(model.cuda_graphs, fastbert.cuda_graphs.CudaGraphs) and model.cuda_graphs.graphs
+        assert (out.float() - expected.float()).abs().max().item() <= TOL[torch.float16]
+        fastbert.cuda_graphs.enable(model, max_tokens=512, max_batch=4)  # 9 sequences: three replays
+        for _ in range(2):
+            split = model(ids, attention_mask=mask).last_hidden_state
+        assert (split.float() - expected.float()).abs().max().item() <= TOL[torch.float16]
+        assert len(model.cuda_graphs.graphs) >= 2
+    assert fastbert.cuda_graphs.warmup(model, [(1, 128), (8, 64)]) >= 2
