@@ -191,9 +191,15 @@ def _best_seconds(runs: dict) -> dict[str, float]:
     return best
 
 
+@torch.compiler.assume_constant_result  # torch.compile runs it (untraced) and keeps its answer: no probe in a graph
+def _bf16_gemm_fast() -> bool:
+    """bf16_gemm().ok: what the dispatch asks, as a constant a trace can hold (the probe itself never traced)."""
+    return bf16_gemm().ok
+
+
 def bf16_via_fp32(device: torch.device) -> bool:
     """Should bf16 GEMMs on `device` run as fp32 GEMMs on upcast operands (the rule above)? CPU without bf16 only."""
-    return device.type == "cpu" and not bf16_gemm().ok
+    return device.type == "cpu" and not _bf16_gemm_fast()
 
 
 def fast_dtype(device: torch.device) -> torch.dtype:

@@ -243,7 +243,8 @@ class BertEncoder(nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         hidden, attentions = [x] if output_hidden_states else [], []
         layers = list(self.layer)
-        if len(layers) > 1 and not (output_hidden_states or output_attentions) and x.device.type == "cpu":
+        stackable = len(layers) > 1 and not (output_hidden_states or output_attentions) and x.device.type == "cpu"
+        if stackable and not torch.compiler.is_compiling():  # the native stack is forward-only and not traceable
             with ops.recording() as first:  # what the first layer runs on decides whether the rest can be stacked
                 x, _ = layers[0](x, packing)
             if (stacked := layer_stack.run(layers, x, packing, first, STACKED_FORWARDS)) is not None:
@@ -341,7 +342,11 @@ class BertModel(PreTrainedModel):
 
     def _backend_scope(self) -> contextlib.AbstractContextManager:
         """`config.backend` forces a backend for this model, unless `use_backend` / FASTBERT_BACKEND already do;
-        `config.quantize="int8"` lets the int8 GEMMs run (inference only)."""
+        `config.quantize="int8"` lets the int8 GEMMs run (inference only). Nothing to scope: a null context, which
+        torch.compile can break a graph inside (the unpad host sync), where it cannot inside an ExitStack."""
+        name = self.config.backend
+        if self.config.quantize is None and (name in (None, "auto") or ops.forced_backend() is not None):
+            return contextlib.nullcontext()
         scope = contextlib.ExitStack()
         if self.config.quantize is not None:
             if self.training and torch.is_grad_enabled():
@@ -350,7 +355,6 @@ class BertModel(PreTrainedModel):
                     "torch.no_grad()), and train the fp32 model"
                 )
             scope.enter_context(ops.opt_in(self.config.quantize))
-        name = self.config.backend
         if name not in (None, "auto") and ops.forced_backend() is None:
             scope.enter_context(ops.use_backend(name))
         return scope
@@ -417,7 +421,11 @@ class BertModel(PreTrainedModel):
     ) -> torch.Tensor:  # [T, H]
         """Embeddings + encoder by this mode's plan (fastbert.plan): the first forward in a mode runs module by module
         and binds the plan; later ones replay a CUDA graph, run the CPU layer stack, or loop over the layers' tensors
-        with the bound ops, whichever the mode and the model allow."""
+        with the bound ops, whichever the mode and the model allow. Under torch.compile the modules are traced: each
+        op's dispatch decides once, at trace time, and the graph holds the chosen kernels (no plan bookkeeping)."""
+        if torch.compiler.is_compiling():
+            ops.settle(packing.cu_seqlens.device.type)
+            return self.encoder(self.embeddings(ids, types, positions, embeds), packing)[0]
         word = self.embeddings.word_embeddings.weight
         device = packing.cu_seqlens.device
         grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())

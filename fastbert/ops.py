@@ -34,7 +34,7 @@ from fastbert.backends.spec import COMPOUND_OPS, FLOATS, KERNEL_OPS, OPS, Backen
 __all__ = [
     "COMPOUND_OPS", "KERNEL_OPS", "OPS", "Backend", "BackendUnavailable", "backends", "decisions", "dispatch_scope",
     "exclude_backends", "explain", "forced_backend", "opt_in", "recording", "register_backend", "register_explainer",
-    "select", "use_backend", "watching",
+    "select", "settle", "use_backend", "watching",
     "attention", "bias_act", "bias_residual_layernorm", "dense_residual_layernorm", "embedding_layernorm", "linear",
 ]  # fmt: skip
 
@@ -42,7 +42,20 @@ log = logging.getLogger("fastbert.ops")
 ALIASES = {"cpu": "onednn"}  # old backend names, accepted for a release
 
 
-_state = threading.local()
+
+
+class _State(threading.local):
+    """This thread's dispatch state. Every field has a class default, so it always exists: a torch.compile guard on it
+    reads one value and never flips between 'absent' and None when an eager forward sets and restores it."""
+
+    forced: str | None = None
+    excluded: frozenset = frozenset()
+    opted_in: frozenset = frozenset()
+    seen: list | None = None  # watching()'s list
+    trace: list | None = None  # recording()'s list
+
+
+_state = _State()
 _decisions: dict[str, str] = {}  # op -> its last decision
 _decisions_by_dtype: dict[tuple[str, str], str] = {}  # (op, dtype) -> the last decision at that dtype
 _last_facts: dict[str, tuple] = {}  # op -> (dtype, backend, note, refusals) of its last decision
@@ -148,6 +161,15 @@ def select(op: str, args: tuple, kwargs: dict) -> tuple[Callable, str]:
             return backend.function(op), name
         why.append((name, reason))
     raise BackendUnavailable(f"{op}: no backend takes {device.type}/{dtype}: {_reasons(why)}")
+
+
+@torch.compiler.assume_constant_result  # torch.compile runs it untraced, before its trace's first dispatch
+def settle(device_type: str) -> bool:
+    """Fill every backend's per-(op, device, dtype) refusals for `device_type` now, so a torch.compile trace reads
+    them settled: a cache filled inside a trace leaves a guard that fails on the next call (a recompile)."""
+    for backend in _BACKENDS.values():
+        backend.settle(device_type)
+    return True
 
 
 def dispatch_scope() -> tuple[str | None, frozenset, frozenset]:

@@ -46,6 +46,7 @@ class Backend:
     _ready: tuple[bool, str | None] | None = field(default=None, repr=False)
     _static: dict[tuple, tuple[str | None, str | None]] = field(default_factory=dict, repr=False)
 
+    @torch.compiler.assume_constant_result  # torch.compile runs it untraced: no guard on the answer's cache
     def unavailable(self) -> str | None:
         """Why this backend cannot run here at all (a missing extension, Triton, oneDNN), or None; asked once."""
         if self._ready is None:
@@ -85,6 +86,14 @@ class Backend:
             return f"unavailable ({error})"
         check = self.limits.get(op)
         return check(call, forced) if check is not None else None
+
+    def settle(self, device_type: str) -> None:
+        """Decide every (op, dtype, forced) static refusal on `device_type` now (ops.settle, before a trace)."""
+        for op in OPS:
+            for dtype in FLOATS:
+                for forced in (False, True):
+                    if (key := (op, device_type, dtype, forced)) not in self._static:
+                        self._static[key] = self._static_refusal(op, device_type, dtype, forced)
 
     def _static_refusal(
         self, op: str, device_type: str, dtype: torch.dtype, forced: bool
