@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -258,3 +259,69 @@ def test_inference_table_names_every_kernel_op() -> None:
     if kernels.unavailable_reason() is not None:
         pytest.skip(str(kernels.unavailable_reason()))
     assert set(kernels.INFERENCE) == {"embedding_layernorm", "bias_act", "bias_residual_layernorm", "attention"}
+
+
+def _pretrain_argv(tmp: Path) -> list[str]:
+    docs = [f"Document {d} says the cat sat on mat {d}. The dog ran to park {d}. A bird flew." for d in range(12)]
+    (tmp / "corpus.txt").write_text("\n\n".join(docs) + "\n")
+    return ["pretrain", "--train", str(tmp / "corpus.txt"), "--output-dir", str(tmp / "out"), "--vocab-size", "80",
+            "--max-length", "24", "--batch-size", "4", "--layers", "1", "--hidden", "16", "--heads", "2",
+            "--intermediate", "32", "--heldout-fraction", "0.2", "--max-steps", "2"]  # fmt: skip
+
+
+def _distill_argv(tmp: Path) -> list[str]:
+    from distill_tiny import corpus, make_teacher
+
+    (tmp / "corpus.txt").write_text("\n".join(corpus(24)) + "\n")
+    teacher = make_teacher(str(tmp / "teacher"), layers=2, hidden=16)
+    return ["distill", teacher, str(tmp / "corpus.txt"), "--output", str(tmp / "out"), "--layers", "1",
+            "--max-steps", "2", "--batch-size", "8"]  # fmt: skip
+
+
+@pytest.mark.parametrize("command", ["pretrain", "distill"])
+def test_cli_compile_flag_trains_through_torch_compile(
+    command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`fastbert pretrain|distill --compile` runs its training steps through torch.compile with the backend asked
+    for (aot_eager here: inductor takes minutes on 2 cores); the run ends and writes its model as without it."""
+    from fastbert.cli import main
+
+    backends: list[str] = []
+    real = torch.compile
+
+    def spy(model: torch.nn.Module, **kwargs: object) -> torch.nn.Module:
+        backends.append(str(kwargs.get("backend")))
+        return real(model, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", spy)
+    argv = _pretrain_argv(tmp_path) if command == "pretrain" else _distill_argv(tmp_path)
+    assert main([*argv, "--compile", "--compile-backend", "aot_eager", "--precision", "fp32"]) == 0
+    assert backends == ["aot_eager"]
+    assert counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
+    final = tmp_path / "out" / ("final" if command == "pretrain" else "student")
+    assert (final / "config.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "module,argv",
+    [
+        ("fastbert.pretrain.cli", ["--train", "x.txt", "--output-dir", "o"]),
+        ("fastbert.finetune.cli", ["sequence", "--model", "m", "--train", "t.csv", "--output-dir", "o"]),
+        ("fastbert.distill.cli", ["teacher", "corpus.txt", "--output", "o"]),
+    ],
+)
+def test_every_training_command_takes_the_compile_flags(module: str, argv: list[str]) -> None:
+    """pretrain, finetune and distill parse --compile / --compile-backend; pretrain and finetune hand them to the
+    loop's LoopConfig (distill to its DistillConfig, run above)."""
+    import argparse
+    import importlib
+
+    from fastbert.train import LoopConfig, loop_options
+
+    parser = argparse.ArgumentParser()
+    importlib.import_module(module).add_arguments(parser)
+    args = parser.parse_args([*argv, "--compile"])
+    assert args.compile is True and args.compile_backend == "inductor"
+    if module != "fastbert.distill.cli":
+        config = LoopConfig("o", **loop_options(args))
+        assert config.compile and config.compile_backend == "inductor"

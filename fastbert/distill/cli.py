@@ -11,6 +11,7 @@ import os
 from fastbert.distill.objectives import WEIGHTS, Objectives
 from fastbert.errors import ranged
 from fastbert.train import PRECISION_CHOICES
+from fastbert.train.options import add_compile_arguments
 
 PRESETS = {"distilbert": Objectives.distilbert, "sentence": Objectives.sentence_embedding}
 
@@ -62,6 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--seed", type=ranged(int, 0), default=0)
     t.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     t.add_argument("--threads", type=ranged(int, 1), help="CPU threads per process (1 is far faster on a busy machine)")
+    add_compile_arguments(t)
 
 
 def objectives_from_args(args: argparse.Namespace) -> Objectives:
@@ -117,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         seed=args.seed,
         device=args.device,
+        compile=args.compile,
+        compile_backend=args.compile_backend,
     )
     result = distill(args.teacher, args.corpus, config, tokenizer=args.tokenizer, eval_corpus=args.eval_corpus)
     if int(os.environ.get("RANK", "0")) == 0:

@@ -82,6 +82,8 @@ class DistillConfig:
     seed: int = 0
     device: str | None = None
     log_every: int = 10
+    compile: bool = False  # the student's training forward (teacher targets included) through torch.compile
+    compile_backend: str = "inductor"
 
     def __post_init__(self) -> None:
         """Reject sizes no run can use, naming the field, before any work (the loop's fields: by LoopConfig)."""
@@ -226,7 +228,7 @@ def _check(cfg: DistillConfig, teacher: PreTrainedModel, tokenizer: WordPieceTok
 def _loop_config(cfg: DistillConfig, resume_path: str | None) -> LoopConfig:
     """The shared training loop's settings for this run (validated by LoopConfig)."""
     names = ("lr", "epochs", "max_steps", "max_minutes", "warmup_ratio", "weight_decay", "grad_accum", "precision")
-    names += ("max_grad_norm", "eval_every", "log_every", "keep_checkpoints", "overwrite")
+    names += ("max_grad_norm", "eval_every", "log_every", "keep_checkpoints", "overwrite", "compile", "compile_backend")
     return LoopConfig(
         cfg.output_dir,
         **{name: getattr(cfg, name) for name in names},
@@ -239,7 +241,7 @@ def _loop_config(cfg: DistillConfig, resume_path: str | None) -> LoopConfig:
 # DistillConfig fields a resumed run may change: how long, how fast, where, how often it reports
 NOT_IDENTITY = {"output_dir", "epochs", "max_steps", "max_minutes", "lr", "warmup_ratio", "weight_decay", "resume"}
 NOT_IDENTITY |= {"max_grad_norm", "precision", "teacher_precision", "checkpoint_every", "keep_checkpoints"}
-NOT_IDENTITY |= {"eval_every", "device", "log_every", "overwrite"}
+NOT_IDENTITY |= {"eval_every", "device", "log_every", "overwrite", "compile", "compile_backend"}
 
 
 def _source_identity(source: object) -> str | None:

@@ -56,6 +56,8 @@ class LoopConfig:
     strategy: str = "ddp"
     keep_checkpoints: int = 0  # the newest N resumable checkpoints are kept; 0 = all
     final_dir: str = "final"  # where the trained model is written, under output_dir
+    compile: bool = False  # training forwards (and their backward) through torch.compile; evaluation stays eager
+    compile_backend: str = "inductor"  # torch.compile's backend when compile is set
 
     def __post_init__(self) -> None:
         """Reject values no run can use, naming the field, before any work (max_steps=-5 would train 0 steps)."""
@@ -230,12 +232,15 @@ def fit(
     stops early enough, and from step 10 fits the LR schedule to the steps that fit, so decay still ends at 0.
     `eval_seconds`: the time of an evaluation the caller ran just before (counted in the budget, and the estimate of
     one evaluation); with a budget and none given, the loop times one before training (recorded at the start step).
+    `cfg.compile`: the training forward runs through torch.compile (its first steps compile; evaluation stays eager).
     """
     cfg = _with_precision(cfg, env)
     if cfg.strategy == "fsdp" and env.distributed and cfg.save_every:
         raise ValueError("resumable checkpoints (save_every) need --strategy ddp; FSDP runs save the final model only")
     model.to(env.device)
     wrapped = wrap_model(model, env, cfg.strategy)
+    # checkpoints, clipping, evaluation and saving keep the module itself (its parameter names, no _orig_mod.)
+    forward = torch.compile(wrapped, backend=cfg.compile_backend) if cfg.compile else wrapped
     # its own generator: each new DataLoader iterator draws a seed, which must not advance the global RNG that
     # masking and dropout use (or a resumed run, which starts a fresh iterator mid-epoch, would diverge)
     loader = torch.utils.data.DataLoader(
@@ -304,7 +309,7 @@ def fit(
             no_sync = wrapped.no_sync() if env.distributed and not sync else contextlib.nullcontext()
             with no_sync:
                 with autocast(env.device, cfg.precision):
-                    out = wrapped(**batch)
+                    out = forward(**batch)
                 loss = out.loss / cfg.grad_accum
                 (scaler.scale(loss) if scaler else loss).backward()
             parts = {"loss": loss, **{f"loss_{k}": v / cfg.grad_accum for k, v in getattr(out, "losses", {}).items()}}

@@ -47,6 +47,19 @@ def add_loop_arguments(parser: Any, lr: float, epochs: float) -> None:
     parser.add_argument(
         "--threads", type=ranged(int, 1), help="CPU threads per process (1 is far faster on a busy machine)"
     )
+    add_compile_arguments(parser)
+
+
+def add_compile_arguments(parser: Any) -> None:
+    """--compile and --compile-backend (shared with `fastbert distill`)."""
+    parser.add_argument(
+        "--compile", action="store_true", help="run the training forward and backward through torch.compile"
+    )
+    parser.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile's backend with --compile (inductor; aot_eager or eager compile in seconds, for a check)",
+    )
 
 
 def loop_options(args: Any) -> dict[str, Any]:
@@ -54,7 +67,7 @@ def loop_options(args: Any) -> dict[str, Any]:
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     names = ("lr", "epochs", "max_steps", "max_minutes", "warmup_ratio", "weight_decay", "grad_accum", "precision")
-    names += ("eval_every", "save_every", "log_every", "resume", "overwrite", "strategy")
+    names += ("eval_every", "save_every", "log_every", "resume", "overwrite", "strategy", "compile", "compile_backend")
     return {name: getattr(args, name) for name in names}
 
 
