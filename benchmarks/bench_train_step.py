@@ -18,7 +18,8 @@ layers of width d does 6 * P * tokens + 12 * L * sum(s_i^2) * d per step (forwar
 token; attention's QK^T and PV 4 * s^2 * d per layer forward, 3x that with backward); a forward without grad (the
 teacher) a third of that. Padding and the heads are not counted. loss0 is each system's loss on the first step (the
 same weights and batch for all): the check that they train the same model. A system that fails is a row with its
-reason. Writes benchmarks/results/train_step_<device>.{json,md,png} with device, versions and commit.
+reason. Writes benchmarks/results/train_step_<device>[-<asked precision>].{json,md,png} with device, versions and
+commit.
 """
 
 from __future__ import annotations
@@ -386,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if device.type == "cpu":
         doc["device"] = f"{doc['device']}; {doc['cpu']}"
-    table = model_report.write_results(args.out, f"train_step_{device_label(device)}", doc, markdown, plot)
+    stem = f"train_step_{device_label(device)}" + ("" if args.precision == "auto" else f"-{args.precision}")
+    table = model_report.write_results(args.out, stem, doc, markdown, plot)  # an asked precision: its own files
     print(table)
     return 0
 
