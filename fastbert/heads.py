@@ -64,6 +64,7 @@ def _row_sparse_backward_applies(decoder: nn.Module, x: torch.Tensor) -> bool:
     autograd step (not a trace, export or compile, which take the nn.Linear as it is)."""
     return (
         torch.is_grad_enabled()
+        and x.device.type == "cpu"  # on a GPU its row scan is a host sync per step: kept to CPU until timed there
         and x.numel() * decoder.out_features >= ROW_SPARSE_MIN_MACS
         and type(decoder) is nn.Linear
         and not (decoder._forward_hooks or decoder._forward_pre_hooks or decoder._backward_hooks)
@@ -178,11 +179,12 @@ class _WithMLMDecoder(PreTrainedModel):
 def _mlm_loss(logits: torch.Tensor, labels: torch.Tensor | None, vocab: int) -> torch.Tensor | None:
     """Mean cross-entropy over the labelled positions, as transformers' (ignore_index -100), with the upcast and the
     log-softmax on those rows only: the others would be computed over the whole vocabulary and then ignored.
-    Under torch.compile every row goes in (the row count is data: a graph break), and the compiler fuses it."""
+    Under torch.compile every row goes in (the row count is data: a graph break), and the compiler fuses it; on a GPU
+    too (selecting rows would sync the host every step)."""
     if labels is None:
         return None
     labels = labels.reshape(-1)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or logits.device.type != "cpu":  # the row selection is a host sync on a GPU
         return F.cross_entropy(logits.reshape(-1, vocab).float(), labels, ignore_index=IGNORE_INDEX)
     labelled = labels != IGNORE_INDEX
     return F.cross_entropy(logits.reshape(-1, vocab)[labelled].float(), labels[labelled])
