@@ -22,9 +22,11 @@ buffers at once.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -130,13 +132,30 @@ class CudaGraphs:
         self.memory_limit, self.max_graphs = memory_limit, max_graphs
         self.graphs: OrderedDict[tuple[int, int, int], _Graph] = OrderedDict()  # least recently used first
         self.pool = None
-        self._params = list(model.parameters())  # the stamp is checked every call: keep it a flat loop
+        self.refused: dict[tuple[int, int, int], str] = {}  # buckets not captured, and why (explain())
+        self.reference = weakref.ref(self)  # what a plan keeps for explain(): never the model alive
+        self._modules: list[nn.Module] | None = None  # every module, found again when the structure changes
         self._stamp: list | None = None
+        self._mode: object = None  # the plan mode the graphs were captured in
+        self._done: torch.cuda.Event | None = None  # the last call's copy-out, which the next call's stream waits on
         self._lock = threading.Lock()
         cfg = model.config
-        width = cfg.hidden_size * 6 + cfg.intermediate_size  # QKV, context, two residual streams, FFN inner
-        self._token_bytes = width * next(iter(self._params)).element_size()
-        self.refused: dict[tuple[int, int, int], str] = {}  # buckets not captured, and why (explain())
+        self._token_width = cfg.hidden_size * 6 + cfg.intermediate_size  # QKV, context, two residuals, FFN inner
+
+    def __deepcopy__(self, memo: dict) -> None:
+        """A copy of the model starts without graphs (the default on CUDA; enable() again for other limits): graphs,
+        their pool and lock belong to this model's tensors."""
+        return None
+
+    def __reduce__(self) -> tuple:
+        return _no_graphs, ()
+
+    def reset(self) -> None:
+        """Drop every graph and its pool (the model moved or changed dtype): the next call captures again."""
+        with self._lock:
+            self.graphs.clear()
+            self.refused.clear()
+            self.pool, self._modules, self._stamp, self._done = None, None, None, None
 
     def takes(self, packing: Packing, device: torch.device, mode: object) -> bool:
         """Whether this call can replay graphs (this device type, eval, no autograd, not already capturing)."""
@@ -146,30 +165,60 @@ class CudaGraphs:
             return False
         return device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
 
+    @property
+    def _token_bytes(self) -> int:
+        """Activation bytes per token at the model's dtype now."""
+        return self._token_width * self.model.embeddings.word_embeddings.weight.element_size()
+
     def bucket_bytes(self, key: tuple[int, int, int]) -> int:
         """Estimated bytes of one bucket: its activations (the pool's high-water mark) and its static output."""
         return key[1] * self._token_bytes + key[1] * self.model.config.hidden_size * 8
 
-    def run(self, ids: torch.Tensor, types: torch.Tensor, positions: torch.Tensor, packing: Packing) -> torch.Tensor:
-        """Packed ids/types/positions [T] -> the encoder's output [T, H], by replay (split when beyond a bucket)."""
-        with self._lock:
-            now = [(-1 if t.is_inference() else t._version, t.data_ptr()) for t in self._params]
-            if now != self._stamp:  # weights changed since capture: the graphs read stale addresses
+    def _changed(self, mode: object) -> bool:
+        """Whether the graphs are stale: another plan mode (a forced or excluded backend, TF32), a weight updated in
+        place or replaced, or a module swapped in (every module's parameter and child tables are compared)."""
+        if self._modules is None:
+            self._modules = list(self.model.modules())
+        now = _snapshot(self._modules)
+        if now == self._stamp and mode == self._mode:
+            return False
+        modules = list(self.model.modules())
+        if modules != self._modules:  # a module swapped in somewhere: watch the new structure
+            self._modules, now = modules, _snapshot(modules)
+        self._stamp, self._mode = now, mode
+        return True
+
+    def run(
+        self, ids: torch.Tensor, types: torch.Tensor, positions: torch.Tensor, packing: Packing, mode: object = None
+    ) -> torch.Tensor:
+        """Packed ids/types/positions [T] -> the encoder's output [T, H], by replay (split when beyond a bucket).
+        `mode`: the plan mode of the call; graphs captured in another are dropped."""
+        with self._lock, _on_device(ids.device):
+            if self._changed(mode):  # the graphs read stale addresses or run another mode's kernels
                 self.graphs.clear()
                 self.refused.clear()
-                self._stamp = now
-            if packing.total <= self.max_tokens and packing.batch <= self.max_batch:
-                return self._one(ids, types, positions, packing)
-            cu = packing.cu_seqlens.tolist()  # a larger batch: split by sequence (one more host read)
-            lengths = [b - a for a, b in zip(cu, cu[1:], strict=False)]
-            outs = []
-            for b0, b1 in split(lengths, self.max_tokens, self.max_batch):
-                rows = slice(cu[b0], cu[b1])
-                part = Packing(b1 - b0, packing.seqlen, packing.cu_seqlens[b0 : b1 + 1] - cu[b0],
-                               max(lengths[b0:b1]), None)  # fmt: skip
-                if cu[b1] > cu[b0]:
-                    outs.append(self._one(ids[rows], types[rows], positions[rows], part, total=cu[b1] - cu[b0]))
-            return torch.cat(outs)
+            if self.device_type == "cuda":  # one call at a time on the GPU too, whatever stream each caller uses
+                if self._done is not None:
+                    torch.cuda.current_stream().wait_event(self._done)
+                self._done = torch.cuda.Event()
+            out = self._split(ids, types, positions, packing)
+            if self._done is not None:
+                self._done.record()
+            return out
+
+    def _split(self, ids: torch.Tensor, types: torch.Tensor, positions: torch.Tensor, packing: Packing) -> torch.Tensor:
+        if packing.total <= self.max_tokens and packing.batch <= self.max_batch:
+            return self._one(ids, types, positions, packing)
+        cu = packing.cu_seqlens.tolist()  # a larger batch: split by sequence (one more host read)
+        lengths = [b - a for a, b in zip(cu, cu[1:], strict=False)]
+        outs = []
+        for b0, b1 in split(lengths, self.max_tokens, self.max_batch):
+            rows = slice(cu[b0], cu[b1])
+            part = Packing(b1 - b0, packing.seqlen, packing.cu_seqlens[b0 : b1 + 1] - cu[b0],
+                           max(lengths[b0:b1]), None)  # fmt: skip
+            if cu[b1] > cu[b0]:
+                outs.append(self._one(ids[rows], types[rows], positions[rows], part, total=cu[b1] - cu[b0]))
+        return torch.cat(outs)
 
     def _one(
         self, ids: torch.Tensor, types: torch.Tensor, positions: torch.Tensor, packing: Packing, total: int = -1
@@ -181,7 +230,11 @@ class CudaGraphs:
             if (why := self._admit(key)) is not None:
                 self.refused[key] = why
                 return self._eager(ids, types, positions, packing)
-            graph = self._capture(key, ids, types, positions, packing)
+            try:
+                graph = self._capture(key, ids, types, positions, packing)
+            except RuntimeError as error:  # a kernel that cannot be captured: this bucket runs eagerly from now on
+                self.refused[key] = f"capture failed ({type(error).__name__}: {str(error)[:120]})"
+                return self._eager(ids, types, positions, packing)
         else:
             self.graphs.move_to_end(key)
             graph.load(ids, types, positions, packing)
@@ -231,6 +284,23 @@ class CudaGraphs:
                 "a replay, larger batches split")  # fmt: skip
         refused = "; ".join(f"{k}: {why}" for k, why in self.refused.items())
         return said + (f"; eager for {refused}" if refused else "")
+
+
+def _snapshot(modules: list[nn.Module]) -> list:
+    """Every parameter's (identity, version, address) and every child's identity: what a captured graph relies on."""
+    now = [(id(t), -1 if t.is_inference() else t._version, t.data_ptr())
+           for m in modules for t in m._parameters.values() if t is not None]  # fmt: skip
+    return now + [id(child) for m in modules for child in m._modules.values()]
+
+
+def _no_graphs() -> None:
+    """What a pickled CudaGraphs loads as: no graphs (the default on CUDA)."""
+    return None
+
+
+def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Capture and replay on the model's GPU, whichever is current (a model on cuda:1 without set_device)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _base(model: nn.Module) -> nn.Module:

@@ -265,10 +265,12 @@ STACKED_FORWARDS = (BertLayer.forward, BertAttention.forward, BertSelfAttention.
                     BertIntermediate.forward, BertOutput.forward)  # fmt: skip
 
 
-def _embeddings_refusal(embeddings: nn.Module) -> str | None:
+def _embeddings_refusal(embeddings: nn.Module, training: bool) -> str | None:
     """Why the embeddings must run as a module (another forward, hooks, a mode unlike the model's), or None."""
     if type(embeddings).forward is not BertEmbeddings.forward or "forward" in embeddings.__dict__:
         return f"the embeddings ({type(embeddings).__name__}) run another forward than fastbert's"
+    if embeddings.training != training:
+        return f"the embeddings are in {'training' if embeddings.training else 'eval'} mode, unlike the model"
     if any(m._forward_hooks or m._forward_pre_hooks for m in embeddings.modules()):
         return "the embeddings have forward hooks"
     return None
@@ -304,6 +306,17 @@ class BertModel(PreTrainedModel):
         self.cuda_graphs: CudaGraphs | bool | None = None
         self.plans = plan.Plans(type(self).__name__)  # the ops bound per mode, and the executor (fastbert.plan)
         self.post_init()
+
+    def _apply(self, fn, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - nn.Module's signature
+        """.to() / .cuda() / .half() ...: plans, fused QKV copies and captured graphs belong to the old tensors; drop
+        them so they free their memory now (the next forward binds and captures again)."""
+        self.plans.clear()
+        for module in self.modules():
+            if isinstance(module, BertSelfAttention):
+                module._fused = None
+        if isinstance(self.cuda_graphs, CudaGraphs):
+            self.cuda_graphs.reset()
+        return super()._apply(fn, *args, **kwargs)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embeddings.word_embeddings
@@ -428,7 +441,9 @@ class BertModel(PreTrainedModel):
             return self.encoder(self.embeddings(ids, types, positions, embeds), packing)[0]
         word = self.embeddings.word_embeddings.weight
         device = packing.cu_seqlens.device
-        grad = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())
+        grad = torch.is_grad_enabled() and (
+            (embeds is not None and embeds.requires_grad) or any(p.requires_grad for p in self.parameters())
+        )
         mode = plan.current_mode(self, device, word.dtype, grad)
         bound = self.plans.lookup(mode)
         if bound is None:  # the first forward in this mode: module by module, watching what each op runs on
@@ -440,15 +455,15 @@ class BertModel(PreTrainedModel):
         if graphs is None and device.type == "cuda" and cuda_graphs.default_on():
             graphs = self.cuda_graphs = CudaGraphs(self)
         if graphs and embeds is None and graphs.takes(packing, device, mode):
-            bound.executor_note, bound.graphs = "CUDA graph replay by token bucket", graphs
-            return graphs.run(ids, types, positions, packing)
+            bound.executor_note, bound.graphs = "CUDA graph replay by token bucket", graphs.reference
+            return graphs.run(ids, types, positions, packing, mode)
         if device.type == "cpu" and not grad and bound.how["attention"].startswith("bound to native"):
             bound.executor_note = "the CPU layer stack (the first layer op by op, the rest in one native call)"
             return self.encoder(self.embeddings(ids, types, positions, embeds), packing)[0]
         layers, executor = list(self.encoder.layer._modules.values()), self.plans.encoder
         if executor is None or executor.layers != layers:
             executor = self.plans.set_encoder(plan.Encoder(layers, self.config))
-        why = executor.refusal(STACKED_FORWARDS, mode.training) or _embeddings_refusal(self.embeddings)
+        why = executor.refusal(STACKED_FORWARDS, mode.training) or _embeddings_refusal(self.embeddings, mode.training)
         if why is not None:
             bound.executor_note = f"module by module, because {why}"
             return self.encoder(self.embeddings(ids, types, positions, embeds), packing)[0]

@@ -106,7 +106,7 @@ class Plan:
         for op in ops.OPS:
             self.functions[op], self.how[op] = self._bind(op, backends.get(op, set()))
         self.executor_note = ""
-        self.graphs: Any = None  # the model's CudaGraphs once a forward replayed them (explain() asks it)
+        self.graphs: Callable[[], Any] = lambda: None  # a weak reference to the model's CudaGraphs (explain())
 
     def _bind(self, op: str, names: set[str]) -> tuple[FusedOp, str]:
         dispatched = getattr(ops, op)
@@ -172,8 +172,8 @@ class Plan:
                  f"forced {m.forced}" if m.forced else "",
                  f"without {', '.join(sorted(m.excluded))}" if m.excluded else ""]  # fmt: skip
         lines = [f"plan of {self.model_name} on {where} ({', '.join(f for f in flags if f)}): {self.executor_note}"]
-        if self.graphs is not None:
-            lines.append(f"  {self.graphs.describe()}")
+        if (graphs := self.graphs()) is not None:
+            lines.append(f"  {graphs.describe()}")
         return "\n".join(lines + [f"  {op} -> {self.how[op]}" for op in ops.OPS])
 
 
@@ -186,8 +186,9 @@ class Encoder:
         self.heads, self.head_dim = config.num_attention_heads, config.head_dim
         self.hidden = config.hidden_size
         self.p_attention, self.p_hidden = config.attention_probs_dropout_prob, config.hidden_dropout_prob
-        self.modules = [m for p in self.parts if p is not None for m in (*p.modules, *p[2:8], p.ffn_dense, p.ffn_norm)]
-        self._fused: dict[int, tuple[list, torch.Tensor, torch.Tensor]] = {}  # layer index -> (stamp, W, b)
+        leaves = [m for p in self.parts if p is not None for m in (*p[2:8], p.ffn_dense, p.ffn_norm)]
+        self.modules = [m for p in self.parts if p is not None for m in p.modules] + leaves
+        self.leaves = [(m, nn.LayerNorm if isinstance(m, nn.LayerNorm) else nn.Linear) for m in leaves]
 
     def refusal(self, forwards: tuple[Callable, ...], training: bool) -> str | None:
         """Why this forward must run module by module (another forward, hooks, a module in another mode), or None.
@@ -200,6 +201,9 @@ class Encoder:
             for module, forward in zip(p.modules, forwards, strict=True):
                 if type(module).forward is not forward or "forward" in module.__dict__:
                     return f"a {type(module).__name__} runs another forward than fastbert's"
+        for leaf, kind in self.leaves:
+            if type(leaf) is not kind:  # a parametrization or an adapter (LoRA) wraps it: its forward differs
+                return f"a {type(leaf).__name__} stands where fastbert's {kind.__name__} was"
         for module in self.modules:
             if module._forward_hooks or module._forward_pre_hooks:
                 return f"a {type(module).__name__} has forward hooks"
@@ -207,17 +211,19 @@ class Encoder:
                 return f"a {type(module).__name__} is in {'training' if module.training else 'eval'} mode"
         return None
 
-    def _qkv(self, i: int, p: LayerParts, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer i's [3H, H] QKV weight and [3H] bias: concatenated per call under autograd, else cached until any of
-        the six tensors changes (in place: its version; replaced: its address)."""
+    def _qkv(self, p: LayerParts, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's [3H, H] QKV weight and [3H] bias: concatenated per call under autograd, else the self-attention
+        module's own cache (one copy per module, shared by ALBERT's shared layers and the module-by-module path),
+        rebuilt when any of the six tensors changes (in place: its version; replaced: its address)."""
         tensors = [m._parameters[n] for m in (p.query, p.key, p.value) for n in ("weight", "bias")]
         if grad or torch.compiler.is_compiling():
             return torch.cat(tensors[0::2]), torch.cat(tensors[1::2])
-        now = [(-1 if t.is_inference() else t._version, t.data_ptr()) for t in tensors]
-        cached = self._fused.get(i)
+        now = tuple([(-1 if t.is_inference() else t._version, t.data_ptr()) for t in tensors])  # weight_stamp.stamp
+        attention = p.modules[2]
+        cached = attention._fused
         if cached is None or cached[0] != now:
             with torch.no_grad():
-                cached = self._fused[i] = (now, torch.cat(tensors[0::2]), torch.cat(tensors[1::2]))
+                cached = attention._fused = (now, torch.cat(tensors[0::2]), torch.cat(tensors[1::2]))
         return cached[1], cached[2]
 
     def __call__(self, plan: Plan, x: torch.Tensor, packing: Packing) -> torch.Tensor:  # [T, H] -> [T, H]
@@ -227,8 +233,8 @@ class Encoder:
         p_attn, p_hidden = self.p_attention, self.p_hidden
         cu, max_seqlen, tokens = packing.cu_seqlens, packing.max_seqlen, x.shape[0]
         qkv_shape, ctx_shape = (tokens, 3, self.heads, self.head_dim), (tokens, self.heads * self.head_dim)
-        for i, p in enumerate(self.parts):
-            w, b = self._qkv(i, p, grad)
+        for p in self.parts:
+            w, b = self._qkv(p, grad)
             qkv = linear(x, w, b, None).view(qkv_shape)
             ctx = attention(qkv, cu, max_seqlen, p_attn, training, None).reshape(ctx_shape)
             o, n = p.out_dense._parameters, p.out_norm

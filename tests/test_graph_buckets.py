@@ -4,12 +4,17 @@ after a weight change and the lock are checked on any machine (tests/test_cuda_g
 
 from __future__ import annotations
 
+import copy
+import gc
+import io
 import threading
+import weakref
 
 import pytest
 import torch
 
-from fastbert import cuda_graphs
+import fastbert
+from fastbert import cuda_graphs, ops
 from fastbert.cuda_graphs import CudaGraphs, bucket_key, bucket_tokens, split
 from tests.conftest import tiny_bert
 
@@ -121,3 +126,44 @@ def test_limits_and_switches() -> None:
     assert model.cuda_graphs is False
     with pytest.raises(TypeError, match="not a fastbert"):
         cuda_graphs.enable(torch.nn.Linear(2, 2))
+
+
+def test_another_mode_or_replaced_weights_recapture() -> None:
+    """Graphs hold the kernels and tensors of their capture: a forced backend or a weight table assigned anew (not
+    copied into) must not replay them."""
+    eager, model = graphed()
+    ids, mask = batch([9, 4], 9)
+    with torch.inference_mode():
+        for _ in range(3):
+            model(ids, attention_mask=mask)
+        captured = RerunGraphs.captures
+        with ops.use_backend("torch"):
+            for _ in range(3):
+                model(ids, attention_mask=mask)
+        assert RerunGraphs.captures == captured + 1
+        assert "forced torch): CUDA graph replay" in fastbert.explain()
+    state = {k: v * 0.5 if k.endswith("dense.weight") else v for k, v in eager.state_dict().items()}
+    for m in (model, eager):
+        m.load_state_dict(state, assign=True)  # new Parameter objects
+    with torch.inference_mode():
+        out = model(ids, attention_mask=mask).last_hidden_state
+        assert torch.allclose(out, eager(ids, attention_mask=mask).last_hidden_state, rtol=0, atol=1e-5)
+
+
+def test_a_model_with_graphs_copies_pickles_and_is_freed() -> None:
+    _, model = graphed()
+    ids, mask = batch([5, 3], 5)
+    with torch.inference_mode():
+        for _ in range(2):
+            model(ids, attention_mask=mask)
+    assert model.cuda_graphs.graphs
+    assert copy.deepcopy(model).cuda_graphs is None  # a copy starts without graphs (the default on CUDA)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=False).cuda_graphs is None
+    fastbert.explain()  # the plan keeps only a weak reference to the graphs
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None

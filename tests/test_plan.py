@@ -140,3 +140,46 @@ def test_the_tf32_setting_is_part_of_a_cuda_fp32_mode() -> None:
         torch.set_float32_matmul_precision(before[1])
     assert current_mode(model, cuda, torch.float16, False) == current_mode(model, cuda, torch.float16, False)
     assert not current_mode(model, torch.device("cpu"), torch.float32, False).tf32
+
+
+def test_inputs_embeds_that_need_grad_get_it_from_a_frozen_model() -> None:
+    """After a no-grad forward bound forward-only launchers, inputs_embeds that require grad (prompt tuning,
+    attributions) still get a gradient: the mode counts them."""
+    model = tiny_bert().requires_grad_(False)
+    ids, mask = ragged()
+    with torch.no_grad():
+        for _ in range(2):
+            model(ids, attention_mask=mask)
+    embeds = model.embeddings.word_embeddings(ids).detach().requires_grad_(True)
+    for _ in range(2):
+        out = model(inputs_embeds=embeds, attention_mask=mask).last_hidden_state
+        assert out.requires_grad
+    out.sum().backward()
+    assert embeds.grad is not None and embeds.grad.abs().sum() > 0
+
+
+def test_a_parametrized_linear_runs_module_by_module() -> None:
+    from torch.nn.utils import parametrize
+
+    class Double(torch.nn.Module):
+        def forward(self, w: torch.Tensor) -> torch.Tensor:
+            return 2 * w
+
+    model, (ids, mask) = tiny_bert(), ragged()
+    with torch.no_grad(), ops.use_backend("torch"):
+        model(ids, attention_mask=mask)
+        parametrize.register_parametrization(model.encoder.layer[1].intermediate.dense, "weight", Double())
+        expected = copy.deepcopy(model)(ids, attention_mask=mask).last_hidden_state
+        out = model(ids, attention_mask=mask).last_hidden_state
+    assert torch.equal(out, expected) and "stands where fastbert's Linear was" in fastbert.explain()
+
+
+def test_moving_or_casting_drops_the_plans_and_fused_weights() -> None:
+    model, (ids, mask) = tiny_bert(), ragged()
+    with torch.no_grad():
+        for _ in range(2):
+            model(ids, attention_mask=mask)
+    model.double()
+    assert not model.plans.plans and model.encoder.layer[0].attention.self._fused is None
+    with torch.no_grad():
+        assert model(ids, attention_mask=mask).last_hidden_state.dtype == torch.float64

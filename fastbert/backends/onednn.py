@@ -238,6 +238,7 @@ SPEC = Backend(
     module=sys.modules[__name__],
     ops=("linear", "dense_residual_layernorm", "attention"),
     forward_only=True,
+    decides_per_call="times each GEMM size class at first use against F.linear",
     limits={
         "linear": lambda call, forced: refuses_linear(**call, forced=forced),
         "dense_residual_layernorm": refuses_dense_residual_layernorm,
