@@ -115,17 +115,20 @@ class BertSelfAttention(nn.Module):
         self.dropout_p = config.attention_probs_dropout_prob
         self._fused: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
 
-    def qkv_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Q, K and V projections as one [3H, H] GEMM; cached for inference, rebuilt when any weight changes."""
-        parts = (self.query, self.key, self.value)
-        # torch.compile: a cat in the graph (the weight stamp reads what dynamo cannot trace)
-        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(p.weight.requires_grad for p in parts)):
-            return torch.cat([p.weight for p in parts]), torch.cat([p.bias for p in parts])
-        key = stamp(*(t for p in parts for t in (p.weight, p.bias)))
+    def qkv_weight(self, grad: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Q, K and V projections as one [3H, H] GEMM: concatenated per call under autograd (`grad`; None: decided
+        here) or while torch.compile traces, else cached and rebuilt when any of the six tensors changes. The one
+        fused copy per module: fastbert.plan's loop and fastbert.layer_stack read it too."""
+        parts = [self._modules[n] for n in ("query", "key", "value")]
+        tensors = [m._parameters[n] for m in parts for n in ("weight", "bias")]
+        if grad is None:
+            grad = torch.is_grad_enabled() and any([t.requires_grad for t in tensors])
+        if grad or torch.compiler.is_compiling():  # compile: a cat in the graph (the stamp reads what dynamo cannot)
+            return torch.cat(tensors[0::2]), torch.cat(tensors[1::2])
+        key = stamp(*tensors)
         if self._fused is None or self._fused[0] != key:
             with torch.no_grad():
-                fused = torch.cat([p.weight for p in parts]), torch.cat([p.bias for p in parts])
-            self._fused = (key, *fused)
+                self._fused = (key, torch.cat(tensors[0::2]), torch.cat(tensors[1::2]))
         return self._fused[1], self._fused[2]
 
     def forward(
@@ -263,17 +266,6 @@ class BertEncoder(nn.Module):
 # attention, self-attention, attention output, intermediate, output); a layer running any other stays op by op.
 STACKED_FORWARDS = (BertLayer.forward, BertAttention.forward, BertSelfAttention.forward, BertSelfOutput.forward,
                     BertIntermediate.forward, BertOutput.forward)  # fmt: skip
-
-
-def _embeddings_refusal(embeddings: nn.Module, training: bool) -> str | None:
-    """Why the embeddings must run as a module (another forward, hooks, a mode unlike the model's), or None."""
-    if type(embeddings).forward is not BertEmbeddings.forward or "forward" in embeddings.__dict__:
-        return f"the embeddings ({type(embeddings).__name__}) run another forward than fastbert's"
-    if embeddings.training != training:
-        return f"the embeddings are in {'training' if embeddings.training else 'eval'} mode, unlike the model"
-    if any(m._forward_hooks or m._forward_pre_hooks for m in embeddings.modules()):
-        return "the embeddings have forward hooks"
-    return None
 
 
 class BertPooler(nn.Module):
@@ -461,9 +453,9 @@ class BertModel(PreTrainedModel):
             bound.executor_note = "the CPU layer stack (the first layer op by op, the rest in one native call)"
             return self.encoder(self.embeddings(ids, types, positions, embeds), packing)[0]
         layers, executor = list(self.encoder.layer._modules.values()), self.plans.encoder
-        if executor is None or executor.layers != layers:
-            executor = self.plans.set_encoder(plan.Encoder(layers, self.config))
-        why = executor.refusal(STACKED_FORWARDS, mode.training) or _embeddings_refusal(self.embeddings, mode.training)
+        if executor is None or executor.layers != layers or executor.embeddings is not self.embeddings:
+            executor = self.plans.set_encoder(plan.Encoder(self.embeddings, layers, self.config))
+        why = executor.refusal(BertEmbeddings.forward, STACKED_FORWARDS, mode.training)
         if why is not None:
             bound.executor_note = f"module by module, because {why}"
             return self.encoder(self.embeddings(ids, types, positions, embeds), packing)[0]

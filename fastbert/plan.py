@@ -87,8 +87,10 @@ def current_mode(model: nn.Module, device: torch.device, dtype: torch.dtype, gra
     except RuntimeError:  # a device type autocast does not know (meta): no autocast there
         autocast = None
     state = ops.dispatch_scope()
-    tf32 = dtype == torch.float32 and device.type == "cuda" and (
-        torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+    tf32 = (
+        dtype == torch.float32
+        and device.type == "cuda"
+        and (torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest")
     )
     return Mode(device, dtype, autocast, grad, model.training, *state, tf32)
 
@@ -180,19 +182,22 @@ class Plan:
 class Encoder:
     """The encoder's layers as one loop over their tensors, with a plan's functions (the 'layers' executor)."""
 
-    def __init__(self, layers: Sequence[nn.Module], config: Any) -> None:
-        self.layers = list(layers)
+    def __init__(self, embeddings: nn.Module, layers: Sequence[nn.Module], config: Any) -> None:
+        self.embeddings, self.layers = embeddings, list(layers)
         self.parts = [layer_parts(layer) for layer in layers]
         self.heads, self.head_dim = config.num_attention_heads, config.head_dim
         self.hidden = config.hidden_size
         self.p_attention, self.p_hidden = config.attention_probs_dropout_prob, config.hidden_dropout_prob
         leaves = [m for p in self.parts if p is not None for m in (*p[2:8], p.ffn_dense, p.ffn_norm)]
-        self.modules = [m for p in self.parts if p is not None for m in p.modules] + leaves
+        self.modules = [m for p in self.parts if p is not None for m in p.modules] + leaves + list(embeddings.modules())
         self.leaves = [(m, nn.LayerNorm if isinstance(m, nn.LayerNorm) else nn.Linear) for m in leaves]
 
-    def refusal(self, forwards: tuple[Callable, ...], training: bool) -> str | None:
-        """Why this forward must run module by module (another forward, hooks, a module in another mode), or None.
-        Checked every forward: hooks and modes can change at any time."""
+    def refusal(self, embeddings_forward: Callable, forwards: tuple[Callable, ...], training: bool) -> str | None:
+        """Why this forward must run module by module (another forward than `embeddings_forward` / `forwards`, hooks,
+        a module in another train/eval mode than `training`), or None. Checked every forward: they can change."""
+        e = self.embeddings
+        if type(e).forward is not embeddings_forward or "forward" in e.__dict__:
+            return f"the embeddings ({type(e).__name__}) run another forward than fastbert's"
         if None in self.parts:
             return "a layer is not built as fastbert's BertLayer"
         if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
@@ -211,21 +216,6 @@ class Encoder:
                 return f"a {type(module).__name__} is in {'training' if module.training else 'eval'} mode"
         return None
 
-    def _qkv(self, p: LayerParts, grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's [3H, H] QKV weight and [3H] bias: concatenated per call under autograd, else the self-attention
-        module's own cache (one copy per module, shared by ALBERT's shared layers and the module-by-module path),
-        rebuilt when any of the six tensors changes (in place: its version; replaced: its address)."""
-        tensors = [m._parameters[n] for m in (p.query, p.key, p.value) for n in ("weight", "bias")]
-        if grad or torch.compiler.is_compiling():
-            return torch.cat(tensors[0::2]), torch.cat(tensors[1::2])
-        now = tuple([(-1 if t.is_inference() else t._version, t.data_ptr()) for t in tensors])  # weight_stamp.stamp
-        attention = p.modules[2]
-        cached = attention._fused
-        if cached is None or cached[0] != now:
-            with torch.no_grad():
-                cached = attention._fused = (now, torch.cat(tensors[0::2]), torch.cat(tensors[1::2]))
-        return cached[1], cached[2]
-
     def __call__(self, plan: Plan, x: torch.Tensor, packing: Packing) -> torch.Tensor:  # [T, H] -> [T, H]
         linear, attention = plan.functions["linear"], plan.functions["attention"]
         drl = plan.functions["dense_residual_layernorm"]
@@ -234,7 +224,7 @@ class Encoder:
         cu, max_seqlen, tokens = packing.cu_seqlens, packing.max_seqlen, x.shape[0]
         qkv_shape, ctx_shape = (tokens, 3, self.heads, self.head_dim), (tokens, self.heads * self.head_dim)
         for p in self.parts:
-            w, b = self._qkv(p, grad)
+            w, b = p.modules[2].qkv_weight(grad)
             qkv = linear(x, w, b, None).view(qkv_shape)
             ctx = attention(qkv, cu, max_seqlen, p_attn, training, None).reshape(ctx_shape)
             o, n = p.out_dense._parameters, p.out_norm

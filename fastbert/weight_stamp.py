@@ -14,7 +14,8 @@ def stamp(*tensors: torch.Tensor | None) -> tuple:
     """(version, address) per tensor: it changes with an in-place update (version) or new storage (address).
     Inference tensors (made under `torch.inference_mode()`) have no version counter and can only be updated in place
     inside inference mode; for them the address alone counts."""
-    return tuple(None if t is None else (-1 if t.is_inference() else t._version, t.data_ptr()) for t in tensors)
+    # a list comprehension, not a generator: this runs per layer per forward, and each generator step is a frame
+    return tuple([None if t is None else (-1 if t.is_inference() else t._version, t.data_ptr()) for t in tensors])
 
 
 class WeightCache:
