@@ -25,6 +25,7 @@ what they compute.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
@@ -112,15 +113,24 @@ def onednn_bf16_prepack() -> Finding:
 
 
 def _probe(fn: Callable[[], Finding]) -> Callable[[], Finding]:
-    """Run a probe once per process (cached), outside the caller's autocast and grad mode."""
+    """Run a probe once per process (cached), outside the caller's autocast and grad mode and outside any dispatch
+    mode: when the first ask comes from a torch.compile trace, its fake tensors would time nothing, cache a wrong
+    finding for good, and can crash a oneDNN kernel that is handed one."""
 
     @functools.cache
     @functools.wraps(fn)
     def run() -> Finding:
-        with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        with _real_tensors(), torch.no_grad(), torch.autocast("cpu", enabled=False):
             return fn()
 
     return run
+
+
+def _real_tensors() -> contextlib.AbstractContextManager:
+    """Leave the active torch dispatch modes (a trace's FakeTensorMode) for the block; torch's own helper."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
 
 
 def _cpu_randn(*shape: int) -> torch.Tensor:

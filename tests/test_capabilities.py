@@ -219,3 +219,22 @@ def test_forced_bf16_logic_runs_bf16_gemms_as_bf16_under_autocast(bf16_logic: No
     out = ops.linear(*leaves, "gelu")
     out.float().square().sum().backward()
     assert out.dtype == torch.bfloat16 and all(t.grad.dtype == torch.bfloat16 for t in leaves)
+
+
+def test_probes_first_asked_inside_a_trace_run_on_real_tensors() -> None:
+    """A probe first asked under a FakeTensorMode (what torch.compile traces with) finds what it finds outside one: it
+    leaves the mode (fake tensors timed nothing, cached a wrong finding for good, and crashed oneDNN in a trace)."""
+    code = (
+        "import sys, torch\n"
+        "from fastbert import capabilities as c\n"
+        "if sys.argv[1] == 'fake':\n"
+        "    from torch._subclasses.fake_tensor import FakeTensorMode\n"
+        "    with FakeTensorMode():\n"
+        "        g, p = c.bf16_gemm(), c.onednn_bf16_prepack()\n"
+        "else:\n"
+        "    g, p = c.bf16_gemm(), c.onednn_bf16_prepack()\n"
+        "print(g.ok, p.ok, p.why)\n"
+    )
+    run = [subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, check=True).stdout
+           for mode in ("fake", "real")]  # fmt: skip
+    assert run[0] == run[1]
