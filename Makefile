@@ -52,7 +52,9 @@ $(CUDA_CHECK)/bind.o: csrc/cuda/bind.cpp csrc/cuda/launch.h csrc/bind_utils.h $(
 
 # The weaker CPU's paths on any machine: no bf16 instructions (fastbert's capability probe), oneDNN and ATen limited
 # to AVX2, the native kernels' AVX2 build. `make test` runs the CPU-dependent tests this way too, every time.
-AVX2_ENV   := FASTBERT_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2
+# inductor's cache key leaves out the ISA ATEN_CPU_CAPABILITY picks: the forced runs keep their own cache
+AVX2_ENV   := FASTBERT_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 \
+              TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/build/torchinductor-avx2
 AVX2_TESTS := tests/test_capabilities.py tests/test_fastpath.py tests/test_precision.py tests/test_native.py \
               tests/test_bench_model.py tests/test_model_equivalence.py tests/test_kernel_dispatch.py tests/test_int8.py \
               tests/test_gemm.py

@@ -16,6 +16,22 @@ if not torch.cuda.is_available():  # before anything imports triton: the interpr
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+
+def _inductor_cache_per_isa() -> None:
+    """One inductor cache per ATen CPU capability. Its FX-graph cache key leaves out the vector ISA that
+    ATEN_CPU_CAPABILITY picks, so the forced-AVX2 runs (Makefile's AVX2_ENV) and the native runs shared entries:
+    AVX-512 code rebuilt with AVX2 flags summed an attention mask wrong (a compiled model off by 3), and AVX2 code
+    rebuilt with AVX-512 flags corrupted the heap (free(): invalid pointer, a crashed test worker)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    isa = torch.backends.cpu.get_cpu_capability()
+    root = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir())
+    if root.name != isa:  # the xdist workers inherit the controller's choice
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / isa)
+
+
+_inductor_cache_per_isa()
+
 import pytest  # noqa: E402
 
 from fastbert.backends import native  # noqa: E402  (after the environment above)
