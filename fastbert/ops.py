@@ -42,8 +42,6 @@ log = logging.getLogger("fastbert.ops")
 ALIASES = {"cpu": "onednn"}  # old backend names, accepted for a release
 
 
-
-
 class _State(threading.local):
     """This thread's dispatch state. Every field has a class default, so it always exists: a torch.compile guard on it
     reads one value and never flips between 'absent' and None when an eager forward sets and restores it."""
@@ -289,9 +287,46 @@ def _torch_linear(
         with reference.no_autocast(x.device):
             x32, w32, b32 = (t.to(dtype).float() if t is not None else None for t in (x, weight, bias))
             return reference.linear(x32, w32, b32, act).to(dtype)
-    if act is not None and bias is not None:
-        return bias_act(F.linear(x, weight), bias, act)
-    return reference.linear(x, weight, bias, act)
+    return _linear_with_epilogue(x, weight, bias, act)
+
+
+def composed_linear(bias_act_op: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """The `linear` op as torch's GEMM (F.linear) followed by `bias_act_op` for the bias + activation epilogue: how
+    the torch backend runs it, with the dispatched op here and with the bound one in a plan (fastbert.plan)."""
+
+    def linear(
+        x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act: str | None = None
+    ) -> torch.Tensor:
+        if act is None:
+            return F.linear(x, weight, bias)
+        if bias is None:
+            return reference.linear(x, weight, None, act)
+        return bias_act_op(F.linear(x, weight), bias, act)
+
+    return linear
+
+
+def composed_dense_residual_layernorm(
+    linear_op: Callable[..., torch.Tensor], bias_residual_layernorm_op: Callable[..., torch.Tensor]
+) -> Callable[..., torch.Tensor]:
+    """The `dense_residual_layernorm` op as `linear_op` (no bias), then `bias_residual_layernorm_op`: the torch
+    backend's way, with the dispatched ops here and with the bound ones in a plan."""
+
+    def dense_residual_layernorm(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+        residual: torch.Tensor,
+        ln_weight: torch.Tensor,
+        ln_bias: torch.Tensor,
+        eps: float,
+        dropout_p: float = 0.0,
+        training: bool = False,
+    ) -> torch.Tensor:
+        y = linear_op(x, weight)
+        return bias_residual_layernorm_op(y, bias, residual, ln_weight, ln_bias, eps, dropout_p, training)
+
+    return dense_residual_layernorm
 
 
 def dense_residual_layernorm(
@@ -311,21 +346,6 @@ def dense_residual_layernorm(
     epilogue); otherwise the GEMM is the `linear` op and the epilogue the `bias_residual_layernorm` op."""
     args = (x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p, training)
     return _dispatch("dense_residual_layernorm", *args)
-
-
-def _composed_dense_residual_layernorm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    residual: torch.Tensor,
-    ln_weight: torch.Tensor,
-    ln_bias: torch.Tensor,
-    eps: float,
-    dropout_p: float = 0.0,
-    training: bool = False,
-) -> torch.Tensor:
-    """The torch backend's dense_residual_layernorm: the `linear` op, then the `bias_residual_layernorm` op."""
-    return bias_residual_layernorm(linear(x, weight), bias, residual, ln_weight, ln_bias, eps, dropout_p, training)
 
 
 def embedding_layernorm(
@@ -400,12 +420,16 @@ def attention(
 # (a zip, not inspect's bind: select runs on every op of every layer)
 _PARAMS = {op: tuple(inspect.signature(globals()[op]).parameters) for op in OPS}
 
+_linear_with_epilogue = composed_linear(bias_act)
 TORCH = Backend(
     "torch",
     devices=("cpu", "cuda", "mps", "meta"),
     dtypes=FLOATS,
     module=reference,
-    impls={"linear": _torch_linear, "dense_residual_layernorm": _composed_dense_residual_layernorm},
+    impls={
+        "linear": _torch_linear,
+        "dense_residual_layernorm": composed_dense_residual_layernorm(linear, bias_residual_layernorm),
+    },
 )
 _BACKENDS: dict[str, Backend] = {
     b.name: b for b in (triton_backend.SPEC, native.SPEC, int8.SPEC, gemm.SPEC, onednn.SPEC, TORCH)

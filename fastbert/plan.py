@@ -23,7 +23,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fastbert import capabilities, ops
@@ -137,34 +136,15 @@ class Plan:
         if mode.dtype == torch.bfloat16 and capabilities.bf16_via_fp32(mode.device):
             return getattr(ops, op), "dispatched per call: bf16 GEMMs run as fp32 on this CPU (ops' torch backend)"
         if op == "linear":
-            bias_act = self.functions.get("bias_act") or ops.bias_act
-
-            def linear(
-                x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act: str | None = None
-            ) -> torch.Tensor:
-                if act is None or bias is None:
-                    return F.linear(x, weight, bias) if act is None else ops.linear(x, weight, bias, act)
-                return bias_act(F.linear(x, weight), bias, act)
-
-            return linear, f"bound to torch: F.linear + bias_act ({self.how.get('bias_act', 'dispatched')})"
-        linear = self.functions["linear"]
+            how = self.how.get("bias_act", "dispatched")
+            return ops.composed_linear(self.functions.get("bias_act") or ops.bias_act), (
+                f"bound to torch: F.linear + bias_act ({how})"
+            )
         brln = self.functions.get("bias_residual_layernorm") or ops.bias_residual_layernorm
-
-        def dense_residual_layernorm(
-            x: torch.Tensor,
-            weight: torch.Tensor,
-            bias: torch.Tensor,
-            residual: torch.Tensor,
-            ln_weight: torch.Tensor,
-            ln_bias: torch.Tensor,
-            eps: float,
-            dropout_p: float = 0.0,
-            training: bool = False,
-        ) -> torch.Tensor:
-            return brln(linear(x, weight), bias, residual, ln_weight, ln_bias, eps, dropout_p, training)
-
         how = self.how.get("bias_residual_layernorm", "dispatched")
-        return dense_residual_layernorm, f"bound to torch: linear + bias_residual_layernorm ({how})"
+        return ops.composed_dense_residual_layernorm(self.functions["linear"], brln), (
+            f"bound to torch: linear + bias_residual_layernorm ({how})"
+        )
 
     def describe(self) -> str:
         m = self.mode

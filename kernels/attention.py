@@ -265,28 +265,43 @@ def _dot_modes(qkv: torch.Tensor) -> tuple[str, bool]:
     return fp32_dot_precision() if qkv.dtype == torch.float32 else "tf32", C.interpreter_bf16(qkv)
 
 
+def _forward(
+    qkv: torch.Tensor,  # [T, 3, nH, D], unit stride in D
+    cu_seqlens: torch.Tensor,  # [B + 1] int32
+    max_seqlen: int,
+    scale: float,
+    lse: torch.Tensor | None = None,  # [T, nH] fp32 log-sum-exp to write, for the backward
+    p: float = 0.0,
+    seed: int = 0,
+) -> torch.Tensor:  # [T, nH, D]
+    """One launch of the forward kernel: the training forward (lse, dropout) and the inference launcher share it."""
+    total, _, heads, dim = qkv.shape
+    out = torch.empty(total, heads, dim, dtype=qkv.dtype, device=qkv.device)
+    batch = cu_seqlens.numel() - 1
+    if total and batch and max_seqlen:
+        block_m, block_n, block_d, warps = _blocks(dim, max_seqlen)
+        precision, upcast = _dot_modes(qkv)
+        _attn_fwd[(-(-max_seqlen // block_m), batch, heads)](
+            qkv, cu_seqlens, out, lse if lse is not None else out, qkv.stride(0), qkv.stride(1), qkv.stride(2),
+            heads, dim, max_seqlen, scale * LOG2E, p, C.keep_scale(p) if p else 1.0, seed, DROPOUT=p > 0,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision, UPCAST=upcast,
+            STATS=lse is not None, num_warps=warps,
+        )  # fmt: skip
+    return out
+
+
 class FlashAttention(torch.autograd.Function):
     """Saves qkv, the output and the fp32 log-sum-exp; probabilities are recomputed blockwise in backward."""
 
     @staticmethod
     def forward(ctx, qkv, cu_seqlens, max_seqlen: int, p: float, scale: float):
-        total, _, heads, dim = qkv.shape
         if qkv.stride(-1) != 1:
             qkv = qkv.contiguous()
-        out = torch.empty(total, heads, dim, dtype=qkv.dtype, device=qkv.device)
-        lse = torch.empty(total, heads, dtype=torch.float32, device=qkv.device)
-        batch = cu_seqlens.numel() - 1
-        seed, keep = (C.dropout_seed() if p > 0 else 0), C.keep_scale(p)
-        block_m, block_n, block_d, warps = _blocks(dim, max_seqlen)
-        precision, upcast = _dot_modes(qkv)
-        if total and batch and max_seqlen:
-            _attn_fwd[(triton.cdiv(max_seqlen, block_m), batch, heads)](
-                qkv, cu_seqlens, out, lse, qkv.stride(0), qkv.stride(1), qkv.stride(2), heads, dim, max_seqlen,
-                scale * LOG2E, p, keep, seed, DROPOUT=p > 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-                PRECISION=precision, UPCAST=upcast, num_warps=warps,
-            )
+        lse = torch.empty(qkv.shape[0], qkv.shape[2], dtype=torch.float32, device=qkv.device)
+        seed = C.dropout_seed() if p > 0 else 0
+        out = _forward(qkv, cu_seqlens, max_seqlen, scale, lse, p, seed)
         ctx.save_for_backward(qkv, cu_seqlens, out, lse)
-        ctx.args = (max_seqlen, p, keep, seed, scale, precision, upcast)
+        ctx.args = (max_seqlen, p, C.keep_scale(p), seed, scale, *_dot_modes(qkv))
         return out
 
     @staticmethod
@@ -358,20 +373,7 @@ def attention_inference(
     if torch.compiler.is_compiling():  # a Triton launch in a traced graph goes through the custom op
         return attention(qkv, cu_seqlens, max_seqlen, scale=scale)
     _, scale = _check(qkv, cu_seqlens, max_seqlen, 0.0, False, scale)
-    total, _, heads, dim = qkv.shape
-    if qkv.stride(-1) != 1:
-        qkv = qkv.contiguous()
-    out = torch.empty(total, heads, dim, dtype=qkv.dtype, device=qkv.device)
-    batch = cu_seqlens.numel() - 1
-    if total and batch and max_seqlen:
-        block_m, block_n, block_d, warps = _blocks(dim, max_seqlen)
-        precision, upcast = _dot_modes(qkv)
-        _attn_fwd[(-(-max_seqlen // block_m), batch, heads)](
-            qkv, cu_seqlens, out, out, qkv.stride(0), qkv.stride(1), qkv.stride(2), heads, dim, max_seqlen,
-            scale * LOG2E, 0.0, 1.0, 0, DROPOUT=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-            PRECISION=precision, UPCAST=upcast, STATS=False, num_warps=warps,
-        )
-    return out
+    return _forward(qkv if qkv.stride(-1) == 1 else qkv.contiguous(), cu_seqlens, max_seqlen, scale)
 
 
 # torch.compile: the kernels as custom ops. The forward op returns what the backward op needs besides the inputs

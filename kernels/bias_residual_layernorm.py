@@ -135,6 +135,31 @@ def _blocks(n: int) -> tuple[int, int, int]:
     return block_m, block_n, C.warps_for(block_m * block_n)
 
 
+def _forward(
+    xr: torch.Tensor,  # [M, N] rows
+    bias: torch.Tensor,  # [N]
+    rr: torch.Tensor,  # [M, N] rows
+    ln_weight: torch.Tensor,  # [N]
+    ln_bias: torch.Tensor,  # [N]
+    eps: float,
+    stats: tuple[torch.Tensor, torch.Tensor] | None = None,  # fp32 (mean, rstd) [M] to write, for the backward
+    p: float = 0.0,
+    seed: int = 0,
+) -> torch.Tensor:  # [M, N]
+    """One launch of the forward kernel: the training forward (stats, dropout) and the inference launcher share it."""
+    m, n = xr.shape
+    y = torch.empty(xr.shape, dtype=xr.dtype, device=xr.device)
+    if m:
+        block_m, block_n, warps = _blocks(n)
+        mean, rstd = stats if stats is not None else (y, y)
+        _brln_fwd[(-(-m // block_m),)](
+            xr, bias, rr, ln_weight, ln_bias, y, mean, rstd, m, n, xr.stride(0), rr.stride(0), eps, p,
+            C.keep_scale(p) if p else 1.0, seed, DROPOUT=p > 0, BLOCK_M=block_m, BLOCK_N=block_n,
+            STATS=stats is not None, num_warps=warps,
+        )  # fmt: skip
+    return y
+
+
 class BiasResidualLayerNorm(torch.autograd.Function):
     """Saves x, residual, the parameters and fp32 (mean, rstd); h is recomputed in backward."""
 
@@ -142,19 +167,12 @@ class BiasResidualLayerNorm(torch.autograd.Function):
     def forward(ctx, x, bias, residual, ln_weight, ln_bias, eps: float, p: float):
         n = x.shape[-1]
         xr, rr = C.as_rows(x, n), C.as_rows(residual, n)
-        m = xr.shape[0]
-        y = torch.empty(xr.shape, dtype=x.dtype, device=x.device)
-        mean = torch.empty(m, dtype=torch.float32, device=x.device)
+        mean = torch.empty(xr.shape[0], dtype=torch.float32, device=x.device)
         rstd = torch.empty_like(mean)
-        seed, scale = (C.dropout_seed() if p > 0 else 0), C.keep_scale(p)
-        block_m, block_n, warps = _blocks(n)
-        if m:
-            _brln_fwd[(triton.cdiv(m, block_m),)](
-                xr, bias, rr, ln_weight, ln_bias, y, mean, rstd, m, n, xr.stride(0), rr.stride(0), eps, p, scale,
-                seed, DROPOUT=p > 0, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-            )
+        seed = C.dropout_seed() if p > 0 else 0
+        y = _forward(xr, bias, rr, ln_weight, ln_bias, eps, (mean, rstd), p, seed)
         ctx.save_for_backward(xr, bias, rr, ln_weight, ln_bias, mean, rstd)
-        ctx.p, ctx.scale, ctx.seed, ctx.shape, ctx.res_dtype = p, scale, seed, x.shape, residual.dtype
+        ctx.p, ctx.scale, ctx.seed, ctx.shape, ctx.res_dtype = p, C.keep_scale(p), seed, x.shape, residual.dtype
         return y.view(x.shape)
 
     @staticmethod
@@ -228,16 +246,7 @@ def bias_residual_layernorm_inference(
         return bias_residual_layernorm(x, bias, residual, ln_weight, ln_bias, eps)
     _check(x, bias, residual, ln_weight, ln_bias, dropout_p)
     n = x.shape[-1]
-    xr, rr = C.as_rows(x, n), C.as_rows(residual, n)
-    m = xr.shape[0]
-    y = torch.empty(xr.shape, dtype=x.dtype, device=x.device)
-    if m:
-        block_m, block_n, warps = _blocks(n)
-        _brln_fwd[(-(-m // block_m),)](
-            xr, bias, rr, ln_weight, ln_bias, y, y, y, m, n, xr.stride(0), rr.stride(0), eps, 0.0, 1.0, 0,
-            DROPOUT=False, BLOCK_M=block_m, BLOCK_N=block_n, STATS=False, num_warps=warps,
-        )
-    return y.view(x.shape)
+    return _forward(C.as_rows(x, n), bias, C.as_rows(residual, n), ln_weight, ln_bias, eps).view(x.shape)
 
 
 # torch.compile: the kernels as custom ops. The forward op returns what the backward op needs besides the inputs

@@ -250,37 +250,69 @@ def _table_grad(grad_rows: torch.Tensor, ids: torch.Tensor, table: torch.Tensor)
     return grad
 
 
+def _rows(
+    input_ids: torch.Tensor | None,
+    token_type_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    tables: tuple[torch.Tensor, ...],
+    inputs_embeds: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The kernel's views: ids [M] (the type ids stand in with inputs_embeds: unused), inputs_embeds as rows [M, E]
+    or None, type and position ids [M], the (word, position, type) tables with unit column stride."""
+    e = tables[0].shape[-1]
+    tt, pos = token_type_ids.reshape(-1).contiguous(), position_ids.reshape(-1).contiguous()
+    emb = C.as_rows(inputs_embeds, e) if inputs_embeds is not None else None
+    ids = tt if emb is not None else input_ids.reshape(-1).contiguous()
+    return ids, emb, tt, pos, [t if t.stride(-1) == 1 else t.contiguous() for t in tables]
+
+
+def _forward(
+    ids: torch.Tensor,  # [M]
+    emb: torch.Tensor | None,  # [M, E] rows, or None
+    tt: torch.Tensor,  # [M]
+    pos: torch.Tensor,  # [M]
+    tables: list[torch.Tensor],  # word [V, E], position [P, E], type [Tt, E]
+    ln_w: torch.Tensor,  # [E]
+    ln_b: torch.Tensor,  # [E]
+    eps: float,
+    dtype: torch.dtype,
+    stats: tuple[torch.Tensor, torch.Tensor] | None = None,  # fp32 (mean, rstd) [M] to write, for the backward
+    p: float = 0.0,
+    seed: int = 0,
+) -> torch.Tensor:  # [M, E]
+    """One launch of the forward kernel: the training forward (stats, dropout) and the inference launcher share it."""
+    m, e = tt.numel(), tables[0].shape[-1]
+    y = torch.empty(m, e, dtype=dtype, device=tables[0].device)
+    if m:
+        block_m, block_n, warps = _blocks(e)
+        mean, rstd = stats if stats is not None else (y, y)
+        word, posw, typew = tables
+        _embedding_ln_fwd[(-(-m // block_m),)](
+            ids, emb if emb is not None else y, tt, pos, word, posw, typew, ln_w, ln_b, y, mean, rstd, m, e,
+            word.stride(0), posw.stride(0), typew.stride(0), emb.stride(0) if emb is not None else 0, eps, p,
+            C.keep_scale(p) if p else 1.0, seed, HAS_EMBEDS=emb is not None, DROPOUT=p > 0, BLOCK_M=block_m,
+            BLOCK_N=block_n, STATS=stats is not None, num_warps=warps,
+        )  # fmt: skip
+    return y
+
+
 class EmbeddingLayerNorm(torch.autograd.Function):
     """Saves the ids, tables, LayerNorm weight and fp32 (mean, rstd); the row sum is re-gathered in backward."""
 
     @staticmethod
     def forward(ctx, input_ids, token_type_ids, position_ids, word, posw, typew, ln_w, ln_b, eps, p, inputs_embeds):
-        e = word.shape[-1]
         has_embeds = inputs_embeds is not None
-        lead = inputs_embeds.shape[:-1] if has_embeds else input_ids.shape
-        tables = [t if t.stride(-1) == 1 else t.contiguous() for t in (word, posw, typew)]
-        tt, pos = token_type_ids.reshape(-1).contiguous(), position_ids.reshape(-1).contiguous()
-        emb = C.as_rows(inputs_embeds, e) if has_embeds else None
-        ids = tt if has_embeds else input_ids.reshape(-1).contiguous()  # ids_ptr is unused with inputs_embeds
-        m = tt.numel()
+        ids, emb, tt, pos, tables = _rows(input_ids, token_type_ids, position_ids, (word, posw, typew), inputs_embeds)
         dtype = inputs_embeds.dtype if has_embeds else word.dtype
-        y = torch.empty(m, e, dtype=dtype, device=word.device)
-        mean = torch.empty(m, dtype=torch.float32, device=word.device)
+        mean = torch.empty(tt.numel(), dtype=torch.float32, device=word.device)
         rstd = torch.empty_like(mean)
-        seed, scale = (C.dropout_seed() if p > 0 else 0), C.keep_scale(p)
-        block_m, block_n, warps = _blocks(e)
-        emb_arg, emb_stride = (emb, emb.stride(0)) if has_embeds else (y, 0)
-        if m:
-            _embedding_ln_fwd[(triton.cdiv(m, block_m),)](
-                ids, emb_arg, tt, pos, *tables, ln_w, ln_b, y, mean, rstd, m, e, *(t.stride(0) for t in tables),
-                emb_stride, eps, p, scale, seed, HAS_EMBEDS=has_embeds, DROPOUT=p > 0, BLOCK_M=block_m,
-                BLOCK_N=block_n, num_warps=warps,
-            )
+        seed = C.dropout_seed() if p > 0 else 0
+        y = _forward(ids, emb, tt, pos, tables, ln_w, ln_b, eps, dtype, (mean, rstd), p, seed)
         ctx.save_for_backward(ids, emb, tt, pos, *tables, ln_w, mean, rstd)
-        ctx.p, ctx.scale, ctx.seed, ctx.has_embeds = p, scale, seed, has_embeds
+        ctx.p, ctx.scale, ctx.seed, ctx.has_embeds = p, C.keep_scale(p), seed, has_embeds
         ctx.emb_shape = inputs_embeds.shape if has_embeds else None
         ctx.emb_dtype = dtype
-        return y.view(*lead, e)
+        return y.view(*(inputs_embeds.shape[:-1] if has_embeds else input_ids.shape), word.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
@@ -376,22 +408,11 @@ def embedding_layernorm_inference(
         return embedding_layernorm(input_ids, token_type_ids, position_ids, word_weight, position_weight, type_weight,
                                    ln_weight, ln_bias, eps, inputs_embeds=inputs_embeds)  # fmt: skip
     _check(input_ids, token_type_ids, position_ids, word_weight, position_weight, type_weight, dropout_p, inputs_embeds)
-    e = word_weight.shape[-1]
+    tables = (word_weight, position_weight, type_weight)
+    rows = _rows(input_ids, token_type_ids, position_ids, tables, inputs_embeds)
     has_embeds = inputs_embeds is not None
-    tables = [t if t.stride(-1) == 1 else t.contiguous() for t in (word_weight, position_weight, type_weight)]
-    tt, pos = token_type_ids.reshape(-1).contiguous(), position_ids.reshape(-1).contiguous()
-    m = tt.numel()
-    y = torch.empty(m, e, dtype=inputs_embeds.dtype if has_embeds else word_weight.dtype, device=word_weight.device)
-    if m:
-        emb = C.as_rows(inputs_embeds, e) if has_embeds else y
-        ids = tt if has_embeds else input_ids.reshape(-1).contiguous()
-        block_m, block_n, warps = _blocks(e)
-        _embedding_ln_fwd[(-(-m // block_m),)](
-            ids, emb, tt, pos, *tables, ln_weight, ln_bias, y, y, y, m, e, *(t.stride(0) for t in tables),
-            emb.stride(0) if has_embeds else 0, eps, 0.0, 1.0, 0, HAS_EMBEDS=has_embeds, DROPOUT=False,
-            BLOCK_M=block_m, BLOCK_N=block_n, STATS=False, num_warps=warps,
-        )
-    return y.view(*(inputs_embeds.shape[:-1] if has_embeds else input_ids.shape), e)
+    y = _forward(*rows, ln_weight, ln_bias, eps, inputs_embeds.dtype if has_embeds else word_weight.dtype)
+    return y.view(*(inputs_embeds.shape[:-1] if has_embeds else input_ids.shape), word_weight.shape[-1])
 
 
 # torch.compile: the kernels as custom ops. The forward op returns what the backward op needs besides the inputs
@@ -445,11 +466,9 @@ def _embedding_backward_op(
     inputs_embeds: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad of word_weight or, with inputs_embeds, of inputs_embeds; position; type; ln weight; ln bias)."""
-    e, has_embeds = word_weight.shape[-1], inputs_embeds is not None
-    tables = [t if t.stride(-1) == 1 else t.contiguous() for t in (word_weight, position_weight, type_weight)]
-    tt, pos = token_type_ids.reshape(-1).contiguous(), position_ids.reshape(-1).contiguous()
-    ids = tt if has_embeds else input_ids.reshape(-1).contiguous()
-    emb = C.as_rows(inputs_embeds, e) if has_embeds else None
+    has_embeds = inputs_embeds is not None
+    tables = (word_weight, position_weight, type_weight)
+    ids, emb, tt, pos, tables = _rows(input_ids, token_type_ids, position_ids, tables, inputs_embeds)
     ctx = C.Saved(
         (ids, emb, tt, pos, *tables, ln_weight, mean, rstd), p=p, scale=C.keep_scale(p), seed=int(seed.item()),
         has_embeds=has_embeds, emb_shape=inputs_embeds.shape if has_embeds else None,
