@@ -33,8 +33,16 @@ def _inductor_cache_per_isa() -> None:
 _inductor_cache_per_isa()
 
 import pytest  # noqa: E402
+from triton_bounds import install as _install_bounds_check  # noqa: E402
 
 from fastbert.backends import native  # noqa: E402  (after the environment above)
+
+# Under the interpreter every Triton load and store is checked against its launch's tensors (tests/triton_bounds.py)
+BOUNDS_CHECK_REASON = _install_bounds_check() if os.environ.get("TRITON_INTERPRET") == "1" else "no interpreter"
+
+
+def pytest_report_header() -> str:
+    return "triton bounds check: " + ("on" if BOUNDS_CHECK_REASON is None else f"off ({BOUNDS_CHECK_REASON})")
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
