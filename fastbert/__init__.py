@@ -34,6 +34,7 @@ from fastbert.auto import (
     XLMRobertaModel,
 )
 from fastbert.config import AlbertConfig, BertConfig, DistilBertConfig, ElectraConfig, RobertaConfig, XLMRobertaConfig
+from fastbert.cuda_graphs import warmup
 from fastbert.families import UnsupportedModelError
 from fastbert.heads import (
     BertForMaskedLM,
@@ -102,4 +103,5 @@ __all__ = [
     "explain",
     "optimize",
     "use_backend",
+    "warmup",
 ]

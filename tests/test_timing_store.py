@@ -1,0 +1,133 @@
+"""First-use GEMM timings kept per machine across processes (fastbert/backends/timing_store.py): a quietly settled
+verdict is read back instead of timed, by a new process too; nothing else is kept, and a bad file is never an error."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastbert.backends import timing, timing_store
+
+NAMES = ("gemm", "oneDNN/torch")
+
+
+@pytest.fixture
+def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv(timing_store.ENV_SWITCH, "1")
+    monkeypatch.setenv(timing_store.ENV_DIR, str(tmp_path))
+    timing_store.forget()
+    yield tmp_path
+    timing_store.forget()
+
+
+def _judge(samples: list[list[float]], monkeypatch: pytest.MonkeyPatch, key: tuple = (768, 768, "small")):
+    """A first-use verdict whose timing returns `samples` (mine, other); how many times it timed."""
+    timed = []
+    monkeypatch.setattr(timing, "samples", lambda *fns: timed.append(1) or samples)
+    verdict = timing.judge({}, key, lambda: None, lambda: None, NAMES, "[8, 768] x [768, 768]")
+    return verdict, len(timed)
+
+
+QUIET = [[1.0e-3] * 9, [2.0e-3] * 9]  # mine twice as fast, both quiet
+BUSY = [[1.0e-3] * 4 + [5.0e-3] * 5, [2.0e-3] * 9]  # mine's median 5x its best: disturbed
+
+
+def test_a_settled_verdict_is_read_back_instead_of_timed(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first, timed = _judge(QUIET, monkeypatch)
+    assert timed == 1 and first[0] is True
+    timing_store.forget()  # as a new process: nothing in memory, the file on disk
+    again, timed = _judge(QUIET, monkeypatch)
+    assert timed == 0 and again[0] is True and "timed in an earlier run" in again[1]
+    assert "1 read" in timing_store.describe()
+
+
+def test_a_provisional_verdict_is_not_kept(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    verdict, _ = _judge(BUSY, monkeypatch)
+    assert verdict.evidence is not None  # provisional: checked again later in this process
+    assert not list(store.glob("*.json"))
+
+
+def test_another_thread_count_times_again(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _judge(QUIET, monkeypatch)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        _, timed = _judge(QUIET, monkeypatch)
+    finally:
+        torch.set_num_threads(threads)
+    assert timed == 1 and len(list(store.glob("*.json"))) == 2
+
+
+def test_an_unreadable_file_is_timed_again_and_rewritten(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    timing_store.path().parent.mkdir(parents=True, exist_ok=True)
+    timing_store.path().write_text("{not json")
+    _, timed = _judge(QUIET, monkeypatch)
+    assert timed == 1 and "unreadable" in timing_store.describe()
+    assert len(json.loads(timing_store.path().read_text())["verdicts"]) == 1
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes into read-only directories")
+def test_a_read_only_directory_keeps_timings_in_the_process(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store.chmod(0o500)
+    try:
+        verdict, timed = _judge(QUIET, monkeypatch)
+    finally:
+        store.chmod(0o700)
+    assert timed == 1 and verdict[0] is True and "cannot write" in timing_store.describe()
+
+
+def test_a_file_where_the_directory_should_be_is_not_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "taken").write_text("")
+    monkeypatch.setenv(timing_store.ENV_SWITCH, "1")
+    monkeypatch.setenv(timing_store.ENV_DIR, str(tmp_path / "taken"))
+    timing_store.forget()
+    try:
+        verdict, timed = _judge(QUIET, monkeypatch)
+        assert timed == 1 and verdict[0] is True and "cannot write" in timing_store.describe()
+    finally:
+        timing_store.forget()
+
+
+def test_switched_off_nothing_is_written(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(timing_store.ENV_SWITCH, "0")
+    _judge(QUIET, monkeypatch)
+    assert not list(store.glob("*.json")) and "this process only" in timing_store.describe()
+
+
+CHILD = """
+import json, sys, torch
+from fastbert import BertConfig, BertModel, explain
+from fastbert.backends import timing
+timed = []
+real = timing.samples
+timing.samples = lambda *fns, **kw: timed.append(1) or real(*fns, **kw)
+torch.manual_seed(0)
+model = BertModel(BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                             intermediate_size=128)).eval()
+with torch.no_grad():
+    out = model(input_ids=torch.randint(1, 100, (2, 12))).last_hidden_state
+print(json.dumps({"timed": len(timed), "sum": out.double().sum().item(), "explain": explain()}))
+"""
+
+
+def test_a_new_process_reads_the_verdicts_of_the_last(tmp_path: Path) -> None:
+    """End to end, two processes: the second finds the first's file (the fingerprint is stable across processes),
+    times nothing, and runs the same paths (the same output to the last bit)."""
+    env = {**os.environ, timing_store.ENV_SWITCH: "1", timing_store.ENV_DIR: str(tmp_path), "FASTBERT_CPU_GEMM": "auto"}
+    runs = []
+    for _ in range(2):
+        child = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300)
+        assert child.returncode == 0, child.stderr[-3000:]
+        runs.append(json.loads(child.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    if first["timed"] == 0:
+        pytest.skip("no GEMM here is chosen by timing (no native build): nothing to keep")
+    assert second["timed"] == 0, second["explain"]
+    assert second["sum"] == first["sum"]
+    assert "timed in an earlier run" in second["explain"]

@@ -1,0 +1,34 @@
+"""fastbert.warmup on a CPU: the first request after it pays nothing the warm-up could pay (no weight packing, no GEMM
+timing, no plan binding), for shapes other than the warmed ones too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import NATIVE_CPU, NATIVE_CPU_REASON
+
+import fastbert
+from fastbert import plan
+from fastbert.backends import gemm, timing
+
+
+@pytest.mark.skipif(NATIVE_CPU is None, reason=f"native CPU extension unavailable: {NATIVE_CPU_REASON}")
+def test_after_warmup_the_first_requests_pay_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FASTBERT_CPU_GEMM", "auto")
+    config = fastbert.BertConfig(vocab_size=300, hidden_size=96, num_hidden_layers=2, num_attention_heads=3,
+                                 intermediate_size=192)  # fmt: skip
+    model = fastbert.BertModel(config).eval()
+    paid: list[str] = []
+    samples, pack = timing.samples, gemm.pack_panels
+    monkeypatch.setattr(timing, "samples", lambda *a, **k: paid.append("timing") or samples(*a, **k))
+    monkeypatch.setattr(gemm, "pack_panels", lambda *a, **k: paid.append("packing") or pack(*a, **k))
+    bind = plan.Plans.bind
+    monkeypatch.setattr(plan.Plans, "bind", lambda *a, **k: paid.append("binding") or bind(*a, **k))
+    assert fastbert.warmup(model, [(1, 16), (2, 128)]) == 0  # no CUDA graphs on a CPU
+    assert {"timing", "packing", "binding"} <= set(paid), f"the warm-up paid only {set(paid)}"
+    paid.clear()
+    with torch.inference_mode():
+        for batch, seqlen in ((1, 9), (3, 100)):  # 9 and 300 rows: both GEMM size classes, shapes not warmed
+            ids = torch.randint(1, 300, (batch, seqlen))
+            model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    assert paid == []
