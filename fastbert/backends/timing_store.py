@@ -40,6 +40,8 @@ def fingerprint() -> dict[str, str]:
 
     return {
         "cpu": capabilities.cpu_model(),
+        "cpu id": _cpu_id(),
+        "cores": str(os.cpu_count()),
         "machine": platform.machine(),
         "forced isa": str(capabilities.forced_isa()),
         "aten isa": torch.backends.cpu.get_cpu_capability(),
@@ -49,6 +51,17 @@ def fingerprint() -> dict[str, str]:
         "fastbert": __version__,
         "native build": _native_build(),
     }
+
+
+@functools.cache
+def _cpu_id() -> str:
+    """Family, model, stepping and cache size (Linux): a guest's model name can hide which generation it runs on."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
+    except OSError:
+        return platform.processor() or "unknown"
+    fields = ("cpu family", "model", "stepping", "cache size")
+    return ", ".join(line.split(":", 1)[1].strip() for line in lines if line.split(":", 1)[0].strip() in fields)
 
 
 @functools.cache
