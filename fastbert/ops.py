@@ -117,6 +117,11 @@ def exclude_backends(*names: str) -> contextlib.AbstractContextManager:
     return _extended("excluded", names)
 
 
+def excluded_backends() -> frozenset[str]:
+    """The backends this thread's `exclude_backends` blocks leave out now."""
+    return getattr(_state, "excluded", frozenset())
+
+
 def opt_in(*names: str) -> contextlib.AbstractContextManager:
     """Let automatic dispatch use these opt-in backends inside a block (a model quantized to int8 runs in one)."""
     return _extended("opted_in", names)

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():  # before anything imports triton: the interpr
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("FASTBERT_TIMING_CACHE", "0")  # each test times afresh; tests/test_timing_store.py turns it on
+os.environ["FASTBERT_TIMING_CACHE"] = "0"  # each test times afresh (tests/test_timing_store.py turns it on)
 
 
 def _inductor_cache_per_isa() -> None:

@@ -3,7 +3,8 @@
 The CPU tests run the kernels in Triton's interpreter, which never lowers them; a kernel that the installed Triton
 cannot compile (an API it lacks, a layout it rejects, too many registers) would first fail on a GPU. This records the
 launches of BERT-base- and MiniLM-shaped layers (fp32, fp16, bf16; a training step and an inference forward) under the
-interpreter, in a child process, then compiles each distinct launch to a cubin with Triton's own ptxas.
+interpreter, in a child process, then compiles each distinct launch to a cubin with Triton's own ptxas, with the
+alignment hints the JIT would give it.
 
     python tests/kernel_compile.py --arch 90 --arch 80     # sm_90 (H100/H200) and sm_80 (A100)
 """
@@ -44,16 +45,26 @@ def _launch_record(fn: Any, args: tuple, kwargs: dict) -> dict:
     options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
     bound = inspect.signature(fn).bind(*args, **{k: v for k, v in kwargs.items() if k in params})
     bound.apply_defaults()
-    signature, constexprs = {}, {}
+    signature, constexprs, aligned = {}, {}, []
     for name, value in bound.arguments.items():
         if "constexpr" in str(params[name].annotation) or value is None:
             signature[name], constexprs[name] = "constexpr", value
         elif hasattr(value, "dtype") and hasattr(value, "data_ptr"):
             signature[name] = "*" + POINTER_TYPES[str(value.dtype).removeprefix("torch.")]
+            aligned += [name] if value.data_ptr() % 16 == 0 else []
         else:
             signature[name] = _scalar_type(value)
+            aligned += [name] if isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0 else []
     return {"module": fn.__module__, "kernel": fn.__name__, "signature": signature, "constexprs": constexprs,
-            "options": options}  # fmt: skip
+            "aligned": aligned, "options": options}  # fmt: skip
+
+
+def _divisibility(fn: Any, entry: dict) -> dict[tuple[int], list]:
+    """The hints Triton's JIT adds at launch: 16-byte-aligned pointers and integers divisible by 16 (except the
+    parameters it is told not to specialize), so the variant compiled is the one a GPU would run."""
+    unhinted = {p.name for p in fn.params if p.do_not_specialize}
+    names = list(entry["signature"])
+    return {(names.index(n),): [["tt.divisibility", 16]] for n in entry["aligned"] if n not in unhinted}
 
 
 def record(out: Path) -> None:
@@ -95,7 +106,8 @@ def compile_all(launches: list[dict], archs: list[int]) -> list[str]:
     for arch in archs:
         for entry in launches:
             fn = getattr(importlib.import_module(entry["module"]), entry["kernel"])
-            source = ASTSource(fn=fn, signature=entry["signature"], constexprs=entry["constexprs"])
+            attrs = _divisibility(fn, entry)
+            source = ASTSource(fn=fn, signature=entry["signature"], constexprs=entry["constexprs"], attrs=attrs)
             try:
                 triton.compile(source, target=GPUTarget("cuda", arch, 32), options=entry["options"])
             except Exception as e:  # noqa: BLE001  (every failure is reported, with the launch that caused it)
@@ -116,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
                f"k.record(k.Path({str(launches_file)!r}))"  # fmt: skip
         subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=ROOT)
     launches = json.loads(launches_file.read_text())
+    if args.launches is None:
+        launches_file.unlink()
     import triton
 
     start = time.perf_counter()

@@ -166,13 +166,15 @@ def judge(
             evidence = Evidence(float("inf"), float("inf"), 0, 1.0, 0.0)
         evidence.add(fast, plain)
         decided = decide(evidence, names, what, margin)
-        if decided.evidence is None and evidence.disturbed < NOISY:  # settled quietly: kept for the next process
-            timing_store.remember("|".join(names), key, *decided)
         if verdict is None:
-            return verdicts.setdefault(key, decided)
-        if verdicts.get(key) is verdict:
-            verdicts[key] = decided
-        return verdicts[key]
+            kept = verdicts.setdefault(key, decided)
+        elif verdicts.get(key) is verdict:
+            kept = verdicts[key] = decided
+        else:
+            kept = verdicts[key]
+        if kept is decided and decided.evidence is None and evidence.disturbed < NOISY:  # settled quietly
+            timing_store.remember("|".join(names), key, *decided)  # the next process reads it instead of timing
+        return kept
     finally:
         if verdict is not None:
             _recheck.release()

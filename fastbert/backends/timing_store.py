@@ -10,6 +10,7 @@ is passed over with one log line, never an error.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -25,6 +26,8 @@ import torch
 log = logging.getLogger("fastbert.timing")
 
 ENV_DIR, ENV_SWITCH = "FASTBERT_CACHE_DIR", "FASTBERT_TIMING_CACHE"
+ONEDNN_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ONEDNN_DEFAULT_FPMATH_MODE", "MKL_ENABLE_INSTRUCTIONS")
+FORMAT = 1  # the verdicts' meaning: raised when timing's rules change (a margin, what a path is compared with)
 _lock = threading.Lock()
 _files: dict[Path, dict[str, list]] = {}  # each file read so far: verdict key -> [wins, why]
 _state = {"read": 0, "written": 0, "note": ""}
@@ -45,10 +48,10 @@ def fingerprint() -> dict[str, str]:
         "machine": platform.machine(),
         "forced isa": str(capabilities.forced_isa()),
         "aten isa": torch.backends.cpu.get_cpu_capability(),
-        "onednn isa limit": os.environ.get("ONEDNN_MAX_CPU_ISA", "none"),
+        "onednn settings": " ".join(f"{v}={os.environ[v]}" for v in ONEDNN_ENV if v in os.environ) or "none",
         "threads": str(torch.get_num_threads()),
         "torch": torch.__version__,
-        "fastbert": __version__,
+        "fastbert": f"{__version__} (timings format {FORMAT})",
         "native build": _native_build(),
     }
 
@@ -71,25 +74,44 @@ def _native_build() -> str:
     return hashlib.sha1(info.read_bytes()).hexdigest()[:12] if info.exists() else "no native build"
 
 
-def path() -> Path:
-    """This machine's file: one per fingerprint, named by its hash."""
+def path() -> Path | None:
+    """This machine's file, one per fingerprint, named by its hash; None when there is no directory to keep it in."""
     digest = hashlib.sha1(json.dumps(fingerprint(), sort_keys=True).encode()).hexdigest()[:16]
-    root = Path(os.environ.get(ENV_DIR) or Path.home() / ".cache" / "fastbert")
+    try:
+        root = Path(os.environ.get(ENV_DIR) or Path.home() / ".cache" / "fastbert")
+    except RuntimeError as e:  # no HOME and a user without a passwd entry (containers run as an arbitrary uid)
+        _state["note"] = f"no directory for them ({e}; set {ENV_DIR})"
+        return None
     return root / f"gemm-timings-{digest}.json"
 
 
 def _key(store: str, key: tuple) -> str:
-    return "|".join([store, *map(str, key)])
+    """The file's key for a verdict: the paths compared, the GEMM shape, and what decides the path it is compared with
+    (FASTBERT_CPU_GEMM, backends excluded in this block)."""
+    from fastbert import ops
+
+    scope = f"FASTBERT_CPU_GEMM={os.environ.get('FASTBERT_CPU_GEMM', 'auto')}"
+    if excluded := ops.excluded_backends():
+        scope += f" without {','.join(sorted(excluded))}"
+    return "|".join([store, scope, *map(str, key)])
+
+
+def _read(file: Path) -> dict[str, list]:
+    """The file's well-formed verdicts ([bool, str] each); a missing file is empty, a bad one raises."""
+    if not file.exists():
+        return {}
+    verdicts = json.loads(file.read_text()).get("verdicts", {})
+    return {k: v for k, v in verdicts.items() if isinstance(v, list) and len(v) == 2
+            and isinstance(v[0], bool) and isinstance(v[1], str)}  # fmt: skip
 
 
 def _entries(file: Path) -> dict[str, list]:
     if file not in _files:
-        _files[file] = {}
         try:
-            data = json.loads(file.read_text()) if file.exists() else {}
-            _files[file] = {k: v for k, v in data.get("verdicts", {}).items() if isinstance(v, list) and len(v) == 2}
-        except (OSError, ValueError, AttributeError) as e:
-            _state["note"] = f"{file} unreadable, timing again ({type(e).__name__}: {e})"
+            _files[file] = _read(file)
+        except Exception as e:  # noqa: BLE001  (any bad file, deep nesting included, means: time again)
+            _files[file] = {}
+            _state["note"] = f"{file} unreadable, timing again ({type(e).__name__}: {str(e)[:200]})"
             log.info("fastbert: %s", _state["note"])
     return _files[file]
 
@@ -99,12 +121,14 @@ def lookup(store: str, key: tuple) -> tuple[bool, str] | None:
     if not enabled():
         return None
     file = path()
+    if file is None:
+        return None
     with _lock:
         entry = _entries(file).get(_key(store, key))
-    if entry is None:
-        return None
-    _state["read"] += 1
-    return bool(entry[0]), f"{entry[1]} (timed in an earlier run, kept in {file})"
+        if entry is None:
+            return None
+        _state["read"] += 1
+    return entry[0], f"{entry[1]} (timed in an earlier run, kept in {file})"
 
 
 def remember(store: str, key: tuple, wins: bool, why: str) -> None:
@@ -112,25 +136,40 @@ def remember(store: str, key: tuple, wins: bool, why: str) -> None:
     if not enabled():
         return
     file = path()
+    if file is None:
+        return
     with _lock:
         entries = _entries(file)
         entries[_key(store, key)] = [wins, why]
+        tmp = None
         try:
             file.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile("w", dir=file.parent, suffix=".tmp", delete=False) as tmp:
-                json.dump({"fingerprint": fingerprint(), "verdicts": entries}, tmp, indent=1)
-            os.replace(tmp.name, file)  # whole files only: a reader never sees half a write
+            with contextlib.suppress(Exception):  # another process's verdicts since this one read the file
+                entries.update({k: v for k, v in _read(file).items() if k not in entries})
+            with tempfile.NamedTemporaryFile("w", dir=file.parent, suffix=".tmp", delete=False) as out:
+                tmp = out.name
+                json.dump({"fingerprint": fingerprint(), "verdicts": entries}, out, indent=1)
+            os.chmod(tmp, 0o644)  # readable by the other users of a shared directory
+            os.replace(tmp, file)  # whole files only: a reader never sees half a write
+            tmp = None
             _state["written"] += 1
         except OSError as e:
             _state["note"] = f"cannot write {file} ({e.strerror or e}): timings stay in this process"
             log.info("fastbert: %s", _state["note"])
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
 
 
 def describe() -> str:
     """explain()'s line: where timings are kept and what this process read and wrote."""
     if not enabled():
         return f"GEMM timings: kept in this process only ({ENV_SWITCH}=0)"
-    said = f"GEMM timings: kept in {path()} ({_state['read']} read, {_state['written']} written by this process)"
+    file = path()
+    if file is None:
+        return f"GEMM timings: kept in this process only: {_state['note']}"
+    said = f"GEMM timings: kept in {file} ({_state['read']} read, {_state['written']} written by this process)"
     return said + (f"; {_state['note']}" if _state["note"] else "")
 
 
