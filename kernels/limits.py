@@ -7,9 +7,26 @@ MAX_HEAD_DIM = 128  # attention keeps a [block, head dim] tile of Q, K and V
 MAX_SEQLEN_DROPOUT = 46340  # attention dropout: row * max_seqlen + col must fit the int32 Philox offset
 
 
+def tf32_allowed() -> bool:
+    """Whether torch allows TF32 in fp32 CUDA matmuls. Where torch has them (>= 2.9) the new switches decide:
+    `torch.backends.cuda.matmul.fp32_precision` ("tf32" or "ieee"; "none" inherits the global
+    `torch.backends.fp32_precision`), since torch raises RuntimeError on a read of the legacy ones once a caller set a
+    new one. Otherwise the legacy switches: `allow_tf32`, or a float32 matmul precision other than "highest". Never
+    raises; read at each call, so a change of the setting takes effect."""
+    for owner in (torch.backends.cuda.matmul, torch.backends):
+        try:
+            precision = getattr(owner, "fp32_precision", None)
+        except RuntimeError:
+            precision = None
+        if precision in ("tf32", "ieee"):
+            return precision == "tf32"
+    try:
+        return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
+    except RuntimeError:
+        return False
+
+
 def fp32_dot_precision() -> str:
-    """How a Triton kernel multiplies fp32 inputs, decided from torch's own switch: "tf32" (tensor cores) where torch
-    allows TF32 (`torch.backends.cuda.matmul.allow_tf32`, or a float32 matmul precision other than "highest"),
-    "ieee" (exact, no tensor cores) where it does not. Read at each launch, so a change of the setting takes effect."""
-    allowed = torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
-    return "tf32" if allowed else "ieee"
+    """How a Triton kernel multiplies fp32 inputs, decided from torch's own switch (tf32_allowed()): "tf32" (tensor
+    cores) where torch allows TF32, "ieee" (exact, no tensor cores) where it does not."""
+    return "tf32" if tf32_allowed() else "ieee"

@@ -22,6 +22,7 @@ from fastbert import kernels  # noqa: E402
 if kernels.unavailable_reason() is not None:
     pytest.skip(f"Triton kernels unavailable: {kernels.unavailable_reason()}", allow_module_level=True)
 
+limits = importlib.import_module("fastbert.kernels.limits")
 attention_kernel = importlib.import_module("fastbert.kernels.attention")  # the package's `attention` is the function
 linear_act_kernel = importlib.import_module("fastbert.kernels.linear_act")
 
@@ -50,6 +51,64 @@ def allow_tf32_flag() -> Iterator[None]:
         torch.set_float32_matmul_precision(before)
 
 
+NEW_API = hasattr(torch.backends.cuda.matmul, "fp32_precision")  # torch >= 2.9
+needs_new_api = pytest.mark.skipif(not NEW_API, reason="torch < 2.9 has no fp32_precision switches")
+
+
+@contextlib.contextmanager
+def fp32_precision(matmul: str, generic: str = "none") -> Iterator[None]:
+    """torch >= 2.9's switches inside a block: `torch.backends.cuda.matmul.fp32_precision` ("tf32", "ieee", or "none":
+    inherit) and the global `torch.backends.fp32_precision`. They leave the legacy float32 matmul precision as it was,
+    and torch raises on a legacy read while the two disagree, so both new switches are put back, and the legacy read
+    checked to work again (the tests after this one in the worker read it)."""
+    legacy = torch.get_float32_matmul_precision()
+    before = (torch.backends.fp32_precision, torch.backends.cuda.matmul.fp32_precision)
+    torch.backends.fp32_precision = generic
+    torch.backends.cuda.matmul.fp32_precision = matmul
+    try:
+        yield
+    finally:
+        torch.backends.fp32_precision, torch.backends.cuda.matmul.fp32_precision = before
+        assert torch.get_float32_matmul_precision() == legacy
+
+
+def precision_switch(setting: str) -> contextlib.AbstractContextManager[None]:
+    """One way a caller sets TF32: 'highest'/'high' (legacy precision), 'allow_tf32' (legacy flag), 'new_tf32' /
+    'new_ieee' (the new per-backend switch), 'generic_tf32' (the new global switch, cuda matmul inheriting it)."""
+    if setting == "allow_tf32":
+        return allow_tf32_flag()
+    if setting.startswith("new_"):
+        return fp32_precision(setting.removeprefix("new_"))
+    if setting == "generic_tf32":
+        return fp32_precision("none", generic="tf32")
+    return matmul_precision(setting)
+
+
+SETTINGS = ["highest", "high", "allow_tf32",
+            pytest.param("new_tf32", marks=needs_new_api), pytest.param("new_ieee", marks=needs_new_api),
+            pytest.param("generic_tf32", marks=needs_new_api)]  # fmt: skip
+TF32_ALLOWED = {"highest": False, "high": True, "allow_tf32": True, "new_tf32": True, "new_ieee": False,
+                "generic_tf32": True}  # fmt: skip
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_tf32_allowed_reads_every_switch_without_raising(setting: str) -> None:
+    """torch >= 2.9 raises on a read of the legacy switches (allow_tf32, get_float32_matmul_precision) once a caller
+    set the new one: tf32_allowed() and fp32_dot_precision() read whichever decides, and never raise."""
+    with precision_switch(setting):
+        assert limits.tf32_allowed() is TF32_ALLOWED[setting]
+        assert limits.fp32_dot_precision() == ("tf32" if TF32_ALLOWED[setting] else "ieee")
+
+
+@needs_new_api
+def test_the_cuda_matmul_switch_overrides_the_global_one() -> None:
+    """An explicit "ieee" for CUDA matmuls wins over a global "tf32", and the reverse."""
+    with fp32_precision("ieee", generic="tf32"):
+        assert not limits.tf32_allowed()
+    with fp32_precision("tf32", generic="ieee"):
+        assert limits.tf32_allowed()
+
+
 def _cuda_attention_call(dtype: torch.dtype) -> tuple[tuple, dict]:
     """An attention call on fake CUDA tensors: select() reads devices, dtypes and shapes, and runs nothing."""
     with FakeTensorMode():
@@ -58,11 +117,10 @@ def _cuda_attention_call(dtype: torch.dtype) -> tuple[tuple, dict]:
     return (qkv, cu_seqlens, 16), {}
 
 
-@pytest.mark.parametrize("setting", ["highest", "high", "allow_tf32"])
+@pytest.mark.parametrize("setting", SETTINGS)
 def test_cuda_fp32_attention_goes_to_sdpa_unless_tf32_is_allowed(setting: str) -> None:
-    allowed = setting != "highest"
-    switch = allow_tf32_flag() if setting == "allow_tf32" else matmul_precision(setting)
-    with switch:
+    allowed = TF32_ALLOWED[setting]
+    with precision_switch(setting):
         _, backend = ops.select("attention", *_cuda_attention_call(torch.float32))
         assert backend == ("triton" if allowed else "torch")
         if not allowed:
@@ -83,18 +141,18 @@ class _Launch:
         return lambda *args, **meta: self.meta.append(meta)
 
 
-@pytest.mark.parametrize("setting", ["highest", "high", "allow_tf32"])
+@pytest.mark.parametrize("setting", SETTINGS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_kernels_launch_with_the_precision_torch_allows(
     setting: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    expected = "ieee" if dtype == torch.float32 and setting == "highest" else "tf32"
+    expected = "ieee" if dtype == torch.float32 and not TF32_ALLOWED[setting] else "tf32"
     attn, gemm = _Launch(), _Launch()
     monkeypatch.setattr(attention_kernel, "_attn_fwd", attn)
     monkeypatch.setattr(linear_act_kernel, "_linear_act_fwd", gemm)
     qkv = torch.randn(10, 3, 2, 16, dtype=dtype)
     x, weight, bias = torch.randn(4, 32, dtype=dtype), torch.randn(8, 32, dtype=dtype), torch.randn(8, dtype=dtype)
-    with allow_tf32_flag() if setting == "allow_tf32" else matmul_precision(setting), torch.no_grad():
+    with precision_switch(setting), torch.no_grad():
         attention_kernel.attention(qkv, torch.tensor([0, 4, 10], dtype=torch.int32), 6)
         linear_act_kernel.linear_act(x, weight, bias)
     assert [m["PRECISION"] for m in attn.meta + gemm.meta] == [expected, expected]
