@@ -34,16 +34,29 @@ def _load_rows(ptr, tok, rmask, d, D, stride_t):
 
 
 @triton.jit
-def _seq_bounds(cu_ptr):
-    b = tl.program_id(1)
+def _program(max_seqlen, BLOCK: tl.constexpr):
+    """(sequence, head, first row of the program's block) from the grid (B * blocks per sequence, nH): a sequence's
+    blocks are adjacent on grid x, which takes 2^31 - 1 programs where y and z take 65,535."""
+    blocks = tl.cdiv(max_seqlen, BLOCK)
+    pid = tl.program_id(0)
+    return pid // blocks, tl.program_id(1), (pid % blocks) * BLOCK
+
+
+@triton.jit
+def _seq_bounds(cu_ptr, b):
     start = tl.load(cu_ptr + b)
     return start, tl.load(cu_ptr + b + 1) - start
 
 
 @triton.jit
-def _rng_seed(seed, H):
+def _rng_seed(seed, b, h, H):
     """One Philox key per (sequence, head): the base seed in the low word, the program's bh in the high word."""
-    return seed.to(tl.int64) + ((tl.program_id(1) * H + tl.program_id(2)).to(tl.int64) << 32)
+    return seed.to(tl.int64) + ((b.to(tl.int64) * H + h) << 32)
+
+
+def _grid(batch: int, max_seqlen: int, block: int, heads: int) -> tuple[int, int]:
+    """(B * query or key blocks per sequence, nH): see _program."""
+    return batch * triton.cdiv(max_seqlen, block), heads
 
 
 @triton.jit(do_not_specialize=["seed", "max_seqlen"])
@@ -70,11 +83,10 @@ def _attn_fwd(
     UPCAST: tl.constexpr,
     STATS: tl.constexpr = True,  # store the log-sum-exp for a backward; inference leaves it out (lse_ptr unused)
 ):
-    start, length = _seq_bounds(cu_ptr)
-    m0 = tl.program_id(0) * BLOCK_M
+    b, h, m0 = _program(max_seqlen, BLOCK_M)
+    start, length = _seq_bounds(cu_ptr, b)
     if m0 >= length:
         return
-    h = tl.program_id(2)
     rows = m0 + tl.arange(0, BLOCK_M)
     rmask = rows < length
     d = tl.arange(0, BLOCK_D)
@@ -83,7 +95,7 @@ def _attn_fwd(
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    key_seed = _rng_seed(seed, H)
+    key_seed = _rng_seed(seed, b, h, H)
     for n0 in range(0, length, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         cmask = cols < length
@@ -153,11 +165,10 @@ def _attn_bwd_dkdv(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    start, length = _seq_bounds(cu_ptr)
-    n0 = tl.program_id(0) * BLOCK_N
+    b, h, n0 = _program(max_seqlen, BLOCK_N)
+    start, length = _seq_bounds(cu_ptr, b)
     if n0 >= length:
         return
-    h = tl.program_id(2)
     d = tl.arange(0, BLOCK_D)
     cols = n0 + tl.arange(0, BLOCK_N)
     cmask = cols < length
@@ -167,7 +178,7 @@ def _attn_bwd_dkdv(
     v = _load_rows(base + 2 * stride_3, ctok, cmask, d, D, stride_t)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-    key_seed = _rng_seed(seed, H)
+    key_seed = _rng_seed(seed, b, h, H)
     for m0 in range(0, length, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         rmask = rows < length
@@ -214,11 +225,10 @@ def _attn_bwd_dq(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    start, length = _seq_bounds(cu_ptr)
-    m0 = tl.program_id(0) * BLOCK_M
+    b, h, m0 = _program(max_seqlen, BLOCK_M)
+    start, length = _seq_bounds(cu_ptr, b)
     if m0 >= length:
         return
-    h = tl.program_id(2)
     d = tl.arange(0, BLOCK_D)
     rows = m0 + tl.arange(0, BLOCK_M)
     rmask = rows < length
@@ -229,7 +239,7 @@ def _attn_bwd_dq(
     lse = tl.load(lse_ptr + tok * H + h, mask=rmask, other=0.0)
     delta = tl.load(delta_ptr + tok * H + h, mask=rmask, other=0.0)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    key_seed = _rng_seed(seed, H)
+    key_seed = _rng_seed(seed, b, h, H)
     for n0 in range(0, length, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         cmask = cols < length
@@ -281,7 +291,7 @@ def _forward(
     if total and batch and max_seqlen:
         block_m, block_n, block_d, warps = _blocks(dim, max_seqlen)
         precision, upcast = _dot_modes(qkv)
-        _attn_fwd[(-(-max_seqlen // block_m), batch, heads)](
+        _attn_fwd[_grid(batch, max_seqlen, block_m, heads)](
             qkv, cu_seqlens, out, lse if lse is not None else out, qkv.stride(0), qkv.stride(1), qkv.stride(2),
             heads, dim, max_seqlen, scale * LOG2E, p, C.keep_scale(p) if p else 1.0, seed, DROPOUT=p > 0,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision, UPCAST=upcast,
@@ -322,8 +332,8 @@ class FlashAttention(torch.autograd.Function):
             DROPOUT=p > 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision, UPCAST=upcast
         )
         if total and batch and max_seqlen:
-            _attn_bwd_dkdv[(triton.cdiv(max_seqlen, block_n), batch, heads)](*args, **meta, num_warps=warps)
-            _attn_bwd_dq[(triton.cdiv(max_seqlen, block_m), batch, heads)](*args, **meta, num_warps=warps)
+            _attn_bwd_dkdv[_grid(batch, max_seqlen, block_n, heads)](*args, **meta, num_warps=warps)
+            _attn_bwd_dq[_grid(batch, max_seqlen, block_m, heads)](*args, **meta, num_warps=warps)
         return dqkv, None, None, None, None
 
 

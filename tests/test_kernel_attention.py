@@ -128,6 +128,35 @@ def test_attention_rejects_bad_input() -> None:
         kernels.attention(torch.randn(4, 3, 1, 16, device=DEVICE), _cu([4]).long(), 4)
 
 
+CUDA_GRID_LIMITS = (2**31 - 1, 65535, 65535)  # the largest grid x, y and z a CUDA launch takes
+
+
+def test_attention_launch_grids_fit_cuda_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """70,000 sequences in one call (a bulk embedding job): every launch's grid, forward, both backward kernels and
+    the inference launcher, stays within CUDA's grid limits (the interpreter has none). Launches are recorded and run
+    nothing."""
+    from triton.runtime import interpreter
+
+    from fastbert import kernels
+
+    grids: list[tuple[str, tuple[int, ...]]] = []
+
+    def record(self, *args, grid, warmup, **kwargs):  # noqa: ANN001, ANN002, ANN003
+        grids.append((self.fn.__name__, tuple(grid)))
+
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", record)
+    batch, heads = 70_000, 2
+    qkv = torch.randn(batch, 3, heads, 16, requires_grad=True)
+    cu = torch.arange(batch + 1, dtype=torch.int32)
+    kernels.attention(qkv, cu, 1).sum().backward()
+    kernels.INFERENCE["attention"](qkv.detach(), cu, 1)
+    assert [name for name, _ in grids] == ["_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq", "_attn_fwd"]
+    for name, grid in grids:
+        xyz = (*grid, 1, 1)[:3]
+        assert all(n <= limit for n, limit in zip(xyz, CUDA_GRID_LIMITS, strict=True)), f"{name} grid {grid}"
+        assert math.prod(grid) >= batch * heads, f"{name} grid {grid} has a program per (sequence, head)"
+
+
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("dim", [26, 64, 80, 128])
