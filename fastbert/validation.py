@@ -157,7 +157,8 @@ def _range_check(
     pad_id = config.pad_token_id if attention_mask is None and input_ids is not None else None
     pad_seen = None
     if pad_id is not None:  # transformers' cheap test: a pad id in the first or last column
-        pad_seen = (input_ids[:, [0, -1]] == pad_id).any().long().view(1)
+        ends = torch.stack([input_ids[:, 0], input_ids[:, -1]])  # slices: a list index is a host-to-device copy
+        pad_seen = (ends == pad_id).any().long().view(1)
     parts = stats + [t for t in (mask_bad, pad_seen) if t is not None]
     if not parts:
         return None
