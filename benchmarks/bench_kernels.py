@@ -1,5 +1,4 @@
-"""GPU micro-benchmarks of the Triton kernels vs torch eager, torch.compile and (attention) SDPA's flash backend;
-the optional GEMM + bias + GELU kernel vs cuBLAS + GELU.
+"""GPU micro-benchmarks of the Triton kernels vs torch eager, torch.compile and (attention) SDPA's flash backend.
 
     python -m benchmarks.bench_kernels [--dtype bf16] [--batch 32] [--out benchmarks/results]
 
@@ -81,15 +80,6 @@ def build_cases(dtype: torch.dtype, batch: int, dev: str = "cuda") -> list[Case]
             "torch.compile": _compiled(reference.bias_act),
         }, 2 * n, 3 * n, "GB/s"))
 
-        # optional GEMM + bias + GELU, [T, 768] x [3072, 768]^T: 2*T*K*N FLOPs forward; backward adds the dX and dW
-        # GEMMs (2 x the forward FLOPs; the elementwise GELU grad is not counted)
-        x_in = torch.randn(tokens, HIDDEN, device=dev, dtype=dtype)
-        weight = torch.randn(INTERMEDIATE, HIDDEN, device=dev, dtype=dtype) / HIDDEN**0.5
-        gemm = 2 * tokens * HIDDEN * INTERMEDIATE
-        cases.append(Case("linear_gelu", f"{shape}, K={HIDDEN}, N={INTERMEDIATE}", [x_in, weight, bias], {
-            "triton": kernels.linear_act, "torch eager": _linear_gelu, "torch.compile": _compiled(_linear_gelu),
-        }, gemm, 2 * gemm, "TFLOP/s"))
-
         # bias + residual + LayerNorm on [T, 768]: fwd reads x, residual, writes y; bwd reads dy, x, residual,
         # writes dx, d(residual)
         x = torch.randn(tokens, HIDDEN, device=dev, dtype=dtype)
@@ -139,10 +129,6 @@ def build_cases(dtype: torch.dtype, batch: int, dev: str = "cuda") -> list[Case]
             "torch eager": lambda t, cu=cu, s=seqlen: reference.attention(t, cu, s),
         }, flops, 2.5 * flops, "TFLOP/s"))
     return cases
-
-
-def _linear_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    return F.gelu(F.linear(x, weight, bias))
 
 
 def _sdpa_flash(qkv: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:

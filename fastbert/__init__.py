@@ -48,12 +48,12 @@ from fastbert.heads import (
 from fastbert.modeling import BertModel
 from fastbert.ops import BackendUnavailable, explain, use_backend
 from fastbert.optimize import optimize
+from fastbert.version import __version__
 
 capabilities.bound_onednn_caches()  # before any oneDNN GEMM of this process: oneDNN reads the capacities once
 
-__version__ = "0.1.0"
-
 __all__ = [
+    "__version__",
     "AlbertConfig",
     "AlbertForMaskedLM",
     "AlbertForQuestionAnswering",

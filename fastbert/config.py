@@ -43,7 +43,7 @@ _DEFAULTS: dict[str, Any] = {
     "embedding_size": None,  # ALBERT: embeddings of size E projected to hidden_size; None means E == H
     "layer_sharing": "none",  # none | all | attention | ffn
     "num_hidden_groups": 1,  # ALBERT groups: layer i uses group i * groups // layers
-    "backend": None,  # None/auto | triton | native | onednn (old name: cpu) | torch; use_backend() and env override
+    "backend": None,  # None/auto or a name in fastbert.ops.backends(); use_backend() and FASTBERT_BACKEND override
     "quantize": None,  # None | "int8": dynamic int8 GEMMs on CPU where measured faster (inference only)
 }
 
@@ -169,7 +169,7 @@ class BertConfig:
                 f"num_hidden_groups ({self.num_hidden_groups}) must be in "
                 f"[1, num_hidden_layers={self.num_hidden_layers}]"
             )
-        if self.backend not in (None, "auto", *ops.backends(), *ops.ALIASES):
+        if self.backend not in (None, "auto", *ops.backends()):
             # the registry's names: a backend added with ops.register_backend is valid here too
             raise ValueError(f"backend must be None, 'auto' or one of {sorted(ops.backends())}, got {self.backend!r}")
         if self.quantize not in QUANTIZE_CHOICES:
@@ -202,10 +202,6 @@ class BertConfig:
     def embedding_dim(self) -> int:
         """Width of the embedding tables (E); equals hidden_size unless ALBERT factorisation is on."""
         return self.embedding_size or self.hidden_size
-
-    @property
-    def is_albert_style(self) -> bool:
-        return self.embedding_dim != self.hidden_size or self.layer_sharing != "none"
 
     def group_of_layer(self, layer: int) -> int:
         """ALBERT's group assignment: layer i of L uses group floor(i * G / L)."""

@@ -7,9 +7,11 @@ epilogues (`linear`: GEMM + bias + activation; `dense_residual_layernorm`: GEMM 
 ops like the others, taken whole by a backend that fuses them (oneDNN) or composed from the `bias_act` and
 `bias_residual_layernorm` ops by the torch backend.
 
-`FASTBERT_BACKEND=triton|native|onednn|torch` (or `use_backend(...)`, or `BertConfig.backend`) forces one backend
-for the ops it implements (the others keep the automatic choice, and explain() says so); a forced backend that cannot
-take a call raises `BackendUnavailable`, it never silently degrades. `cpu` is accepted as the old name of `onednn`.
+`FASTBERT_BACKEND=triton|native|int8|gemm|onednn|torch` (or `use_backend(...)`, or `BertConfig.backend`) forces one
+backend for the ops it implements (the others keep the automatic choice, and explain() says so); a forced backend that
+cannot take a call raises `BackendUnavailable`, it never silently degrades. This thread's scope (the backend forced,
+those excluded or opted in) lives in `fastbert.backends.scope`, which the backends may read; its public entries are
+here, checked against the registry.
 Importing this module never needs a GPU, Triton or the native extension: a backend that cannot run says why.
 """
 
@@ -27,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from fastbert import capabilities, reference
-from fastbert.backends import gemm, int8, native, onednn, timing_store
+from fastbert.backends import gemm, int8, native, onednn, scope, timing_store
 from fastbert.backends import triton as triton_backend
 from fastbert.backends.spec import COMPOUND_OPS, FLOATS, KERNEL_OPS, OPS, Backend, BackendUnavailable
 
@@ -39,16 +41,12 @@ __all__ = [
 ]  # fmt: skip
 
 log = logging.getLogger("fastbert.ops")
-ALIASES = {"cpu": "onednn"}  # old backend names, accepted for a release
 
 
 class _State(threading.local):
-    """This thread's dispatch state. Every field has a class default, so it always exists: a torch.compile guard on it
-    reads one value and never flips between 'absent' and None when an eager forward sets and restores it."""
+    """This thread's watchers (its backend scope is fastbert.backends.scope's). Every field has a class default, so it
+    always exists: a torch.compile guard on it reads one value and never flips between 'absent' and None."""
 
-    forced: str | None = None
-    excluded: frozenset = frozenset()
-    opted_in: frozenset = frozenset()
     seen: list | None = None  # watching()'s list
     trace: list | None = None  # recording()'s list
 
@@ -74,10 +72,9 @@ def backends() -> dict[str, Backend]:
 
 
 def canonical(name: str | None) -> str | None:
-    """A backend name as the registry knows it (old names mapped), None for automatic; ValueError if unknown."""
+    """A backend name the registry knows, None for automatic (None or 'auto'); ValueError if unknown."""
     if name in (None, "auto"):
         return None
-    name = ALIASES.get(name, name)
     if name not in _BACKENDS:
         raise ValueError(f"unknown backend {name!r}; expected one of {sorted(_BACKENDS)} or 'auto'")
     return name
@@ -85,46 +82,25 @@ def canonical(name: str | None) -> str | None:
 
 def forced_backend() -> str | None:
     """The backend forced by `use_backend` or FASTBERT_BACKEND, if any ('auto' means none)."""
-    return canonical(getattr(_state, "forced", None) or os.environ.get("FASTBERT_BACKEND") or None)
+    return canonical(scope.current.forced or os.environ.get("FASTBERT_BACKEND") or None)
 
 
-@contextlib.contextmanager
-def use_backend(name: str | None) -> Iterator[None]:
-    """Force a backend inside a block (`None`/'auto' restores automatic choice)."""
-    previous = getattr(_state, "forced", None)
-    name = canonical(name)
-    _state.forced = name
-    try:
-        yield
-    finally:
-        _state.forced = previous
-
-
-@contextlib.contextmanager
-def _extended(attribute: str, names: tuple[str, ...]) -> Iterator[None]:
-    """Add backend names to one of this thread's dispatch sets inside a block."""
-    names = tuple(canonical(n) for n in names)
-    previous = getattr(_state, attribute, frozenset())
-    setattr(_state, attribute, previous | frozenset(names))
-    try:
-        yield
-    finally:
-        setattr(_state, attribute, previous)
+def use_backend(name: str | None) -> contextlib.AbstractContextManager:
+    """Force a backend inside a block (`None`/'auto' restores automatic choice); ValueError for an unknown name."""
+    return scope.forcing(canonical(name))
 
 
 def exclude_backends(*names: str) -> contextlib.AbstractContextManager:
     """Leave these backends out of the automatic choice inside a block (to measure a path with and without one)."""
-    return _extended("excluded", names)
-
-
-def excluded_backends() -> frozenset[str]:
-    """The backends this thread's `exclude_backends` blocks leave out now."""
-    return getattr(_state, "excluded", frozenset())
+    return scope.excluding(*(canonical(n) for n in names))
 
 
 def opt_in(*names: str) -> contextlib.AbstractContextManager:
     """Let automatic dispatch use these opt-in backends inside a block (a model quantized to int8 runs in one)."""
-    return _extended("opted_in", names)
+    return scope.opting_in(*(canonical(n) for n in names))
+
+
+excluded_backends = scope.excluded_backends  # the backends this thread's `exclude_backends` blocks leave out now
 
 
 def _first_tensor(args: tuple) -> torch.Tensor:
@@ -147,8 +123,7 @@ def select(op: str, args: tuple, kwargs: dict) -> tuple[Callable, str]:
         _record(op, dtype, forced, " (forced)")
         return backend.function(op), forced
     why: list[tuple[str, str]] = []  # (backend, why it refused), formatted only when the decision changes
-    excluded = getattr(_state, "excluded", frozenset())
-    opted_in = getattr(_state, "opted_in", frozenset())
+    excluded, opted_in = scope.current.excluded, scope.current.opted_in
     for name in _AUTO_ORDER:
         backend = _BACKENDS[name]
         if op not in backend.ops:
@@ -178,7 +153,7 @@ def settle(device_type: str) -> bool:
 def dispatch_scope() -> tuple[str | None, frozenset, frozenset]:
     """This thread's dispatch state now: (forced backend, excluded backends, opted-in backends); a plan is bound to it
     (fastbert.plan), so FASTBERT_BACKEND and the scopes are read once per forward, not once per op."""
-    return forced_backend(), getattr(_state, "excluded", frozenset()), getattr(_state, "opted_in", frozenset())
+    return forced_backend(), scope.current.excluded, scope.current.opted_in
 
 
 @contextlib.contextmanager

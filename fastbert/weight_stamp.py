@@ -1,5 +1,6 @@
-"""One stamp for "have these weights changed?", shared by every cache built from weights (the fused QKV weight,
-oneDNN's prepacked weights, CUDA graphs): cheap, and safe for inference tensors, which have no version counter."""
+"""One stamp for "have these weights changed?", shared by the caches built from weights (the fused QKV weight,
+oneDNN's prepacked weights, the gemm backend's packed panels, the int8 backend's quantized copies): cheap, and safe for
+inference tensors, which have no version counter."""
 
 from __future__ import annotations
 

@@ -18,7 +18,6 @@ try:
     from .bias_act import bias_act, bias_act_inference
     from .bias_residual_layernorm import bias_residual_layernorm, bias_residual_layernorm_inference
     from .embedding import embedding_layernorm, embedding_layernorm_inference
-    from .linear_act import linear_act  # an extra: GEMM + bias + activation, not a dispatch op
 
     INFERENCE = {
         "embedding_layernorm": embedding_layernorm_inference,
@@ -33,7 +32,7 @@ except ImportError as exc:  # triton missing or too old: a reason to fall back, 
 __all__ = [
     "INFERENCE", "limits",
     "attention", "attention_inference", "bias_act_inference", "bias_residual_layernorm_inference",
-    "embedding_layernorm_inference", "bias_act", "bias_residual_layernorm", "embedding_layernorm", "linear_act",
+    "embedding_layernorm_inference", "bias_act", "bias_residual_layernorm", "embedding_layernorm",
     "unavailable_reason",
 ]
 

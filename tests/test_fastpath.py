@@ -1,4 +1,4 @@
-"""The fast path: unpadded vs padded vs transformers, the CPU backend (oneDNN GEMMs, per-sequence attention) vs the
+"""The fast path: unpadded vs padded vs transformers, the onednn backend (oneDNN GEMMs, per-sequence attention) vs the
 plain torch path, the prepacked-weight cache, `fastbert.optimize`, and the CUDA-graph bucket layout (run on CPU)."""
 
 from __future__ import annotations
@@ -66,14 +66,14 @@ def test_unpadded_padded_and_transformers_agree(gemm: str, monkeypatch: pytest.M
 
 
 def test_fast_cpu_path_equals_plain_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The whole model on the cpu backend (oneDNN forced) vs FASTBERT_BACKEND=torch: fp32 tolerance."""
+    """The whole model on the onednn backend (FASTBERT_CPU_GEMM=onednn) vs FASTBERT_BACKEND=torch: fp32 tolerance."""
     _, fb = pair({**TINY, "hidden_act": "gelu_new"})
     ids, mask, types = ragged(4, 17, TINY["vocab_size"], seed=1)
     monkeypatch.setenv("FASTBERT_CPU_GEMM", "onednn")
     with torch.no_grad():
         fast = fb(ids, attention_mask=mask, token_type_ids=types).last_hidden_state
         fp32 = [line for line in fastbert.explain().splitlines() if line.endswith("(in float32)")]
-        # attention goes to the native extension where it is built, else to the cpu backend; never to the reference
+        # attention goes to the native extension where it is built, else to onednn; never to the reference
         assert any(line.startswith("linear: onednn") for line in fp32)
         assert not any(line.startswith("attention: torch") for line in fp32)
         with fastbert.use_backend("torch"):

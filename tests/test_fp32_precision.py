@@ -24,7 +24,6 @@ if kernels.unavailable_reason() is not None:
 
 limits = importlib.import_module("fastbert.kernels.limits")
 attention_kernel = importlib.import_module("fastbert.kernels.attention")  # the package's `attention` is the function
-linear_act_kernel = importlib.import_module("fastbert.kernels.linear_act")
 
 REFUSAL = "fp32 without TF32: torch's SDPA is the faster exact path"
 
@@ -146,16 +145,20 @@ class _Launch:
 def test_kernels_launch_with_the_precision_torch_allows(
     setting: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Every kernel with dots (attention's training forward, its two backward kernels, the inference launch) is
+    launched with the precision torch allows: IEEE for fp32 without TF32, TF32 otherwise."""
     expected = "ieee" if dtype == torch.float32 and not TF32_ALLOWED[setting] else "tf32"
-    attn, gemm = _Launch(), _Launch()
-    monkeypatch.setattr(attention_kernel, "_attn_fwd", attn)
-    monkeypatch.setattr(linear_act_kernel, "_linear_act_fwd", gemm)
-    qkv = torch.randn(10, 3, 2, 16, dtype=dtype)
-    x, weight, bias = torch.randn(4, 32, dtype=dtype), torch.randn(8, 32, dtype=dtype), torch.randn(8, dtype=dtype)
-    with precision_switch(setting), torch.no_grad():
-        attention_kernel.attention(qkv, torch.tensor([0, 4, 10], dtype=torch.int32), 6)
-        linear_act_kernel.linear_act(x, weight, bias)
-    assert [m["PRECISION"] for m in attn.meta + gemm.meta] == [expected, expected]
+    launches = {name: _Launch() for name in ("_attn_fwd", "_attn_bwd_dkdv", "_attn_bwd_dq")}
+    for name, launch in launches.items():
+        monkeypatch.setattr(attention_kernel, name, launch)
+    qkv = torch.randn(10, 3, 2, 16, dtype=dtype, requires_grad=True)
+    cu_seqlens = torch.tensor([0, 4, 10], dtype=torch.int32)
+    with precision_switch(setting):
+        attention_kernel.attention(qkv, cu_seqlens, 6).sum().backward()  # the stubs write nothing: launches only
+        with torch.no_grad():
+            attention_kernel.attention_inference(qkv, cu_seqlens, 6)
+    precisions = {name: [m["PRECISION"] for m in launch.meta] for name, launch in launches.items()}
+    assert precisions == {"_attn_fwd": [expected, expected], "_attn_bwd_dkdv": [expected], "_attn_bwd_dq": [expected]}
 
 
 def _naive_attention(qkv: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:

@@ -121,9 +121,9 @@ def test_config_backend_names_come_from_the_registry(monkeypatch: pytest.MonkeyP
     assert BertConfig(**TINY, backend="mine").backend == "mine"
 
 
-def test_the_old_backend_name_cpu_still_forces_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_config_backend_onednn_forces_it_and_no_other_name_means_it(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
-    model = BertModel(BertConfig(**TINY, backend="cpu")).eval()
+    model = BertModel(BertConfig(**TINY, backend="onednn")).eval()
     ids, mask = batch()
     monkeypatch.setattr(ops, "_decisions", {})
     monkeypatch.setattr(ops, "_decisions_by_dtype", {})
@@ -131,4 +131,9 @@ def test_the_old_backend_name_cpu_still_forces_onednn(monkeypatch: pytest.Monkey
     with torch.no_grad():
         model(ids, attention_mask=mask)
     assert ops.decisions()["linear"] == "onednn (forced)"
-    assert ops.canonical("cpu") == "onednn" and ops.canonical("auto") is None
+    assert ops.canonical("onednn") == "onednn" and ops.canonical("auto") is None
+    # no aliases: `cpu` was onednn's name once, and read as "every op on the CPU" it misled
+    with pytest.raises(ValueError, match="backend must be None, 'auto' or one of"):
+        BertConfig(**TINY, backend="cpu")
+    with pytest.raises(ValueError, match="unknown backend"):
+        ops.use_backend("cpu")

@@ -1,4 +1,4 @@
-"""The `onednn` backend (formerly `cpu`): oneDNN GEMMs on weights prepacked once, with their epilogues fused (the
+"""The `onednn` backend: oneDNN GEMMs on weights prepacked once, with their epilogues fused (the
 `linear` and `dense_residual_layernorm` ops), and attention without padding.
 
 `linear`: torch's default CPU fp32 matmul leaves much of a modern x86 core idle; oneDNN with a prepacked (blocked)

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from fastbert.backends import scope
+
 log = logging.getLogger("fastbert.timing")
 
 ENV_DIR, ENV_SWITCH = "FASTBERT_CACHE_DIR", "FASTBERT_TIMING_CACHE"
@@ -39,7 +41,8 @@ def enabled() -> bool:
 
 def fingerprint() -> dict[str, str]:
     """What a timing depends on besides the call: the CPU, the ISA each library runs, threads, and the builds."""
-    from fastbert import __version__, capabilities
+    from fastbert import capabilities
+    from fastbert.version import __version__
 
     return {
         "cpu": capabilities.cpu_model(),
@@ -88,12 +91,10 @@ def path() -> Path | None:
 def _key(store: str, key: tuple) -> str:
     """The file's key for a verdict: the paths compared, the GEMM shape, and what decides the path it is compared with
     (FASTBERT_CPU_GEMM, backends excluded in this block)."""
-    from fastbert import ops
-
-    scope = f"FASTBERT_CPU_GEMM={os.environ.get('FASTBERT_CPU_GEMM', 'auto')}"
-    if excluded := ops.excluded_backends():
-        scope += f" without {','.join(sorted(excluded))}"
-    return "|".join([store, scope, *map(str, key)])
+    paths = f"FASTBERT_CPU_GEMM={os.environ.get('FASTBERT_CPU_GEMM', 'auto')}"
+    if excluded := scope.excluded_backends():
+        paths += f" without {','.join(sorted(excluded))}"
+    return "|".join([store, paths, *map(str, key)])
 
 
 def _read(file: Path) -> dict[str, list]:

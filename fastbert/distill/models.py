@@ -16,7 +16,6 @@ from fastbert.checkpoint import PreTrainedModel
 from fastbert.config import BertConfig
 from fastbert.distill.losses import mean_pool
 from fastbert.distill.objectives import Objectives, weighted_losses
-from fastbert.modeling import BertModel
 
 # checkpoints whose MLM head the teacher keeps (loaded as the family's ForMaskedLM)
 MLM_ARCHITECTURES = ("BertForPreTraining", "AlbertForPreTraining", *(n for n in BY_NAME if n.endswith("ForMaskedLM")))
@@ -44,10 +43,6 @@ def load_teacher(teacher: str | os.PathLike | nn.Module) -> PreTrainedModel:
 
 def has_mlm_head(model: nn.Module) -> bool:
     return hasattr(model, "cls") and hasattr(model.cls, "predictions")
-
-
-def _encoder(model: nn.Module) -> BertModel:
-    return model.bert if hasattr(model, "bert") else model
 
 
 @dataclass
