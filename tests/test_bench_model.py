@@ -8,6 +8,7 @@ import json
 import math
 import sys
 import types
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -95,6 +96,35 @@ def test_a_failing_dtype_or_shape_is_a_row_with_its_reason(monkeypatch: pytest.M
     reasons = {r["dtype"]: r["skipped"] for r in doc["rows"]}
     assert reasons == {"fp32": "failed: MemoryError: too big", "bf16": "failed: RuntimeError: no bf16 here"}
     assert doc["dtype_labels"]["bf16"].startswith("bf16")
+
+
+def test_error_column_is_the_last_timed_calls() -> None:
+    """fastbert's first call binds its plan module by module; the timed calls replay a CUDA graph or run the plan's
+    loop. The error column must be the timed path's: here call n is off by n / 8, so the last timed call of 2 warm-up
+    calls and 3 rounds is off by 5 / 8 (the first by 1 / 8), and a system whose first call alone is wrong shows 0."""
+    from tqdm import tqdm
+
+    reference = torch.randn(2, 5, 8)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    calls = {"drifting": 0, "settling": 0}
+
+    def runner(name: str, off: Callable[[int], float]) -> model_systems.Runner:
+        def run(ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
+            calls[name] += 1
+            return reference + off(calls[name])
+
+        return run
+
+    systems = [
+        model_systems.System("drifting", "fp32", runner("drifting", lambda n: n / 8)),
+        model_systems.System("settling", "fp32", runner("settling", lambda n: 1.0 if n == 1 else 0.0)),
+    ]
+    batch = (torch.ones(2, 5, dtype=torch.long), mask, torch.zeros(2, 5, dtype=torch.long))
+    with tqdm(disable=True) as progress:
+        results, failed = run_model.bench_shape(systems, batch, reference, 3, torch.device("cpu"), progress)
+    assert not failed and calls == {"drifting": 5, "settling": 5}
+    assert results["drifting"][1] == pytest.approx(5 / 8, abs=1e-6)
+    assert results["settling"][1] == 0.0
 
 
 def test_flops_formula_matches_the_published_bert_base_figure() -> None:
