@@ -3,10 +3,10 @@ last hidden state `[B, S, H]` (padded, any dtype), on the same inputs.
 
 transformers (eager, sdpa, torch.compile of sdpa), onnxruntime on transformers' own export, and fastbert: converted
 with fastbert.optimize (with and without CUDA graphs, or with its defaults), and the drop-in path (the checkpoint
-loaded with from_pretrained, moved and cast, eval, no_grad); on CPU, the dynamic int8 paths in the fp32 table:
-fastbert int8, onnxruntime int8 and torch dynamic int8. Low precision is what a user would run: on CPU transformers
-under autocast (its supported CPU recipe) and fastbert with weights in that dtype; on GPU every model cast to that
-dtype.
+loaded with from_pretrained, moved and cast, eval, no_grad), on CUDA with its default graphs and without; on CPU, the
+dynamic int8 paths in the fp32 table: fastbert int8, onnxruntime int8 and torch dynamic int8. Low precision is what a
+user would run: on CPU transformers under autocast (its supported CPU recipe) and fastbert with weights in that dtype;
+on GPU every model cast to that dtype.
 
 Extra rows: a module listed in `EXTRA_SYSTEMS` that imports cleanly joins the suite. It defines `NAME` (the row's
 label) and `build(hf_model, dtype, device) -> Runner | None` (None: no row at that dtype/device); `hf_model` is the
@@ -98,9 +98,12 @@ def fastbert_runner(
     return run
 
 
-def fastbert_dropin_runner(hf: nn.Module, device: torch.device, dtype: torch.dtype, workdir: str) -> Runner:
+def fastbert_dropin_runner(
+    hf: nn.Module, device: torch.device, dtype: torch.dtype, workdir: str, graphs: bool = True
+) -> Runner:
     """fastbert as README's first example runs it: the checkpoint (the same weights, saved by transformers) loaded by
-    from_pretrained, moved to the device and cast (`.cuda().half()`), eval, called under no_grad."""
+    from_pretrained, moved to the device and cast (`.cuda().half()`), eval, called under no_grad. `graphs=False` turns
+    its CUDA graphs off (every forward eager: the bound plan's loop), the row that shows what the graphs buy."""
     import fastbert.auto
 
     path = os.path.join(workdir, f"{type(hf).__name__}_{hf.config.num_hidden_layers}x{hf.config.hidden_size}_hf")
@@ -108,6 +111,8 @@ def fastbert_dropin_runner(hf: nn.Module, device: torch.device, dtype: torch.dty
         transformers_model(hf, "eager", torch.device("cpu")).save_pretrained(path)
     model = fastbert.auto.model_class(hf.config.model_type, "model").from_pretrained(path).to(device)
     model = (model if dtype == torch.float32 else model.to(dtype)).eval()
+    if not graphs:
+        cuda_graphs.disable(model)
 
     def run(ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -244,6 +249,12 @@ def _build(name: str, hf: nn.Module, device: torch.device, dtype: torch.dtype, w
         mode = "weights" if dtype != torch.float32 else "fp32"
         run = fastbert_dropin_runner(hf, device, dtype, workdir)
         return System(name, f"{mode}; from_pretrained, .to(device, dtype)", run)
+    if name == "fastbert (no graphs)":
+        if device.type != "cuda":
+            return System(name, "-", None, "CUDA only: the drop-in row with its CUDA graphs off")
+        mode = "weights" if dtype != torch.float32 else "fp32"
+        run = fastbert_dropin_runner(hf, device, dtype, workdir, graphs=False)
+        return System(name, f"{mode}; drop-in, CUDA graphs off", run)
     if name == "fastbert.optimize":
         mode = "weights" if dtype != torch.float32 else "fp32"
         return System(name, f"{mode}; optimize's defaults", fastbert_runner(hf, device, dtype, graphs=None))

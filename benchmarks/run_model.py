@@ -59,6 +59,7 @@ GPU_SYSTEMS = (
     "transformers sdpa",
     "transformers sdpa + compile",
     "fastbert (drop-in)",
+    "fastbert (no graphs)",
     "fastbert.optimize",
 )
 TINY = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)

@@ -127,6 +127,32 @@ def test_error_column_is_the_last_timed_calls() -> None:
     assert results["settling"][1] == 0.0
 
 
+def test_gpu_suite_has_a_graphs_off_fastbert_row(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the drop-in row runs with its default CUDA graphs; 'fastbert (no graphs)' is the same model with them
+    turned off (cuda_graphs.disable), so the table shows what the graphs buy. Off CUDA it says why it has no row."""
+    assert "fastbert (no graphs)" in run_model.GPU_SYSTEMS
+    hf = run_model.load_model("tiny").eval()
+    cpu_row = model_systems._build("fastbert (no graphs)", hf, torch.device("cpu"), torch.float32, str(tmp_path))
+    assert cpu_row.run is None and cpu_row.skipped.startswith("CUDA only")
+
+    built = []
+    with monkeypatch.context() as patch:  # the CUDA row's wiring, without a GPU
+        patch.setattr(model_systems, "fastbert_dropin_runner", lambda *args, **kwargs: built.append(kwargs))
+        row = model_systems._build("fastbert (no graphs)", hf, torch.device("cuda"), torch.float16, str(tmp_path))
+    assert built == [{"graphs": False}] and row.mode == "weights; drop-in, CUDA graphs off"
+
+    disabled = []
+    disable = model_systems.cuda_graphs.disable
+    monkeypatch.setattr(model_systems.cuda_graphs, "disable", lambda model: disabled.append(disable(model)) or model)
+    run = model_systems.fastbert_dropin_runner(hf, torch.device("cpu"), torch.float32, str(tmp_path), graphs=False)
+    assert len(disabled) == 1 and disabled[0].cuda_graphs is False
+    ids = torch.randint(1, hf.config.vocab_size, (2, 6))
+    mask, types = torch.ones_like(ids), torch.zeros_like(ids)
+    with torch.no_grad():
+        expected = hf(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+    torch.testing.assert_close(run(ids, mask, types), expected, atol=1e-4, rtol=0)
+
+
 def test_flops_formula_matches_the_published_bert_base_figure() -> None:
     """ANCHORS.md: BERT-base forward is 174.6 MFLOP per token at seq 128 (2 x 85M + 4*L*s*d)."""
     import transformers
