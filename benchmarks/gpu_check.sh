@@ -8,7 +8,9 @@
 #   bash benchmarks/gpu_check.sh                               # everything (allow ~20 min)
 #   STAGES="install tests" bash benchmarks/gpu_check.sh        # then "kernels", then "native model", ...
 #   MODEL_ARGS="--quick --models bert-base" STAGES=model bash benchmarks/gpu_check.sh
+#   MODEL_ARGS='--quick --systems "transformers sdpa" fastbert.optimize' STAGES=model bash benchmarks/gpu_check.sh
 #   TRAIN_ARGS=--quick STAGES=train bash benchmarks/gpu_check.sh   # training steps, 32 x 128 rows only
+# MODEL_ARGS and TRAIN_ARGS are split into words as a shell splits them: quotes keep a name with spaces one word.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -35,6 +37,14 @@ run() {  # run NAME CMD...: time one stage, log it, keep going, remember the fir
     keep
 }
 skip() { echo "=== $1 SKIPPED: $2" | tee "$LOGS/$1.log"; }
+words() {  # words NAME VALUE: VALUE split as a shell splits it (no expansion, nothing run) into the array NAME
+    local quoted
+    quoted=$("$PY" -c 'import shlex, sys; print(" ".join(map(shlex.quote, shlex.split(sys.argv[1]))))' "$2") \
+        || { echo "cannot split $1's value into words: $2"; exit 2; }
+    eval "$1=($quoted)"  # every word single-quoted by shlex.quote: nothing in it is expanded or run
+}
+words model_args "$MODEL_ARGS"
+words train_args "$TRAIN_ARGS"
 
 cuda_home=$("$PY" -c "import torch; from torch.utils.cpp_extension import CUDA_HOME
 print(CUDA_HOME or '' if torch.version.cuda else '')" 2>/dev/null)  # empty on a CPU-only torch
@@ -61,11 +71,10 @@ for stage in $STAGES; do
                 skip native "the CUDA extension is not built here (see the install stage)"
             fi ;;
         model)
-            # shellcheck disable=SC2086  # MODEL_ARGS is a list of options
-            run model "$PY" -m benchmarks.run_model --out benchmarks/results $MODEL_ARGS ;;
+            run model "$PY" -m benchmarks.run_model --out benchmarks/results "${model_args[@]}" ;;
         train)
-            # shellcheck disable=SC2086  # TRAIN_ARGS is a list of options
-            run train "$PY" -m benchmarks.bench_train_step --out benchmarks/results --max-minutes 8 $TRAIN_ARGS ;;
+            run train "$PY" -m benchmarks.bench_train_step --out benchmarks/results --max-minutes 8 \
+                "${train_args[@]}" ;;
         *) echo "unknown stage $stage"; status=2 ;;
     esac
 done
