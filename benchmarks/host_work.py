@@ -112,7 +112,7 @@ class StubGraphs:
 
 def stub_graphs(model: torch.nn.Module) -> None:
     """Give `model` (a fastbert BertModel) the graph executor with stubbed capture and replay, on CPU."""
-    from fastbert.cuda_graphs import CudaGraphs
+    from fastbert.execution.graphs import CudaGraphs
 
     stubbed = type("StubbedCudaGraphs", (StubGraphs, CudaGraphs), {})
     model.cuda_graphs = stubbed(model)

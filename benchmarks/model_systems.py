@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 import fastbert
-from fastbert import cuda_graphs
+from fastbert.execution import graphs as cuda_graphs
 from fastbert.ops import exclude_backends
 
 Runner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

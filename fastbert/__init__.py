@@ -34,7 +34,8 @@ from fastbert.auto import (
     XLMRobertaModel,
 )
 from fastbert.config import AlbertConfig, BertConfig, DistilBertConfig, ElectraConfig, RobertaConfig, XLMRobertaConfig
-from fastbert.cuda_graphs import warmup
+from fastbert.execution import graphs as cuda_graphs  # fastbert.cuda_graphs.enable(model, ...) / disable(model)
+from fastbert.execution import warmup
 from fastbert.families import UnsupportedModelError
 from fastbert.heads import (
     BertForMaskedLM,
@@ -100,6 +101,7 @@ __all__ = [
     "XLMRobertaForSequenceClassification",
     "XLMRobertaForTokenClassification",
     "XLMRobertaModel",
+    "cuda_graphs",
     "explain",
     "optimize",
     "use_backend",

@@ -1,27 +1,31 @@
 """One BERT definition for every backend: embeddings -> encoder -> pooler, on packed (unpadded) tokens.
 
 Module and parameter names are transformers' (`embeddings.word_embeddings`, `encoder.layer.0.attention.self.query`,
-...), so state dicts load unchanged. The fusable steps go through `fastbert.ops`, which picks a kernel per call.
-The batch is unpadded once before the embedding and repadded once at the output.
+...), so state dicts load unchanged. The modules' forwards are the definition, run through `fastbert.ops`' dispatch;
+how a forward actually runs (the ops bound once per mode, CUDA graphs, the CPU layer stack, one loop over the layers'
+tensors) is fastbert.execution's choice, one call from `BertModel.forward`. The batch is unpadded once before the
+embedding and repadded once at the output.
 """
 
 from __future__ import annotations
 
 import contextlib
+import operator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastbert import cuda_graphs, layer_stack, ops, plan, reference
+from fastbert import execution, ops, reference
 from fastbert.checkpoint import PreTrainedModel
 from fastbert.config import BertConfig
-from fastbert.cuda_graphs import CudaGraphs
+from fastbert.execution import CudaGraphs, Inputs
 from fastbert.outputs import BaseModelOutputWithPooling
 from fastbert.padding import Packing, unpad_and_read
 from fastbert.validation import check_inputs
 from fastbert.weight_stamp import stamp
 
+_requires_grad = operator.attrgetter("requires_grad")
 ACT_OF_CONFIG = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 
 
@@ -115,20 +119,30 @@ class BertSelfAttention(nn.Module):
         self.dropout_p = config.attention_probs_dropout_prob
         self._fused: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
 
-    def qkv_weight(self, grad: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Q, K and V projections as one [3H, H] GEMM: concatenated per call under autograd (`grad`; None: decided
-        here) or while torch.compile traces, else cached and rebuilt when any of the six tensors changes. The one
-        fused copy per module: fastbert.plan's loop and fastbert.layer_stack read it too."""
-        parts = [self._modules[n] for n in ("query", "key", "value")]
-        tensors = [m._parameters[n] for m in parts for n in ("weight", "bias")]
-        if grad is None:
-            grad = torch.is_grad_enabled() and any([t.requires_grad for t in tensors])
-        if grad or torch.compiler.is_compiling():  # compile: a cat in the graph (the stamp reads what dynamo cannot)
-            return torch.cat(tensors[0::2]), torch.cat(tensors[1::2])
-        key = stamp(*tensors)
+    def qkv_weight(self, concatenate: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Q, K and V projections as one [3H, H] GEMM: concatenated per call where asked (`concatenate`; None: under
+        autograd) or while torch.compile traces, else the cached copy (`fused_qkv`)."""
+        m = self._modules
+        q, k, v = m["query"]._parameters, m["key"]._parameters, m["value"]._parameters
+        tensors = (q["weight"], k["weight"], v["weight"], q["bias"], k["bias"], v["bias"])
+        if torch.compiler.is_compiling():  # a cat in the graph (dynamo cannot read the stamp)
+            return torch.cat(tensors[:3]), torch.cat(tensors[3:])
+        if concatenate is None:
+            concatenate = torch.is_grad_enabled() and any(map(_requires_grad, tensors))
+        if concatenate:
+            return torch.cat(tensors[:3]), torch.cat(tensors[3:])
+        return self.fused_qkv()
+
+    def fused_qkv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The [3H, H] weight and [3H] bias of Q, K and V, cached and rebuilt when any of the six tensors changes
+        (fastbert.weight_stamp): the one fused copy per module, which the executors read outside autograd."""
+        m = self._modules
+        q, k, v = m["query"]._parameters, m["key"]._parameters, m["value"]._parameters
+        key = stamp(q["weight"], k["weight"], v["weight"], q["bias"], k["bias"], v["bias"])
         if self._fused is None or self._fused[0] != key:
             with torch.no_grad():
-                self._fused = (key, torch.cat(tensors[0::2]), torch.cat(tensors[1::2]))
+                self._fused = (key, torch.cat((q["weight"], k["weight"], v["weight"])),
+                               torch.cat((q["bias"], k["bias"], v["bias"])))  # fmt: skip
         return self._fused[1], self._fused[2]
 
     def forward(
@@ -245,15 +259,7 @@ class BertEncoder(nn.Module):
         self, x: torch.Tensor, packing: Packing, output_hidden_states: bool = False, output_attentions: bool = False
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         hidden, attentions = [x] if output_hidden_states else [], []
-        layers = list(self.layer)
-        stackable = len(layers) > 1 and not (output_hidden_states or output_attentions) and x.device.type == "cpu"
-        if stackable and not torch.compiler.is_compiling():  # the native stack is forward-only and not traceable
-            with ops.recording() as first:  # what the first layer runs on decides whether the rest can be stacked
-                x, _ = layers[0](x, packing)
-            if (stacked := layer_stack.run(layers, x, packing, first, STACKED_FORWARDS)) is not None:
-                return stacked, hidden, attentions
-            layers = layers[1:]
-        for layer in layers:
+        for layer in self.layer:
             x, probs = layer(x, packing, output_attentions)
             if output_hidden_states:
                 hidden.append(x)
@@ -262,10 +268,13 @@ class BertEncoder(nn.Module):
         return x, hidden, attentions
 
 
-# What fastbert.layer_stack's native call computes: these forwards, in the order of its _Parts.modules (a layer, its
-# attention, self-attention, attention output, intermediate, output); a layer running any other stays op by op.
-STACKED_FORWARDS = (BertLayer.forward, BertAttention.forward, BertSelfAttention.forward, BertSelfOutput.forward,
-                    BertIntermediate.forward, BertOutput.forward)  # fmt: skip
+# What the fused executors compute: these forwards (the embeddings', then a layer's, its attention's, self-attention's,
+# attention output's, intermediate's and output's); a model whose modules run any other runs module by module.
+FORWARDS = execution.Forwards(
+    BertEmbeddings.forward,
+    (BertLayer.forward, BertAttention.forward, BertSelfAttention.forward, BertSelfOutput.forward,
+     BertIntermediate.forward, BertOutput.forward),
+)  # fmt: skip
 
 
 class BertPooler(nn.Module):
@@ -291,13 +300,23 @@ class BertModel(PreTrainedModel):
 
     def __init__(self, config: BertConfig, add_pooling_layer: bool = True) -> None:
         super().__init__(config)
+        self.plans = execution.Plans(type(self).__name__, FORWARDS, execution.EXECUTORS)  # how forwards run, per mode
         self.embeddings = BertEmbeddings(config)
         self.encoder = BertEncoder(config)
         self.pooler = BertPooler(config) if add_pooling_layer and config.family.pooler else None
-        # replay on a GPU: None = on by default once on CUDA in eval, False = off (fastbert.cuda_graphs.enable/disable)
-        self.cuda_graphs: CudaGraphs | bool | None = None
-        self.plans = plan.Plans(type(self).__name__)  # the ops bound per mode, and the executor (fastbert.plan)
+        self.cuda_graphs = None
         self.post_init()
+
+    @property
+    def cuda_graphs(self) -> CudaGraphs | bool | None:
+        """Replay on a GPU: None = on by default once on CUDA in eval, False = off, or the model's CudaGraphs
+        (fastbert.execution.graphs' enable / disable). Setting it binds the plans anew."""
+        return self.__dict__["_cuda_graphs"]
+
+    @cuda_graphs.setter
+    def cuda_graphs(self, graphs: CudaGraphs | bool | None) -> None:
+        self.__dict__["_cuda_graphs"] = graphs
+        self.plans.clear()
 
     def _apply(self, fn, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - nn.Module's signature
         """.to() / .cuda() / .half() ...: plans, fused QKV copies and captured graphs belong to the old tensors; drop
@@ -389,23 +408,16 @@ class BertModel(PreTrainedModel):
         device = lead.device
         if batch == 0:
             return self._empty_output(lead, seqlen, return_dict, output_hidden_states, output_attentions)
-        packing, checked = unpad_and_read(attention_mask, batch, seqlen, device, ranges and ranges.values)
-        if ranges is not None:  # before any kernel gathers with these ids
-            ranges.raise_if_bad(checked)
+        run = self.plans.prepare(self, device, inputs_embeds, output_hidden_states, output_attentions)
         if position_ids is None:
             position_ids = family_positions(self.config, input_ids, seqlen, device)
         position_ids = position_ids.reshape(-1, seqlen).expand(batch, seqlen)
         if token_type_ids is None:
             token_type_ids = torch.zeros(batch, seqlen, dtype=torch.long, device=device)
-        ids, types, positions = (
-            packing.pack(t) if t is not None else None for t in (input_ids, token_type_ids, position_ids)
-        )
-        embeds = packing.pack(inputs_embeds) if inputs_embeds is not None else None
-        if output_hidden_states or output_attentions:
-            x = self.embeddings(ids, types, positions, embeds)
-            x, hidden, attentions = self.encoder(x, packing, output_hidden_states, output_attentions)
-        else:
-            x, hidden, attentions = self._planned(ids, types, positions, embeds, packing), [], []
+        packing, checked = unpad_and_read(attention_mask, batch, seqlen, device, ranges and ranges.values)
+        if ranges is not None:  # before any kernel gathers with these ids
+            ranges.raise_if_bad(checked)
+        x, hidden, attentions = run(Inputs(input_ids, token_type_ids, position_ids, inputs_embeds), packing)
         sequence_output = packing.repad(x)
         pooled = self.pooler(sequence_output) if self.pooler is not None else None
         out = BaseModelOutputWithPooling(
@@ -415,60 +427,6 @@ class BertModel(PreTrainedModel):
             attentions=tuple(_pad_probs(p, seqlen) for p in attentions) or None,
         )
         return out if return_dict else out.to_tuple()
-
-    def _planned(
-        self,
-        ids: torch.Tensor | None,  # [T]
-        types: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        embeds: torch.Tensor | None,  # [T, E]
-        packing: Packing,
-    ) -> torch.Tensor:  # [T, H]
-        """Embeddings + encoder by this mode's plan (fastbert.plan): the first forward in a mode runs module by module
-        and binds the plan; later ones replay a CUDA graph, run the CPU layer stack, or loop over the layers' tensors
-        with the bound ops, whichever the mode and the model allow. Under torch.compile the modules are traced: each
-        op's dispatch decides once, at trace time, and the graph holds the chosen kernels (no plan bookkeeping)."""
-        if torch.compiler.is_compiling():
-            ops.settle(packing.cu_seqlens.device.type)
-            return self.encoder(self.embeddings(ids, types, positions, embeds), packing)[0]
-        word = self.embeddings.word_embeddings.weight
-        device = packing.cu_seqlens.device
-        grad = torch.is_grad_enabled() and (
-            (embeds is not None and embeds.requires_grad) or any(p.requires_grad for p in self.parameters())
-        )
-        mode = plan.current_mode(self, device, word.dtype, grad)
-        bound = self.plans.lookup(mode)
-        if bound is None:  # the first forward in this mode: module by module, watching what each op runs on
-            with ops.watching() as seen:
-                x = self.encoder(self.embeddings(ids, types, positions, embeds), packing)[0]
-            self.plans.bind(mode, seen).executor_note = "bound after its first forward, which ran module by module"
-            return x
-        graphs = self.cuda_graphs
-        if graphs is None and device.type == "cuda" and cuda_graphs.default_on():
-            graphs = self.cuda_graphs = CudaGraphs(self)
-        if graphs and embeds is None and graphs.takes(packing, device, mode):
-            bound.executor_note, bound.graphs = "CUDA graph replay by token bucket", graphs.reference
-            return graphs.run(ids, types, positions, packing, mode)
-        if device.type == "cpu" and not grad and bound.how["attention"].startswith("bound to native"):
-            bound.executor_note = "the CPU layer stack (the first layer op by op, the rest in one native call)"
-            return self.encoder(self.embeddings(ids, types, positions, embeds), packing)[0]
-        layers, executor = list(self.encoder.layer._modules.values()), self.plans.encoder
-        if executor is None or executor.layers != layers or executor.embeddings is not self.embeddings:
-            executor = self.plans.set_encoder(plan.Encoder(self.embeddings, layers, self.config))
-        why = executor.refusal(BertEmbeddings.forward, STACKED_FORWARDS, mode.training)
-        if why is not None:
-            bound.executor_note = f"module by module, because {why}"
-            return self.encoder(self.embeddings(ids, types, positions, embeds), packing)[0]
-        bound.executor_note = "one loop over the layers' tensors with the bound ops"
-        e = self.embeddings
-        norm, tables = e._modules["LayerNorm"], (e._modules["word_embeddings"], e._modules["position_embeddings"])
-        x = bound.functions["embedding_layernorm"](
-            ids, types, positions, tables[0]._parameters["weight"], tables[1]._parameters["weight"], e.type_table(),
-            norm._parameters["weight"], norm._parameters["bias"], norm.eps, e.dropout_p, mode.training, embeds,
-        )  # fmt: skip
-        if (projection := e._modules.get("projection")) is not None:
-            x = bound.functions["linear"](x, projection._parameters["weight"], projection._parameters["bias"], None)
-        return executor(bound, x, packing)
 
     def _empty_output(
         self, lead: torch.Tensor, seqlen: int, return_dict: bool, output_hidden_states: bool, output_attentions: bool

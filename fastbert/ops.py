@@ -35,7 +35,7 @@ from fastbert.backends.spec import COMPOUND_OPS, FLOATS, KERNEL_OPS, OPS, Backen
 
 __all__ = [
     "COMPOUND_OPS", "KERNEL_OPS", "OPS", "Backend", "BackendUnavailable", "backends", "decisions", "dispatch_scope",
-    "exclude_backends", "explain", "forced_backend", "opt_in", "recording", "register_backend", "register_explainer",
+    "exclude_backends", "explain", "forced_backend", "opt_in", "register_backend", "register_explainer",
     "select", "settle", "use_backend", "watching",
     "attention", "bias_act", "bias_residual_layernorm", "dense_residual_layernorm", "embedding_layernorm", "linear",
 ]  # fmt: skip
@@ -48,7 +48,6 @@ class _State(threading.local):
     always exists: a torch.compile guard on it reads one value and never flips between 'absent' and None."""
 
     seen: list | None = None  # watching()'s list
-    trace: list | None = None  # recording()'s list
 
 
 _state = _State()
@@ -152,14 +151,14 @@ def settle(device_type: str) -> bool:
 
 def dispatch_scope() -> tuple[str | None, frozenset, frozenset]:
     """This thread's dispatch state now: (forced backend, excluded backends, opted-in backends); a plan is bound to it
-    (fastbert.plan), so FASTBERT_BACKEND and the scopes are read once per forward, not once per op."""
+    (fastbert.execution), so FASTBERT_BACKEND and the scopes are read once per forward, not once per op."""
     return forced_backend(), scope.current.excluded, scope.current.opted_in
 
 
 @contextlib.contextmanager
 def watching() -> Iterator[list[tuple[str, str]]]:
     """Inside the block, every dispatch decision this thread makes, nested ones included (a composed op's parts, a
-    first-use timing's rivals), is appended to the list it gives as (op, backend): what fastbert.plan binds from."""
+    first-use timing's rivals), is appended to the list it gives as (op, backend): what a plan binds from."""
     previous = getattr(_state, "seen", None)
     _state.seen = seen = []
     try:
@@ -196,7 +195,7 @@ def _record(op: str, dtype: torch.dtype, name: str, note: str, why: tuple[tuple[
 
 
 def register_explainer(describe: Callable[[], str | None]) -> None:
-    """Add a line to explain() from a layer above the dispatch (fastbert.layer_stack): `describe()` gives it or None."""
+    """Add a line to explain() from a layer above the dispatch (fastbert.execution): `describe()` gives it or None."""
     _explainers.append(describe)
 
 
@@ -223,29 +222,8 @@ def explain() -> str:
 
 
 def _dispatch(op: str, *args: Any, **kwargs: Any) -> torch.Tensor:
-    trace = getattr(_state, "trace", None)
-    if trace is None:
-        fn, _ = select(op, args, kwargs)
-        return fn(*args, **kwargs)
-    _state.trace = None  # what runs inside this op (a first-use timing, a composed op's parts) is not recorded
-    try:
-        fn, name = select(op, args, kwargs)
-        trace.append((op, name))
-        return fn(*args, **kwargs)
-    finally:
-        _state.trace = trace
-
-
-@contextlib.contextmanager
-def recording() -> Iterator[list[tuple[str, str]]]:
-    """Inside the block, every op this thread dispatches is appended to the list it gives: (op, backend), in order,
-    the ops that one runs inside it left out (how fastbert.layer_stack learns what the encoder's first layer ran on)."""
-    previous = getattr(_state, "trace", None)
-    _state.trace = trace = []
-    try:
-        yield trace
-    finally:
-        _state.trace = previous
+    fn, _ = select(op, args, kwargs)
+    return fn(*args, **kwargs)
 
 
 # One public function per op; the signatures are the references' (see fastbert/reference.py), without `upcast`.
@@ -257,27 +235,23 @@ def linear(
     return _dispatch("linear", x, weight, bias, act)
 
 
-def _torch_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act: str | None = None
-) -> torch.Tensor:
-    """The torch backend's GEMM: F.linear with the bias + activation epilogue on the `bias_act` op. A bf16 GEMM on a
-    CPU without bf16 dot products runs as an fp32 GEMM on the bf16 operands upcast, rounded once to bf16: the same
-    arithmetic (fastbert.capabilities), at fp32 speed instead of emulated bf16's."""
-    dtype = reference.autocast_dtype(x)
-    if dtype == torch.bfloat16 and capabilities.bf16_via_fp32(x.device):
-        with reference.no_autocast(x.device):
-            x32, w32, b32 = (t.to(dtype).float() if t is not None else None for t in (x, weight, bias))
-            return reference.linear(x32, w32, b32, act).to(dtype)
-    return _linear_with_epilogue(x, weight, bias, act)
-
-
-def composed_linear(bias_act_op: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+def composed_linear(
+    bias_act_op: Callable[..., torch.Tensor], via_fp32: bool | None = None
+) -> Callable[..., torch.Tensor]:
     """The `linear` op as torch's GEMM (F.linear) followed by `bias_act_op` for the bias + activation epilogue: how
-    the torch backend runs it, with the dispatched op here and with the bound one in a plan (fastbert.plan)."""
+    the torch backend runs it, with the dispatched op here and with the bound one in a plan (fastbert.execution).
+
+    A bf16 GEMM on a CPU without bf16 dot products runs as an fp32 GEMM on the bf16 operands upcast, rounded once to
+    bf16: the same arithmetic (fastbert.capabilities), at fp32 speed instead of emulated bf16's. `via_fp32`: whether
+    every call does (a plan knows from its mode), None to decide per call."""
 
     def linear(
         x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act: str | None = None
     ) -> torch.Tensor:
+        if via_fp32 or (via_fp32 is None and bf16_via_fp32(x)):
+            with reference.no_autocast(x.device):
+                x32, w32, b32 = (t.to(torch.bfloat16).float() if t is not None else None for t in (x, weight, bias))
+                return reference.linear(x32, w32, b32, act).to(torch.bfloat16)
         if act is None:
             return F.linear(x, weight, bias)
         if bias is None:
@@ -285,6 +259,12 @@ def composed_linear(bias_act_op: Callable[..., torch.Tensor]) -> Callable[..., t
         return bias_act_op(F.linear(x, weight), bias, act)
 
     return linear
+
+
+def bf16_via_fp32(x: torch.Tensor) -> bool:
+    """Whether a GEMM on `x` computes in bf16 on a CPU without bf16 dot products (then it runs as fp32)."""
+    return x.device.type == "cpu" and reference.autocast_dtype(x) == torch.bfloat16 and capabilities.bf16_via_fp32(
+        x.device)  # fmt: skip
 
 
 def composed_dense_residual_layernorm(
@@ -363,9 +343,12 @@ def embedding_layernorm(
 
 def bias_act(x: torch.Tensor, bias: torch.Tensor, kind: str = reference.ACT_GELU) -> torch.Tensor:
     """act(x + bias) for act in gelu (erf), gelu_tanh, relu."""
-    if bias.dtype != x.dtype:  # autocast: x is the GEMM's low-precision output; F.linear adds its bias in that dtype
-        bias = bias.to(x.dtype)
-    return _dispatch("bias_act", x, bias, kind)
+    return _dispatch("bias_act", *_bias_act_casts(x, bias, kind))
+
+
+def _bias_act_casts(x: torch.Tensor, bias: torch.Tensor, kind: str = reference.ACT_GELU) -> tuple:
+    """Under autocast x is the GEMM's low-precision output and F.linear adds its bias in that dtype: so does this."""
+    return x, (bias.to(x.dtype) if bias.dtype != x.dtype else bias), kind
 
 
 def bias_residual_layernorm(
@@ -379,10 +362,40 @@ def bias_residual_layernorm(
     training: bool = False,
 ) -> torch.Tensor:
     """LayerNorm(dropout(x + bias) + residual)."""
-    if x.dtype != residual.dtype:  # autocast: the residual stream keeps the model's dtype, as fp32 LayerNorm does
+    args = _bias_residual_layernorm_casts(x, bias, residual, ln_weight, ln_bias, eps, dropout_p, training)
+    return _dispatch("bias_residual_layernorm", *args)
+
+
+def _bias_residual_layernorm_casts(
+    x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor,
+    eps: float, dropout_p: float = 0.0, training: bool = False,
+) -> tuple:  # fmt: skip
+    """Under autocast x is the GEMM's low-precision output while the residual stream keeps the model's dtype: both go
+    to the wider one, as transformers' fp32 LayerNorm does."""
+    if x.dtype != residual.dtype:
         dtype = torch.promote_types(x.dtype, residual.dtype)
         x, residual = x.to(dtype), residual.to(dtype)
-    return _dispatch("bias_residual_layernorm", x, bias, residual, ln_weight, ln_bias, eps, dropout_p, training)
+    return x, bias, residual, ln_weight, ln_bias, eps, dropout_p, training
+
+
+# The casts an op's dispatching function makes before it dispatches (autocast mixes dtypes), for the ops that make any
+CASTS: dict[str, Callable[..., tuple]] = {
+    "bias_act": _bias_act_casts,
+    "bias_residual_layernorm": _bias_residual_layernorm_casts,
+}
+
+
+def casting(op: str, function: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`function` (a backend's implementation of `op`) preceded by the casts `op`'s dispatching function makes: what a
+    plan binds under autocast, so the bound op computes what the dispatched one does."""
+    casts = CASTS.get(op)
+    if casts is None:
+        return function
+
+    def cast_then_run(*args: Any) -> torch.Tensor:
+        return function(*casts(*args))
+
+    return cast_then_run
 
 
 def attention(
@@ -401,14 +414,13 @@ def attention(
 # (a zip, not inspect's bind: select runs on every op of every layer)
 _PARAMS = {op: tuple(inspect.signature(globals()[op]).parameters) for op in OPS}
 
-_linear_with_epilogue = composed_linear(bias_act)
 TORCH = Backend(
     "torch",
     devices=("cpu", "cuda", "mps", "meta"),
     dtypes=FLOATS,
     module=reference,
     impls={
-        "linear": _torch_linear,
+        "linear": composed_linear(bias_act),
         "dense_residual_layernorm": composed_dense_residual_layernorm(linear, bias_residual_layernorm),
     },
 )

@@ -9,10 +9,10 @@ import inspect
 import torch
 from torch import nn
 
-from fastbert import cuda_graphs as graphs
 from fastbert.auto import BY_NAME
 from fastbert.checkpoint import PreTrainedModel
 from fastbert.config import QUANTIZE_CHOICES
+from fastbert.execution import graphs
 
 CLASSES = tuple(BY_NAME)  # transformers class names, each with the fastbert class of the same contract
 

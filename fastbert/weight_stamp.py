@@ -1,14 +1,20 @@
-"""One stamp for "have these weights changed?", shared by the caches built from weights (the fused QKV weight,
-oneDNN's prepacked weights, the gemm backend's packed panels, the int8 backend's quantized copies): cheap, and safe for
-inference tensors, which have no version counter."""
+"""The one rule for "have these weights changed?".
+
+A cache built from weights (the fused QKV weight, oneDNN's prepacked weights, the gemm backend's packed panels, the
+int8 backend's quantized copies) is stale when a weight was updated in place (its version) or given new memory (its
+address): `stamp`. A CUDA graph reads the weights where they lie, so it sees in-place updates by itself and is stale
+only when a weight's memory moved: `addresses`. Both are safe for inference tensors, which have no version counter.
+Updates that bypass the version counter (`param.data.mul_(...)`, a NumPy view) are not seen by the caches."""
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+_address = torch.Tensor.data_ptr
 
 
 def stamp(*tensors: torch.Tensor | None) -> tuple:
@@ -17,6 +23,11 @@ def stamp(*tensors: torch.Tensor | None) -> tuple:
     inside inference mode; for them the address alone counts."""
     # a list comprehension, not a generator: this runs per layer per forward, and each generator step is a frame
     return tuple([None if t is None else (-1 if t.is_inference() else t._version, t.data_ptr()) for t in tensors])
+
+
+def addresses(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    """Each tensor's data address: one C-level scan (no Python frame per tensor), for a model's whole weight list."""
+    return tuple(map(_address, tensors))
 
 
 class WeightCache:

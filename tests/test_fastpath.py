@@ -11,7 +11,7 @@ import torch
 import fastbert
 from fastbert import ops, reference
 from fastbert.backends import onednn
-from fastbert.cuda_graphs import _Graph, bucket_key
+from fastbert.execution.graphs import _Graph, bucket_key
 from fastbert.padding import unpad, unpad_and_read
 
 transformers = pytest.importorskip("transformers")
@@ -229,11 +229,10 @@ def test_cuda_graph_bucket_layout_computes_the_same_encoder(lengths: list[int]) 
     mask = (torch.arange(seqlen)[None] < torch.tensor(lengths)[:, None]).long()
     ids = torch.randint(1, TINY["vocab_size"], mask.shape) * mask
     packing = unpad(mask, len(lengths), seqlen, torch.device("cpu"))
-    positions = packing.pack(torch.arange(seqlen).expand(len(lengths), seqlen))
-    packed_ids, types = packing.pack(ids), torch.zeros(packing.total, dtype=torch.long)
+    positions = torch.arange(seqlen).expand(len(lengths), seqlen)
     key = bucket_key(len(lengths), packing.total, seqlen)
     graph = _Graph(*key, device=torch.device("cpu"))
-    graph.load(packed_ids, types, positions, packing)
+    graph.load((ids, torch.zeros_like(ids), positions), packing, slice(None), packing.total)
     cu = graph.cu_seqlens
     assert cu[0] == 0 and cu[-1] == key[1] and (cu[1:] >= cu[:-1]).all() and (cu[1:] - cu[:-1]).max() <= key[2]
     with torch.no_grad():

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import fastbert
-from fastbert import cuda_graphs, ops
-from fastbert.cuda_graphs import CudaGraphs, bucket_key, bucket_tokens, split
+from fastbert import ops
+from fastbert.execution import graphs as cuda_graphs
+from fastbert.execution.graphs import CudaGraphs, bucket_key, bucket_tokens, split
 from tests.conftest import tiny_bert
 
 
@@ -78,7 +79,9 @@ def test_memory_bound_runs_eagerly_and_says_why() -> None:
     assert not model.cuda_graphs.graphs and "memory_limit" in model.cuda_graphs.describe()
 
 
-def test_a_weight_change_drops_the_graphs() -> None:
+def test_weights_changed_in_place_are_read_by_the_next_replay() -> None:
+    """A replay reads the weights where they lie (the Q, K and V concatenation is inside the graph): a change in place,
+    by any route, even one that bypasses the version counter (`.data`), is seen without a recapture."""
     eager, model = graphed()
     ids, mask = batch([9, 4], 9)
     with torch.inference_mode():
@@ -88,6 +91,24 @@ def test_a_weight_change_drops_the_graphs() -> None:
     with torch.no_grad():
         for m in (model, eager):
             m.encoder.layer[0].output.dense.weight.mul_(0.5)
+            m.encoder.layer[1].attention.self.key.weight.data.mul_(1.5)
+    with torch.inference_mode():
+        out = model(ids, attention_mask=mask).last_hidden_state
+        assert torch.allclose(out, eager(ids, attention_mask=mask).last_hidden_state, rtol=0, atol=1e-5)
+    assert RerunGraphs.captures == captured
+
+
+def test_weights_given_new_memory_recapture() -> None:
+    """`param.data = ...` moves a weight without registering anything: the address check before the sync sees it."""
+    eager, model = graphed()
+    ids, mask = batch([9, 4], 9)
+    with torch.inference_mode():
+        for _ in range(2):
+            model(ids, attention_mask=mask)
+        captured = RerunGraphs.captures
+    for m in (model, eager):
+        query = m.encoder.layer[0].attention.self.query
+        query.weight.data = query.weight.data * 0.5
     with torch.inference_mode():
         out = model(ids, attention_mask=mask).last_hidden_state
         assert torch.allclose(out, eager(ids, attention_mask=mask).last_hidden_state, rtol=0, atol=1e-5)

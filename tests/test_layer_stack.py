@@ -1,4 +1,4 @@
-"""The encoder's later layers in one native call (fastbert.layer_stack): bitwise the per-op path's output, fp32 and
+"""The encoder's later layers in one native call (fastbert.execution.stack): bitwise the per-op path's output, fp32 and
 int8, on every ISA this CPU runs; op by op, with the reason in explain(), whenever the call could differ from the per-op
 path (hooks, grad, a backend it has no kernel of, hidden states asked for); bad arguments to the native entry raise."""
 
@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import fastbert
-from fastbert import BertModel, layer_stack, ops
+from fastbert import BertModel, ops
 from fastbert.backends import gemm, int8, timing
+from fastbert.execution import stack as layer_stack
 from tests.conftest import NATIVE_CPU, NATIVE_CPU_REASON, tiny_bert
 
 pytestmark = pytest.mark.skipif(NATIVE_CPU is None, reason=f"native CPU extension unavailable: {NATIVE_CPU_REASON}")
@@ -121,7 +122,7 @@ def _no_biases(model: BertModel, seen: list) -> None:
         (_forward_override, "BertIntermediate runs another forward", 2),
         (lambda model, seen: model.encoder.layer[1].attention.self.train(), "BertSelfAttention is in training mode", 0),
         (_float64_layernorm, "not built like layer 1", 0),
-        (_parametrized, "not built like layer 1", 0),
+        (_parametrized, "ParametrizedLinear stands where fastbert's Linear was", 0),
         (_no_biases, "plain weight and bias in every Linear", 0),
     ],
     ids=["hook", "forward-override", "training-submodule", "float64-layernorm", "parametrized", "no-biases"],
@@ -133,7 +134,7 @@ def test_layers_that_differ_run_op_by_op(setup, reason: str, calls: int, monkeyp
     model, seen = tiny_model(), []
     setup(model, seen)
     out, ran = run(model, True, monkeypatch)
-    assert not ran and reason in layer_stack.describe()
+    assert not ran and reason in fastbert.explain()
     per_op, _ = run(model, False, monkeypatch)
     assert torch.equal(out, per_op) and len(seen) == calls
 
@@ -145,13 +146,14 @@ def test_dropout_in_a_later_sublayer_keeps_it_random(monkeypatch: pytest.MonkeyP
     model.encoder.layer[2].attention.output.train()
     first, ran = run(model, True, monkeypatch)
     second, _ = run(model, True, monkeypatch)
-    assert not ran and "BertSelfOutput is in training mode" in layer_stack.describe()
+    assert not ran and "BertSelfOutput is in training mode" in fastbert.explain()
     assert not torch.equal(first, second)  # dropout drew different masks
 
 
 def test_the_forward_that_times_a_gemm_shape_stacks_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    """First use of a shape times fastbert's GEMM against the path without it (dispatched ops inside the op): only
-    the layer's own five ops are recorded, so that forward stacks like the ones after it."""
+    """First use of a shape times fastbert's GEMM against the path without it (dispatched ops inside the op): the first
+    layer's GEMMs report the backend each took, not the ones the timing ran, so that forward stacks like the ones
+    after it."""
     monkeypatch.delenv("FASTBERT_CPU_GEMM", raising=False)
     monkeypatch.setattr(gemm, "_verdicts", {})
 
@@ -162,8 +164,10 @@ def test_the_forward_that_times_a_gemm_shape_stacks_too(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(timing, "samples", gemm_faster)
     per_op, _ = run(tiny_model(), False, monkeypatch)
+    model = tiny_model()
+    run(model, True, monkeypatch)  # binds the plan (module by module)
     monkeypatch.setattr(gemm, "_verdicts", {})
-    stacked, ran = run(tiny_model(), True, monkeypatch)
+    stacked, ran = run(model, True, monkeypatch)
     layer_shapes = {(234, 78, None, False), (78, 78, None, True), (160, 78, "gelu", False), (78, 160, None, True)}
     assert layer_shapes <= {key[:4] for key in gemm._verdicts}  # all four timed in this forward
     assert ran and torch.equal(per_op, stacked)
@@ -176,10 +180,10 @@ def test_grad_forced_backends_and_hidden_states_run_op_by_op(monkeypatch: pytest
     before = layer_stack._status["stacked"]
     with torch.no_grad(), ops.use_backend("torch"):
         model(ids, attention_mask=mask)
-    assert "op by op, because the first layer ran linear on torch" in layer_stack.describe()
+    assert "stack: attention is not bound to the native kernel (bound to torch" in fastbert.explain()
     with torch.enable_grad():
         model(ids, attention_mask=mask)
-        assert "the first layer ran linear on torch" in layer_stack.describe()  # its weights need grad
+        assert "stack: forward only" in fastbert.explain()  # its weights need grad
         model.embeddings.requires_grad_(False)  # fine-tuning the upper layers only
         model.encoder.layer[0].requires_grad_(False)
         out = model(ids, attention_mask=mask).last_hidden_state

@@ -1,6 +1,6 @@
-"""fastbert.plan: the first forward in a mode binds each op once; later forwards loop over the layers with the bound
-ops and compute exactly what the module-by-module path computes, fall back to it when a model says so (hooks, another
-forward, a module in another mode), and bind again when the mode changes."""
+"""fastbert.execution.plan: the first forward in a mode binds each op once; later forwards loop over the layers with the
+bound ops and compute exactly what the module-by-module path computes, fall back to it when a model says so (hooks,
+another forward, a module in another mode), and bind again when the mode changes."""
 
 from __future__ import annotations
 
@@ -111,18 +111,24 @@ def test_a_model_with_plans_copies_and_pickles() -> None:
             assert torch.allclose(twin(ids, attention_mask=mask).last_hidden_state, out, rtol=0, atol=1e-5)
 
 
-def test_autocast_and_forward_only_backends_stay_dispatched() -> None:
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_autocast_binds_each_op_with_its_casts(backend: str) -> None:
+    """Under bf16 autocast the plan binds every op, wrapped in the casts its dispatching function makes: the bound
+    forward computes exactly what the module-by-module one does, with one dispatch (the pooler's GEMM)."""
     model, (ids, mask) = tiny_bert(), ragged()
-    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
-        for _ in range(2):
-            model(ids, attention_mask=mask)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad(), ops.use_backend(backend), \
+            ops.exclude_backends(*CUDA_PATH_EXCLUDED):  # fmt: skip
+        first, _ = counted(model, ids, attention_mask=mask)
+        second, decisions = counted(model, ids, attention_mask=mask)
+    assert decisions == 1 and torch.equal(first, second)
     said = fastbert.explain()
-    assert "autocast bfloat16" in said and "dispatched per call: autocast" in said
+    assert "autocast bfloat16" in said and f"bias_residual_layernorm -> bound to {backend}" in said
+    assert "with the op's autocast casts" in said
 
 
 def test_the_tf32_setting_is_part_of_a_cuda_fp32_mode() -> None:
     """Which fp32 attention runs on CUDA follows torch's TF32 switch, so a change of it binds another plan."""
-    from fastbert.plan import current_mode
+    from fastbert.execution.mode import current_mode
 
     model, cuda = tiny_bert(), torch.device("cuda")
     matmul, before = (

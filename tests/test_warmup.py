@@ -8,8 +8,8 @@ import torch
 from conftest import NATIVE_CPU, NATIVE_CPU_REASON
 
 import fastbert
-from fastbert import plan
 from fastbert.backends import gemm, timing
+from fastbert.execution import plan
 
 
 @pytest.mark.skipif(NATIVE_CPU is None, reason=f"native CPU extension unavailable: {NATIVE_CPU_REASON}")

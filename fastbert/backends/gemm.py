@@ -69,7 +69,8 @@ def packed(weight: torch.Tensor) -> torch.Tensor:
 
 
 def operands(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weight as the native `encoder_layers` takes a GEMM's: (packed panels, no scales) (fastbert.layer_stack)."""
+    """The weight as the native `encoder_layers` takes a GEMM's (fastbert.execution.stack): (packed panels, no
+    scales)."""
     return packed(weight), NO_SCALES
 
 

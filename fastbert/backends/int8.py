@@ -81,7 +81,7 @@ def quantized(weight: torch.Tensor) -> QuantizedWeight:
 
 
 def operands(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weight as the native `encoder_layers` takes a GEMM's (fastbert.layer_stack): (int8 pack, scales)."""
+    """The weight as the native `encoder_layers` takes a GEMM's (fastbert.execution.stack): (int8 pack, scales)."""
     q = quantized(weight)
     return q.packed, q.scale
 

@@ -1,0 +1,91 @@
+"""The 'loop' executor: the embeddings and the encoder's layers as one loop over their tensors with a plan's bound
+ops, no module calls and no dispatch. It computes what fastbert.modeling's forwards compute, op for op."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from fastbert.execution.plan import Call, Inputs, Plan
+from fastbert.execution.structure import Structure
+from fastbert.padding import Packing
+
+FusedOp = Callable[..., torch.Tensor]
+
+
+def embed(plan: Plan, structure: Structure, ids: torch.Tensor | None, types: torch.Tensor, positions: torch.Tensor,
+          embeds: torch.Tensor | None, weights: tuple | None = None) -> torch.Tensor:  # fmt: skip
+    """Packed ids, types, positions [T] (or embeds [T, E]) -> [T, H] with the plan's embedding op (and projection);
+    `weights`: Structure.embedding_weights() read earlier (a CUDA graph's), else read now."""
+    word, position, kinds, norm_w, norm_b, eps, proj_w, proj_b = weights or structure.embedding_weights()
+    mode, e = plan.mode, structure.embeddings
+    x = plan.functions["embedding_layernorm"](ids, types, positions, word, position, kinds, norm_w, norm_b, eps,
+                                              e.dropout_p, mode.training, embeds)  # fmt: skip
+    return plan.functions["linear"](x, proj_w, proj_b, None) if proj_w is not None else x
+
+
+def layers(
+    plan: Plan,
+    structure: Structure,
+    weights: Sequence[tuple],
+    x: torch.Tensor,  # [T, H]
+    packing: Packing,
+    hidden: list[torch.Tensor] | None = None,
+    linear: FusedOp | None = None,
+    dense_residual_layernorm: FusedOp | None = None,
+) -> torch.Tensor:  # [T, H]
+    """Each layer of `weights` (Structure.layer_weights) applied to x with the plan's ops (the GEMM ops may be given
+    instead: the layer stack's first layer); each layer's output appended to `hidden` when given."""
+    linear = linear or plan.functions["linear"]
+    drl = dense_residual_layernorm or plan.functions["dense_residual_layernorm"]
+    attention = plan.functions["attention"]
+    training = plan.mode.training
+    first = structure.layers[0]
+    heads, head_dim = first.self_attention.num_heads, first.self_attention.head_dim
+    p_attn, p_hidden = first.self_attention.dropout_p, first.modules[3].dropout_p
+    cu, max_seqlen, tokens = packing.cu_seqlens, packing.max_seqlen, x.shape[0]
+    qkv_shape, ctx_shape = (tokens, 3, heads, head_dim), (tokens, heads * head_dim)
+    for qkv_w, qkv_b, o_w, o_b, n1_w, n1_b, eps1, i_w, i_b, act, f_w, f_b, n2_w, n2_b, eps2 in weights:
+        qkv = linear(x, qkv_w, qkv_b, None).view(qkv_shape)
+        ctx = attention(qkv, cu, max_seqlen, p_attn, training, None).reshape(ctx_shape)
+        h = drl(ctx, o_w, o_b, x, n1_w, n1_b, eps1, p_hidden, training)
+        x = drl(linear(h, i_w, i_b, act), f_w, f_b, h, n2_w, n2_b, eps2, p_hidden, training)
+        if hidden is not None:
+            hidden.append(x)
+    return x
+
+
+def packed(inputs: Inputs, packing: Packing) -> tuple[torch.Tensor | None, ...]:
+    """The inputs packed to [T] (embeds [T, E]): ids, types, positions, embeds."""
+    pack = packing.pack
+    return tuple([pack(t) if t is not None else None for t in inputs])
+
+
+class Loop:
+    """Takes every mode (what would make a model compute something else fused is the structure's refusal)."""
+
+    name = "loop"
+
+    def takes(self, plan: Plan, model: nn.Module, structure: Structure) -> str | None:
+        return None
+
+    def declines(self, plan: Plan, call: Call) -> str | None:
+        return None
+
+    def run(self, plan: Plan, call: Call, packing: Packing) -> torch.Tensor:
+        s, grad = call.structure, plan.mode.grad
+        x = embed(plan, s, *packed(call.inputs, packing))
+        if call.hidden is not None:
+            call.hidden.append(x)
+        return layers(plan, s, s.layer_weights(grad), x, packing, call.hidden)
+
+    def note(self, plan: Plan) -> str:
+        return "one loop over the layers' tensors with the bound ops"
+
+    def __reduce__(self) -> str:
+        return "LOOP"
+
+
+LOOP = Loop()

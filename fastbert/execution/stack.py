@@ -1,0 +1,132 @@
+"""The 'stack' executor (CPU inference): the encoder's layers after the first in one native call, on the kernels the
+loop would run, in its order, without a return to Python between them.
+
+Why: between two kernels the loop runs Python, and right after a GEMM that Python runs several times slower than warm
+(a dispatch took 35-130 us after a 444 x 384 x 1536 GEMM, 10 us back to back). On MiniLM-L6 with 2 threads
+(`python -m benchmarks.bench_layer_stack`) stacking made one 16-token sentence 1.11-1.22x faster, a batch of 8 x 24
+tokens 1.03-1.08x, and 32 x 14 tokens 0.96-1.05x (noise-sized).
+
+The plan binds it where attention is bound to the native kernel, without grad or training, when every layer is built
+like the first (`LayerParts.signature`). On CPU the GEMMs stay dispatched per call (fastbert's and oneDNN's GEMMs are
+timed per shape and size class at first use), so the first layer runs as the loop runs it, each GEMM asking the
+dispatch which backend takes it; when all four went to a kernel the native call has (`gemm` or `int8`), the layers
+after it go to the extension's `encoder_layers`, each GEMM on the backend the first layer's ran on. The output is
+bitwise the loop's (tests/test_layer_stack.py). `FASTBERT_LAYER_STACK=0` turns it off (every layer in the loop, as
+when profiling per op).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastbert import ops
+from fastbert.backends import gemm, int8, native
+from fastbert.execution import loop
+from fastbert.execution.plan import Call, Plan
+from fastbert.execution.structure import Structure, same_layers
+from fastbert.padding import Packing
+
+GEMMS = ("QKV", "attention out", "FFN in", "FFN out")  # a layer's GEMMs, in order
+OPERANDS = {"gemm": gemm.operands, "int8": int8.operands}  # GEMM backend -> weight -> (pack, per-channel scales)
+
+_status = {"tried": 0, "stacked": 0, "last": ""}  # for explain(): forwards that tried, that stacked, the last outcome
+
+
+def _choosing(op: str, chosen: list[str]) -> Callable[..., torch.Tensor]:
+    """`op` through the dispatch, keeping the backend each call took."""
+
+    def run(*args: Any) -> torch.Tensor:
+        function, name = ops.select(op, args, {})
+        chosen.append(name)
+        return function(*args)
+
+    return run
+
+
+class Stack:
+    name = "stack"
+
+    def takes(self, plan: Plan, model: nn.Module, structure: Structure) -> str | None:
+        mode = plan.mode
+        if mode.device.type != "cpu":
+            return "runs on CPU tensors only"
+        if mode.grad or mode.training:
+            return "forward only: the native call records no autograd graph and has no dropout"
+        if plan.backends["attention"] != "native":
+            return f"attention is not bound to the native kernel ({plan.how['attention']})"
+        cpu, why = native.load("_native_cpu")
+        if cpu is None or not hasattr(cpu, "encoder_layers"):
+            return why or "the native CPU extension predates encoder_layers: rebuild it"
+        if len(structure.layers) < 2:
+            return "one layer: nothing to stack"
+        if structure.layers[0].signature() is None:
+            return "the first layer is not a BERT layer with a plain weight and bias in every Linear and LayerNorm"
+        if (i := same_layers(structure.layers)) is not None:
+            return f"layer {i} is not built like layer 1 (weights' shapes, dtypes or devices, biases)"
+        return None
+
+    def declines(self, plan: Plan, call: Call) -> str | None:
+        if os.environ.get("FASTBERT_LAYER_STACK", "1") == "0":
+            return "FASTBERT_LAYER_STACK=0"
+        if call.hidden is not None:
+            return "output_hidden_states asks for every layer's output"
+        return None
+
+    def run(self, plan: Plan, call: Call, packing: Packing) -> torch.Tensor | str:
+        s = call.structure
+        x = loop.embed(plan, s, *loop.packed(call.inputs, packing))
+        weights = s.layer_weights(False)
+        chosen: list[str] = []
+        x = loop.layers(plan, s, weights[:1], x, packing, None, _choosing("linear", chosen),
+                        _choosing("dense_residual_layernorm", chosen))  # fmt: skip
+        gemms = (chosen[0], chosen[1], chosen[2], chosen[3])  # QKV, attention out, FFN in, FFN out, in call order
+        _status["tried"] += 1
+        if elsewhere := [(what, name) for what, name in zip(GEMMS, gemms, strict=True) if name not in OPERANDS]:
+            _status["last"] = (f"op by op, because the first layer ran its {elsewhere[0][0]} GEMM on {elsewhere[0][1]} "
+                               "(this call has the gemm/int8 GEMMs and native attention)")  # fmt: skip
+            return loop.layers(plan, s, weights[1:], x, packing)
+        operands: list[torch.Tensor] = []
+        eps: list[float] = []
+        for qkv_w, qkv_b, o_w, o_b, n1_w, n1_b, eps1, i_w, i_b, _, f_w, f_b, n2_w, n2_b, eps2 in weights[1:]:
+            linears = ((qkv_w, qkv_b), (o_w, o_b), (i_w, i_b), (f_w, f_b))
+            norms = (None, (n1_w, n1_b, eps1), None, (n2_w, n2_b, eps2))
+            for (w, b), backend, norm in zip(linears, gemms, norms, strict=True):
+                operands += [*OPERANDS[backend](w), b]
+                if norm is not None:  # an output projection, followed by its LayerNorm
+                    operands += [norm[0], norm[1]]
+                    eps.append(norm[2])
+        first = s.layers[0].self_attention
+        cpu, _ = native.load("_native_cpu")
+        x = cpu.encoder_layers(x, packing.cu_seqlens, int(packing.max_seqlen), first.num_heads,
+                               1.0 / math.sqrt(first.head_dim), operands, s.layers[0].act, eps)  # fmt: skip
+        _status["stacked"] += 1
+        on = (f"every GEMM on {gemms[0]}" if len(set(gemms)) == 1
+              else ", ".join(f"{what} on {name}" for what, name in zip(GEMMS, gemms, strict=True)))  # fmt: skip
+        _status["last"] = f"layers 2-{len(s.layers)} in one native call ({on}, attention on native)"
+        return x
+
+    def note(self, plan: Plan) -> str:
+        return f"the CPU layer stack: the first layer in the loop, then {_status['last']}"
+
+    def __reduce__(self) -> str:
+        return "STACK"
+
+
+STACK = Stack()
+
+
+def describe() -> str | None:
+    """explain()'s line: how the encoder's later layers ran in the last forward that tried, None before any did."""
+    if not _status["last"]:
+        return None
+    return (f"encoder layers after the first, in the last forward: {_status['last']} (stacked in {_status['stacked']} "
+            f"of {_status['tried']} forwards so far)")
+
+
+ops.register_explainer(describe)

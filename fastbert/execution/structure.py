@@ -1,0 +1,247 @@
+"""A model as the fused executors read it: each layer's parts found once by transformers' names, the one check that
+they still compute what fastbert's modules compute, and the one rule for when the model changed shape.
+
+The fused executors read the modules' tensors and never call their `forward`, so whatever would make a module compute
+something else (a hook, a forward set on the instance, a module swapped in or wrapped, a submodule in another
+train/eval mode) must send the forward module by module. That check runs every forward, so it is made of C-level
+scans over lists found once (`refusal`: hook tables, instance dictionaries, training flags), never a walk of the module
+tree. What changes the tree itself (a parameter, buffer or submodule registered anywhere: `setattr`, `load_state_dict(
+assign=True)`, a parametrization, a LoRA wrapper) bumps a process-wide count through torch's registration hooks; a
+structure found under an older count is found again, and the executors that keep state across forwards (CUDA graphs)
+start over when it differs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+_registrations = itertools.count()
+_epoch = [0]  # parameters, buffers and submodules registered so far, process-wide
+
+
+def _registered(*_: object) -> None:
+    _epoch[0] = next(_registrations) + 1
+
+
+nn.modules.module.register_module_parameter_registration_hook(_registered)
+nn.modules.module.register_module_buffer_registration_hook(_registered)
+nn.modules.module.register_module_module_registration_hook(_registered)
+
+
+def epoch() -> int:
+    """How many parameters, buffers and submodules were registered so far in this process (any module's)."""
+    return _epoch[0]
+
+
+def bump() -> None:
+    """Count a change torch's registration hooks do not see (a model's `_apply`: .to(), .half() move every tensor)."""
+    _registered()
+
+
+class Forwards(NamedTuple):
+    """The forwards the fused executors reproduce (fastbert.modeling's), so a module running another is caught."""
+
+    embeddings: Callable
+    layer: tuple[Callable, ...]  # a layer, its attention, self-attention, attention output, intermediate, output
+
+
+class LayerParts(NamedTuple):
+    """One BERT layer's modules, found once by transformers' names, in the order its forward runs them."""
+
+    modules: tuple[nn.Module, ...]  # layer, attention, self-attention, attention output, intermediate, output
+    query: nn.Module
+    key: nn.Module
+    value: nn.Module
+    out_dense: nn.Module
+    out_norm: nn.Module
+    inter_dense: nn.Module
+    ffn_dense: nn.Module
+    ffn_norm: nn.Module
+
+    @property
+    def self_attention(self) -> nn.Module:
+        return self.modules[2]
+
+    @property
+    def act(self) -> str:
+        return self.modules[4].act
+
+    @property
+    def leaves(self) -> tuple[nn.Module, ...]:
+        """The Linear and LayerNorm modules whose tensors the executors read, in forward order."""
+        return self[1:]
+
+    def signature(self) -> tuple | None:
+        """What a layer computes with besides its inputs: heads, activation, and each weight's and bias's shape,
+        dtype and device; None when a leaf lacks a weight or a bias (what the native layer stack needs of layers it
+        runs alike)."""
+        described = []
+        for leaf in self.leaves:
+            weight, bias = leaf._parameters.get("weight"), leaf._parameters.get("bias")
+            if weight is None or bias is None:
+                return None
+            described += [(t.shape, t.dtype, t.device) for t in (weight, bias)]
+        return self.self_attention.num_heads, self.act, *described
+
+
+def layer_parts(layer: nn.Module) -> LayerParts | None:
+    """The layer's parts, None if it is not built as fastbert's BertLayer (children by name)."""
+    try:
+        attention, inter, ffn = (layer._modules[n] for n in ("attention", "intermediate", "output"))
+        self_attention, out = attention._modules["self"], attention._modules["output"]
+        q, k, v = (self_attention._modules[n] for n in ("query", "key", "value"))
+        return LayerParts((layer, attention, self_attention, out, inter, ffn), q, k, v, out._modules["dense"],
+                          out._modules["LayerNorm"], inter._modules["dense"], ffn._modules["dense"],
+                          ffn._modules["LayerNorm"])  # fmt: skip
+    except (KeyError, AttributeError):
+        return None
+
+
+_DROPOUT_ROLES = (0, 2, 3, 5)  # in LayerParts.modules: the forwards that read `training` (dropout)
+_training = operator.itemgetter("training")
+_requires_grad = operator.attrgetter("requires_grad")
+
+
+class Structure:
+    """The embeddings and layers of one model as found at one registration count, with the checks made on them."""
+
+    def __init__(self, model: nn.Module, forwards: Forwards) -> None:
+        self.epoch = epoch()
+        self.embeddings: nn.Module = model._modules["embeddings"]
+        layers = list(model._modules["encoder"]._modules["layer"]._modules.values())
+        self.layers: list[LayerParts] = [p for p in map(layer_parts, layers) if p is not None]
+        self.found = (self.embeddings, *layers)  # what `stale` compares, by identity
+        e = self.embeddings
+        self.tables = tuple(e._modules[n] for n in ("word_embeddings", "position_embeddings", "LayerNorm"))
+        projection = e._modules.get("projection")
+        leaves = {m: None for m in (*self.tables, e._modules.get("token_type_embeddings"), projection) if m is not None}
+        for p in self.layers:
+            leaves.update(dict.fromkeys(p.leaves))
+        wholes = {m: None for p in self.layers for m in p.modules}
+        self.modules = [e, *wholes, *leaves]  # shared layers (ALBERT) once
+        self._hooks = [t for m in self.modules for t in (m._forward_hooks, m._forward_pre_hooks)]
+        self._dicts = [m.__dict__ for m in self.modules]
+        dropout = {e: None} | {p.modules[i]: None for p in self.layers for i in _DROPOUT_ROLES}
+        self._dropout_dicts = [m.__dict__ for m in dropout]
+        self.params = list({t: None for m in leaves for t in m._parameters.values() if t is not None})
+        self._layer_modules = [(p.self_attention, p.out_dense._parameters, p.out_norm, p.inter_dense._parameters,
+                                p.modules[4], p.ffn_dense._parameters, p.ffn_norm) for p in self.layers]  # fmt: skip
+        self.static_refusal = self._static_refusal(model, layers, forwards, list(leaves))
+
+    def _static_refusal(
+        self, model: nn.Module, layers: list[nn.Module], forwards: Forwards, leaves: list[nn.Module]
+    ) -> str | None:
+        """Why this structure cannot run fused whatever the call: decided when it is found."""
+        e = self.embeddings
+        if type(e).forward is not forwards.embeddings:
+            return f"the embeddings ({type(e).__name__}) run another forward than fastbert's"
+        if len(self.layers) != len(layers):
+            return "a layer is not built as fastbert's BertLayer"
+        for p in self.layers:
+            for module, forward in zip(p.modules, forwards.layer, strict=True):
+                if type(module).forward is not forward:
+                    return f"a {type(module).__name__} runs another forward than fastbert's"
+        for leaf in leaves:
+            kind = nn.LayerNorm if isinstance(leaf, nn.LayerNorm) else nn.Embedding if isinstance(
+                leaf, nn.Embedding) else nn.Linear  # fmt: skip
+            if type(leaf) is not kind:  # a parametrization or an adapter (LoRA) wraps it: its forward differs
+                return f"a {type(leaf).__name__} stands where fastbert's {kind.__name__} was"
+        return None
+
+    def stale(self, model: nn.Module) -> bool:
+        """Whether the model may no longer be built as found: something was registered since (anywhere) and a module or
+        parameter the executors read is another object now. One integer compared when nothing was registered; when
+        something was but this model reads the same objects, the structure takes the new count."""
+        if self.epoch == epoch():
+            return False
+        now = epoch()
+        layers = model._modules["encoder"]._modules["layer"]._modules.values()
+        if list(map(id, (model._modules["embeddings"], *layers))) != list(map(id, self.found)):
+            return True
+        if Structure(model, _NO_CHECK).signature() != self.signature():
+            return True
+        self.epoch = now
+        return False
+
+    def signature(self) -> tuple:
+        """Every module and parameter the executors read, by identity: two structures equal in this read the same."""
+        return tuple(map(id, self.modules)), tuple(map(id, self.params)), tuple(map(type, self.modules))
+
+    def refusal(self, training: bool) -> str | None:
+        """Why this forward must run module by module (see the module's docstring), or None; every forward."""
+        if self.static_refusal is not None:
+            return self.static_refusal
+        hooks = nn.modules.module
+        if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+            return "global module forward hooks are registered"
+        if any(self._hooks) or any(map(dict.__contains__, self._dicts, itertools.repeat("forward"))):
+            for module in self.modules:
+                if module._forward_hooks or module._forward_pre_hooks:
+                    return f"a {type(module).__name__} has forward hooks"
+                if "forward" in module.__dict__:
+                    return f"a {type(module).__name__} runs another forward than fastbert's"
+        if (not training) in map(_training, self._dropout_dicts):
+            module = next(m for m in self.modules if m.training != training)
+            return f"a {type(module).__name__} is in {'training' if module.training else 'eval'} mode"
+        return None
+
+    def requires_grad(self) -> bool:
+        """Whether a weight the executors read requires grad (a C-level scan; stops at the first that does)."""
+        return any(map(_requires_grad, self.params))
+
+    def embedding_weights(self) -> tuple:
+        """(word, position, token-type tables, LayerNorm weight, bias, eps, projection weight, bias or None)."""
+        word, position, norm = self.tables
+        projection = self.embeddings._modules.get("projection")
+        w = projection._parameters if projection is not None else {}
+        tables = (word._parameters["weight"], position._parameters["weight"], self.embeddings.type_table())
+        return (*tables, norm._parameters["weight"], norm._parameters["bias"], norm.eps, w.get("weight"), w.get("bias"))
+
+    def layer_weights(self, concatenate: bool) -> list[tuple]:
+        """Per layer, the tensors its fused ops read, in the loop's order: (QKV weight, bias, attention output weight,
+        bias, LayerNorm weight, bias, eps, FFN in weight, bias, activation, FFN out weight, bias, LayerNorm weight,
+        bias, eps). `concatenate`: the QKV weight concatenated now (autograd), not the cached copy."""
+        if concatenate:
+            return fused(self.layer_sources())
+        return [(*attention.fused_qkv(), o["weight"], o["bias"], n1._parameters["weight"], n1._parameters["bias"],
+                 n1.eps, i["weight"], i["bias"], inter.act, f["weight"], f["bias"], n2._parameters["weight"],
+                 n2._parameters["bias"], n2.eps)
+                for attention, o, n1, i, inter, f, n2 in self._layer_modules]  # fmt: skip
+
+    def layer_sources(self) -> list[tuple]:
+        """Per layer, what `layer_weights` reads, with Q, K and V as found: ((Q, K, V weights), (Q, K, V biases),
+        attention output weight, ...). A CUDA graph holds these and concatenates Q, K and V at every replay."""
+        out = []
+        for p in self.layers:
+            q, k, v, o, n1, i, f, n2 = [m._parameters for m in p.leaves]
+            out.append(((q["weight"], k["weight"], v["weight"]), (q["bias"], k["bias"], v["bias"]), o["weight"],
+                        o["bias"], n1["weight"], n1["bias"], p.out_norm.eps, i["weight"], i["bias"], p.act,
+                        f["weight"], f["bias"], n2["weight"], n2["bias"], p.ffn_norm.eps))  # fmt: skip
+        return out
+
+
+def fused(sources: list[tuple]) -> list[tuple]:
+    """`Structure.layer_sources` with Q, K and V concatenated now: `layer_weights`' form."""
+    return [(torch.cat(weights), torch.cat(biases), *rest) for weights, biases, *rest in sources]
+
+
+def _never(*args: Any) -> None:
+    return None
+
+
+_NO_CHECK = Forwards(_never, (_never,) * 6)  # a structure found only to compare, never run
+
+
+def same_layers(layers: Sequence[LayerParts]) -> int | None:
+    """The index (from 1) of the first layer not built like the first one (`LayerParts.signature`), or None."""
+    template = layers[0].signature() if layers else None
+    for i, p in enumerate(layers[1:], start=2):
+        if p.signature() != template:
+            return i
+    return None
