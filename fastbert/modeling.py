@@ -411,7 +411,7 @@ class BertModel(PreTrainedModel):
         run = self.plans.prepare(self, device, inputs_embeds, output_hidden_states, output_attentions)
         if position_ids is None:
             position_ids = family_positions(self.config, input_ids, seqlen, device)
-        position_ids = position_ids.reshape(-1, seqlen).expand(batch, seqlen)
+        position_ids = position_ids.reshape(-1, seqlen).expand(batch, seqlen).contiguous()  # packed after the sync
         if token_type_ids is None:
             token_type_ids = torch.zeros(batch, seqlen, dtype=torch.long, device=device)
         packing, checked = unpad_and_read(attention_mask, batch, seqlen, device, ranges and ranges.values)

@@ -343,12 +343,17 @@ def embedding_layernorm(
 
 def bias_act(x: torch.Tensor, bias: torch.Tensor, kind: str = reference.ACT_GELU) -> torch.Tensor:
     """act(x + bias) for act in gelu (erf), gelu_tanh, relu."""
-    return _dispatch("bias_act", *_bias_act_casts(x, bias, kind))
+    return _dispatched_bias_act(x, bias, kind)
 
 
-def _bias_act_casts(x: torch.Tensor, bias: torch.Tensor, kind: str = reference.ACT_GELU) -> tuple:
-    """Under autocast x is the GEMM's low-precision output and F.linear adds its bias in that dtype: so does this."""
-    return x, (bias.to(x.dtype) if bias.dtype != x.dtype else bias), kind
+def _bias_act_casting(function: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`function` with bias_act's cast: under autocast x is the GEMM's low-precision output and F.linear adds its bias
+    in that dtype, so does this."""
+
+    def bias_act(x: torch.Tensor, bias: torch.Tensor, kind: str = reference.ACT_GELU) -> torch.Tensor:
+        return function(x, bias.to(x.dtype) if bias.dtype != x.dtype else bias, kind)
+
+    return bias_act
 
 
 def bias_residual_layernorm(
@@ -362,40 +367,42 @@ def bias_residual_layernorm(
     training: bool = False,
 ) -> torch.Tensor:
     """LayerNorm(dropout(x + bias) + residual)."""
-    args = _bias_residual_layernorm_casts(x, bias, residual, ln_weight, ln_bias, eps, dropout_p, training)
-    return _dispatch("bias_residual_layernorm", *args)
+    return _dispatched_bias_residual_layernorm(x, bias, residual, ln_weight, ln_bias, eps, dropout_p, training)
 
 
-def _bias_residual_layernorm_casts(
-    x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor,
-    eps: float, dropout_p: float = 0.0, training: bool = False,
-) -> tuple:  # fmt: skip
-    """Under autocast x is the GEMM's low-precision output while the residual stream keeps the model's dtype: both go
-    to the wider one, as transformers' fp32 LayerNorm does."""
-    if x.dtype != residual.dtype:
-        dtype = torch.promote_types(x.dtype, residual.dtype)
-        x, residual = x.to(dtype), residual.to(dtype)
-    return x, bias, residual, ln_weight, ln_bias, eps, dropout_p, training
+def _bias_residual_layernorm_casting(function: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`function` with bias_residual_layernorm's casts: under autocast x is the GEMM's low-precision output while the
+    residual stream keeps the model's dtype; both go to the wider one, as transformers' fp32 LayerNorm does."""
+
+    def bias_residual_layernorm(
+        x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor,
+        eps: float, dropout_p: float = 0.0, training: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        if x.dtype != residual.dtype:
+            dtype = torch.promote_types(x.dtype, residual.dtype)
+            x, residual = x.to(dtype), residual.to(dtype)
+        return function(x, bias, residual, ln_weight, ln_bias, eps, dropout_p, training)
+
+    return bias_residual_layernorm
 
 
-# The casts an op's dispatching function makes before it dispatches (autocast mixes dtypes), for the ops that make any
-CASTS: dict[str, Callable[..., tuple]] = {
-    "bias_act": _bias_act_casts,
-    "bias_residual_layernorm": _bias_residual_layernorm_casts,
+# The casts an op's dispatching function makes before it dispatches (autocast mixes dtypes), for the ops that make
+# any: each wraps an implementation of the op in them
+CASTS: dict[str, Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]] = {
+    "bias_act": _bias_act_casting,
+    "bias_residual_layernorm": _bias_residual_layernorm_casting,
 }
+_dispatched_bias_act = _bias_act_casting(lambda *args: _dispatch("bias_act", *args))
+_dispatched_bias_residual_layernorm = _bias_residual_layernorm_casting(
+    lambda *args: _dispatch("bias_residual_layernorm", *args)
+)
 
 
 def casting(op: str, function: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """`function` (a backend's implementation of `op`) preceded by the casts `op`'s dispatching function makes: what a
     plan binds under autocast, so the bound op computes what the dispatched one does."""
     casts = CASTS.get(op)
-    if casts is None:
-        return function
-
-    def cast_then_run(*args: Any) -> torch.Tensor:
-        return function(*casts(*args))
-
-    return cast_then_run
+    return function if casts is None else casts(function)
 
 
 def attention(

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -65,14 +66,14 @@ def unpad_and_read(
     forward pass syncs once. Returns the packing and those values."""
     extra = torch.zeros(0, dtype=torch.int64, device=device) if also_read is None else also_read.to(device)
     if attention_mask is None or batch == 0:
-        return dense(batch, seqlen, device), (extra.tolist() if extra.numel() else [])
+        packing = dense(batch, seqlen, device)  # launched before the sync, which then waits for it too
+        return packing, (extra.tolist() if extra.numel() else [])
     valid = attention_mask.to(device=device, dtype=torch.bool)
     lengths = valid.sum(dim=1, dtype=torch.int64)
+    cu = F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))  # before the sync: nothing after it waits for it
     stats = torch.cat([torch.stack([lengths.max(), lengths.sum()]), extra]).tolist()  # the one host sync
     max_seqlen, total, values = int(stats[0]), int(stats[1]), stats[2:]
     if total == batch * seqlen:
-        return dense(batch, seqlen, device), values
-    cu = torch.zeros(batch + 1, dtype=torch.int32, device=device)
-    cu[1:] = torch.cumsum(lengths, 0)
+        return Packing(batch, seqlen, cu, seqlen, None), values
     indices = valid.reshape(-1).nonzero_static(size=total).squeeze(1)  # sized by `total`: no second sync
     return Packing(batch, seqlen, cu, max_seqlen, indices), values

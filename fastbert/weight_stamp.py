@@ -14,8 +14,6 @@ from typing import Any
 
 import torch
 
-_address = torch.Tensor.data_ptr
-
 
 def stamp(*tensors: torch.Tensor | None) -> tuple:
     """(version, address) per tensor: it changes with an in-place update (version) or new storage (address).
@@ -27,7 +25,7 @@ def stamp(*tensors: torch.Tensor | None) -> tuple:
 
 def addresses(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
     """Each tensor's data address: one C-level scan (no Python frame per tensor), for a model's whole weight list."""
-    return tuple(map(_address, tensors))
+    return tuple(map(torch.Tensor.data_ptr, tensors))
 
 
 class WeightCache:

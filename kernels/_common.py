@@ -9,16 +9,34 @@ persistent programs that each write one fp32 partial row, summed afterwards: det
 from __future__ import annotations
 
 import torch
-import triton
 
 TILE_ELEMS = 4096  # elements per program tile in the row kernels
 ELEMS_PER_WARP = 512  # 16 fp32 per thread
 MAX_WARPS = 8
 
 
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1), in plain Python: a launch's host path calls it (triton's own
+    version goes through its constexpr wrapper, three calls a time)."""
+    return 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for launch grids, in plain Python (see next_power_of_2)."""
+    return -(-a // b)
+
+
+def apply(function: type[torch.autograd.Function], *args: object) -> object:
+    """`function.apply(*args)` without the Python wrapper's per-argument work (functorch's unwrapping of dead
+    wrappers, ~10 calls a launch), which only matters under functorch transforms: those take the full path."""
+    if torch._C._are_functorch_transforms_active():
+        return function.apply(*args)
+    return super(torch.autograd.Function, function).apply(*args)
+
+
 def feature_block(n: int) -> int:
     """Block over the feature dim: the next power of two (at least 16, the smallest tl.dot / vector width)."""
-    return max(16, triton.next_power_of_2(n))
+    return max(16, next_power_of_2(n))
 
 
 def rows_per_program(block_n: int) -> int:
@@ -28,7 +46,7 @@ def rows_per_program(block_n: int) -> int:
 
 def warps_for(tile_elems: int) -> int:
     """num_warps for a tile: one warp per ELEMS_PER_WARP elements, between 1 and MAX_WARPS (a power of two)."""
-    return min(MAX_WARPS, triton.next_power_of_2(max(1, tile_elems // ELEMS_PER_WARP)))
+    return min(MAX_WARPS, next_power_of_2(max(1, tile_elems // ELEMS_PER_WARP)))
 
 
 def reduction_programs(row_blocks: int, device: torch.device) -> int:

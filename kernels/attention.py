@@ -56,7 +56,7 @@ def _rng_seed(seed, b, h, H):
 
 def _grid(batch: int, max_seqlen: int, block: int, heads: int) -> tuple[int, int]:
     """(B * query or key blocks per sequence, nH): see _program."""
-    return batch * triton.cdiv(max_seqlen, block), heads
+    return batch * -(-max_seqlen // block), heads
 
 
 @triton.jit(do_not_specialize=["seed", "max_seqlen"])
@@ -258,7 +258,7 @@ def _attn_bwd_dq(
 def _blocks(head_dim: int, max_seqlen: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps): 64x64 tiles up to D=64, 64x32 above; never past the longest
     sequence (rounded up to 16, the smallest dot); 4 warps up to D=64, 8 above."""
-    return _tiles(head_dim, max(16, triton.next_power_of_2(max(max_seqlen, 1))))
+    return _tiles(head_dim, max(16, C.next_power_of_2(max(max_seqlen, 1))))
 
 
 @functools.cache
@@ -283,6 +283,8 @@ def _forward(
     lse: torch.Tensor | None = None,  # [T, nH] fp32 log-sum-exp to write, for the backward
     p: float = 0.0,
     seed: int = 0,
+    keep: float = 1.0,  # the dropout keep scale (C.keep_scale(p))
+    modes: tuple[str, bool] | None = None,  # _dot_modes(qkv), when the caller has them
 ) -> torch.Tensor:  # [T, nH, D]
     """One launch of the forward kernel: the training forward (lse, dropout) and the inference launcher share it."""
     total, _, heads, dim = qkv.shape
@@ -290,10 +292,10 @@ def _forward(
     batch = cu_seqlens.numel() - 1
     if total and batch and max_seqlen:
         block_m, block_n, block_d, warps = _blocks(dim, max_seqlen)
-        precision, upcast = _dot_modes(qkv)
+        precision, upcast = modes or _dot_modes(qkv)
         _attn_fwd[_grid(batch, max_seqlen, block_m, heads)](
             qkv, cu_seqlens, out, lse if lse is not None else out, qkv.stride(0), qkv.stride(1), qkv.stride(2),
-            heads, dim, max_seqlen, scale * LOG2E, p, C.keep_scale(p) if p else 1.0, seed, DROPOUT=p > 0,
+            heads, dim, max_seqlen, scale * LOG2E, p, keep, seed, DROPOUT=p > 0,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision, UPCAST=upcast,
             STATS=lse is not None, num_warps=warps,
         )  # fmt: skip
@@ -309,9 +311,10 @@ class FlashAttention(torch.autograd.Function):
             qkv = qkv.contiguous()
         lse = torch.empty(qkv.shape[0], qkv.shape[2], dtype=torch.float32, device=qkv.device)
         seed = C.dropout_seed() if p > 0 else 0
-        out = _forward(qkv, cu_seqlens, max_seqlen, scale, lse, p, seed)
+        modes, keep = _dot_modes(qkv), C.keep_scale(p)
+        out = _forward(qkv, cu_seqlens, max_seqlen, scale, lse, p, seed, keep, modes)
         ctx.save_for_backward(qkv, cu_seqlens, out, lse)
-        ctx.args = (max_seqlen, p, C.keep_scale(p), seed, scale, *_dot_modes(qkv))
+        ctx.args = (max_seqlen, p, keep, seed, scale, *modes)
         return out
 
     @staticmethod
@@ -349,7 +352,7 @@ def attention(
     p, scale = _check(qkv, cu_seqlens, max_seqlen, dropout_p, training, scale)
     if torch.compiler.is_compiling():
         return _attention_op(qkv, cu_seqlens, int(max_seqlen), p, scale)[0]
-    return FlashAttention.apply(qkv, cu_seqlens, int(max_seqlen), p, scale)
+    return C.apply(FlashAttention, qkv, cu_seqlens, int(max_seqlen), p, scale)
 
 
 def _check(

@@ -124,7 +124,7 @@ class BiasAct(torch.autograd.Function):
         m = rows.shape[0]
         block_m, block_n, warps = _blocks(n)
         if m:
-            grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+            grid = (-(-m // block_m), -(-n // block_n))
             _bias_act_fwd[grid](
                 rows, bias, y, m, n, rows.stride(0), ACT=ACT_IDS[kind], BLOCK_M=block_m, BLOCK_N=block_n,
                 num_warps=warps,
@@ -140,10 +140,10 @@ class BiasAct(torch.autograd.Function):
         dy_rows = C.as_rows(dy, n)
         dx = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
         block_m, block_n, warps = _blocks(n)
-        programs = C.reduction_programs(triton.cdiv(m, block_m), rows.device)
+        programs = C.reduction_programs(C.cdiv(m, block_m), rows.device)
         partial = torch.zeros(programs, n, dtype=torch.float32, device=rows.device)
         if m:
-            grid = (programs, triton.cdiv(n, block_n))
+            grid = (programs, C.cdiv(n, block_n))
             _bias_act_bwd[grid](
                 dy_rows, rows, bias, dx, partial, m, n, dy_rows.stride(0), rows.stride(0), ACT=ACT_IDS[ctx.kind],
                 BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
@@ -163,7 +163,7 @@ def bias_act(x: torch.Tensor, bias: torch.Tensor, kind: str = "gelu") -> torch.T
     _check(x, bias, kind)
     if torch.compiler.is_compiling():
         return _bias_act_op(x, bias, kind)
-    return BiasAct.apply(x, bias, kind)
+    return C.apply(BiasAct, x, bias, kind)
 
 
 def bias_act_inference(x: torch.Tensor, bias: torch.Tensor, kind: str = "gelu") -> torch.Tensor:

@@ -145,6 +145,7 @@ def _forward(
     stats: tuple[torch.Tensor, torch.Tensor] | None = None,  # fp32 (mean, rstd) [M] to write, for the backward
     p: float = 0.0,
     seed: int = 0,
+    keep: float = 1.0,  # the dropout keep scale (C.keep_scale(p))
 ) -> torch.Tensor:  # [M, N]
     """One launch of the forward kernel: the training forward (stats, dropout) and the inference launcher share it."""
     m, n = xr.shape
@@ -154,7 +155,7 @@ def _forward(
         mean, rstd = stats if stats is not None else (y, y)
         _brln_fwd[(-(-m // block_m),)](
             xr, bias, rr, ln_weight, ln_bias, y, mean, rstd, m, n, xr.stride(0), rr.stride(0), eps, p,
-            C.keep_scale(p) if p else 1.0, seed, DROPOUT=p > 0, BLOCK_M=block_m, BLOCK_N=block_n,
+            keep, seed, DROPOUT=p > 0, BLOCK_M=block_m, BLOCK_N=block_n,
             STATS=stats is not None, num_warps=warps,
         )  # fmt: skip
     return y
@@ -169,10 +170,10 @@ class BiasResidualLayerNorm(torch.autograd.Function):
         xr, rr = C.as_rows(x, n), C.as_rows(residual, n)
         mean = torch.empty(xr.shape[0], dtype=torch.float32, device=x.device)
         rstd = torch.empty_like(mean)
-        seed = C.dropout_seed() if p > 0 else 0
-        y = _forward(xr, bias, rr, ln_weight, ln_bias, eps, (mean, rstd), p, seed)
+        seed, keep = (C.dropout_seed(), C.keep_scale(p)) if p > 0 else (0, 1.0)
+        y = _forward(xr, bias, rr, ln_weight, ln_bias, eps, (mean, rstd), p, seed, keep)
         ctx.save_for_backward(xr, bias, rr, ln_weight, ln_bias, mean, rstd)
-        ctx.p, ctx.scale, ctx.seed, ctx.shape, ctx.res_dtype = p, C.keep_scale(p), seed, x.shape, residual.dtype
+        ctx.p, ctx.scale, ctx.seed, ctx.shape, ctx.res_dtype = p, keep, seed, x.shape, residual.dtype
         return y.view(x.shape)
 
     @staticmethod
@@ -183,7 +184,7 @@ class BiasResidualLayerNorm(torch.autograd.Function):
         dx = torch.empty(xr.shape, dtype=xr.dtype, device=xr.device)
         dres = torch.empty(xr.shape, dtype=ctx.res_dtype, device=xr.device)
         block_m, block_n, warps = _blocks(n)
-        programs = C.reduction_programs(triton.cdiv(m, block_m), xr.device)
+        programs = C.reduction_programs(C.cdiv(m, block_m), xr.device)
         parts = torch.zeros(3, programs, n, dtype=torch.float32, device=xr.device)
         if m:
             _brln_bwd[(programs,)](
@@ -214,7 +215,7 @@ def bias_residual_layernorm(
     p = dropout_p if training else 0.0
     if torch.compiler.is_compiling():
         return _brln_op(x, bias, residual, ln_weight, ln_bias, eps, p)[0]
-    return BiasResidualLayerNorm.apply(x, bias, residual, ln_weight, ln_bias, eps, p)
+    return C.apply(BiasResidualLayerNorm, x, bias, residual, ln_weight, ln_bias, eps, p)
 
 
 def _check(

@@ -241,7 +241,7 @@ def _table_grad(grad_rows: torch.Tensor, ids: torch.Tensor, table: torch.Tensor)
     keys, order = torch.sort(ids, stable=True)
     pieces = torch.empty(m, e, dtype=torch.float32, device=grad_rows.device)
     block_n = min(SEGMENT_BLOCK_N, C.feature_block(e))
-    grid = (triton.cdiv(m, SEGMENT_CHUNK), triton.cdiv(e, block_n))
+    grid = (C.cdiv(m, SEGMENT_CHUNK), C.cdiv(e, block_n))
     warps = C.warps_for(block_n)
     _segment_pieces[grid](keys, order, grad_rows, pieces, m, e, CHUNK=SEGMENT_CHUNK, BLOCK_N=block_n,
                           num_warps=warps)
@@ -279,6 +279,7 @@ def _forward(
     stats: tuple[torch.Tensor, torch.Tensor] | None = None,  # fp32 (mean, rstd) [M] to write, for the backward
     p: float = 0.0,
     seed: int = 0,
+    keep: float = 1.0,  # the dropout keep scale (C.keep_scale(p))
 ) -> torch.Tensor:  # [M, E]
     """One launch of the forward kernel: the training forward (stats, dropout) and the inference launcher share it."""
     m, e = tt.numel(), tables[0].shape[-1]
@@ -290,7 +291,7 @@ def _forward(
         _embedding_ln_fwd[(-(-m // block_m),)](
             ids, emb if emb is not None else y, tt, pos, word, posw, typew, ln_w, ln_b, y, mean, rstd, m, e,
             word.stride(0), posw.stride(0), typew.stride(0), emb.stride(0) if emb is not None else 0, eps, p,
-            C.keep_scale(p) if p else 1.0, seed, HAS_EMBEDS=emb is not None, DROPOUT=p > 0, BLOCK_M=block_m,
+            keep, seed, HAS_EMBEDS=emb is not None, DROPOUT=p > 0, BLOCK_M=block_m,
             BLOCK_N=block_n, STATS=stats is not None, num_warps=warps,
         )  # fmt: skip
     return y
@@ -306,10 +307,10 @@ class EmbeddingLayerNorm(torch.autograd.Function):
         dtype = inputs_embeds.dtype if has_embeds else word.dtype
         mean = torch.empty(tt.numel(), dtype=torch.float32, device=word.device)
         rstd = torch.empty_like(mean)
-        seed = C.dropout_seed() if p > 0 else 0
-        y = _forward(ids, emb, tt, pos, tables, ln_w, ln_b, eps, dtype, (mean, rstd), p, seed)
+        seed, keep = (C.dropout_seed(), C.keep_scale(p)) if p > 0 else (0, 1.0)
+        y = _forward(ids, emb, tt, pos, tables, ln_w, ln_b, eps, dtype, (mean, rstd), p, seed, keep)
         ctx.save_for_backward(ids, emb, tt, pos, *tables, ln_w, mean, rstd)
-        ctx.p, ctx.scale, ctx.seed, ctx.has_embeds = p, C.keep_scale(p), seed, has_embeds
+        ctx.p, ctx.scale, ctx.seed, ctx.has_embeds = p, keep, seed, has_embeds
         ctx.emb_shape = inputs_embeds.shape if has_embeds else None
         ctx.emb_dtype = dtype
         return y.view(*(inputs_embeds.shape[:-1] if has_embeds else input_ids.shape), word.shape[-1])
@@ -321,7 +322,7 @@ class EmbeddingLayerNorm(torch.autograd.Function):
         dyr = C.as_rows(dy, e)
         dx = torch.empty(m, e, dtype=torch.float32, device=word.device)
         block_m, block_n, warps = _blocks(e)
-        programs = C.reduction_programs(triton.cdiv(m, block_m), word.device)
+        programs = C.reduction_programs(C.cdiv(m, block_m), word.device)
         parts = torch.zeros(2, programs, e, dtype=torch.float32, device=word.device)
         emb_arg, emb_stride = (emb, emb.stride(0)) if ctx.has_embeds else (dx, 0)
         if m:
@@ -360,7 +361,7 @@ def embedding_layernorm(
             eps, p, inputs_embeds)  # fmt: skip
     if torch.compiler.is_compiling():
         return _embedding_op(*args)[0]
-    return EmbeddingLayerNorm.apply(*args)
+    return C.apply(EmbeddingLayerNorm, *args)
 
 
 def _check(

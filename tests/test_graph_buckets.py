@@ -17,6 +17,7 @@ import fastbert
 from fastbert import ops
 from fastbert.execution import graphs as cuda_graphs
 from fastbert.execution.graphs import CudaGraphs, bucket_key, bucket_tokens, split
+from fastbert.padding import unpad
 from tests.conftest import tiny_bert
 
 
@@ -188,3 +189,61 @@ def test_a_model_with_graphs_copies_pickles_and_is_freed() -> None:
     del model
     gc.collect()
     assert alive() is None
+
+
+def test_a_config_with_more_positions_than_the_largest_bucket_runs_without_graphs(monkeypatch) -> None:  # noqa: ANN001
+    """The default graphs are made inside the first eval forward on CUDA (here: on CPU, with the rerun capture): a
+    model with more positions than the largest bucket runs in the loop and says why, instead of raising there."""
+    monkeypatch.setattr(CudaGraphs, "device_type", "cpu")
+    monkeypatch.setattr(CudaGraphs, "capture", RerunGraphs.capture)
+    model = tiny_bert(max_position_embeddings=cuda_graphs.MAX_TOKENS + 1)
+    ids, mask = batch([9, 4], 9)
+    with torch.inference_mode():
+        for _ in range(3):
+            out = model(ids, attention_mask=mask).last_hidden_state
+        expected = copy.deepcopy(model)(ids, attention_mask=mask).last_hidden_state
+    assert torch.equal(out, expected) and model.cuda_graphs is None
+    assert f"positions > the largest default bucket ({cuda_graphs.MAX_TOKENS} tokens)" in fastbert.explain()
+
+
+def test_a_capture_that_fails_with_any_error_runs_the_bucket_in_the_loop() -> None:
+    """A Triton compile error is not a RuntimeError: any error from a capture sends that bucket to the loop, said."""
+
+    class CompilationError(Exception):
+        pass
+
+    class FailingGraphs(RerunGraphs):
+        @staticmethod
+        def capture(run, pool):  # noqa: ANN001, ANN205
+            raise CompilationError("at 12:4: unsupported")
+
+    eager, model = graphed()
+    model.cuda_graphs = FailingGraphs(model)
+    ids, mask = batch([9, 4], 9)
+    with torch.inference_mode():
+        for _ in range(3):
+            out = model(ids, attention_mask=mask).last_hidden_state
+        assert torch.allclose(out, eager(ids, attention_mask=mask).last_hidden_state, rtol=0, atol=1e-5)
+    assert "capture failed (CompilationError: at 12:4: unsupported)" in model.cuda_graphs.describe()
+
+
+@pytest.mark.parametrize("key", [(128, 16384, 128), (16, 5120, 512), (1, 128, 128), (4, 32, 16)])
+def test_a_bucket_pays_for_few_filler_slots(key: tuple[int, int, int]) -> None:
+    """A kernel that pads (fp32 attention without TF32 runs SDPA over [sequences, Sb]) pays for every sequence slot:
+    a bucket has only the fillers its smallest call needs (2x the rows at 128 x 128 with one filler per Sb tokens)."""
+    from fastbert.execution.graphs import _Graph, bucket_floor
+
+    graph = _Graph(*key, device=torch.device("cpu"))
+    batch, tokens, seqlen = key
+    assert graph.fillers == -(-(tokens - bucket_floor(tokens)) // seqlen)
+    assert graph.packing.batch * seqlen <= batch * seqlen + tokens - bucket_floor(tokens) + seqlen
+    for total in (bucket_floor(tokens) + 1, tokens):  # the smallest and largest calls the bucket takes
+        lengths = [total // batch] * batch
+        lengths[0] += total - sum(lengths)
+        if max(lengths) > seqlen:
+            continue
+        mask = (torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]).long()
+        packing = unpad(mask, batch, max(lengths), torch.device("cpu"))
+        graph.load((mask, mask, mask), packing, slice(None), total)
+        cu = graph.cu_seqlens
+        assert cu[-1] == tokens and (cu[1:] - cu[:-1]).max() <= seqlen  # every row in a sequence of <= Sb

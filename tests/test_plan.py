@@ -189,3 +189,32 @@ def test_moving_or_casting_drops_the_plans_and_fused_weights() -> None:
     assert not model.plans.plans and model.encoder.layer[0].attention.self._fused is None
     with torch.no_grad():
         assert model(ids, attention_mask=mask).last_hidden_state.dtype == torch.float64
+
+
+@pytest.mark.skipif(not hasattr(torch.backends.cuda.matmul, "fp32_precision"), reason="torch < 2.9: no new switch")
+@pytest.mark.parametrize("value", ["tf32", "ieee"])
+def test_the_mode_reads_torchs_new_tf32_switch_without_raising(value: str) -> None:
+    """torch >= 2.9's `torch.backends.cuda.matmul.fp32_precision`: once set, torch raises on the legacy reads, which a
+    CUDA fp32 mode used to make every forward."""
+    from fastbert.execution.mode import current_mode
+    from tests.test_fp32_precision import fp32_precision
+
+    with fp32_precision(value):
+        mode = current_mode(tiny_bert(), torch.device("cuda"), torch.float32, False)
+    assert mode.tf32 == (value == "tf32")
+
+
+def test_a_frozen_model_with_grad_enabled_walks_no_parameters_in_python() -> None:
+    """A frozen model called without no_grad (optimize(freeze=True) does this) checks its weights' requires_grad in
+    one C-level scan, not a walk of the module tree: as few Python calls as under no_grad, give or take a few."""
+    from benchmarks.host_work import count
+
+    model, (ids, mask) = tiny_bert(num_hidden_layers=6).requires_grad_(False), ragged()
+    with ops.use_backend("torch"):
+        for _ in range(2):
+            model(ids, attention_mask=mask)
+        frozen = count(lambda: model(ids, attention_mask=mask))
+        with torch.no_grad():
+            model(ids, attention_mask=mask)
+            plain = count(lambda: model(ids, attention_mask=mask))
+    assert frozen.python_calls <= plain.python_calls + 5, (frozen, plain)

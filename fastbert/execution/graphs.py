@@ -39,6 +39,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fastbert.execution import loop
@@ -100,6 +101,7 @@ class _Graph:
         self.packing = Packing(batch + self.fillers, seqlen, self.cu_seqlens, seqlen,
                                torch.arange(tokens, device=device))  # fmt: skip
         self.fill = torch.arange(1, self.fillers + 1, dtype=torch.int32, device=device) * seqlen  # [F]
+        self._tails: dict[int, torch.Tensor] = {}  # a call's batch -> [Bb - batch + F]: its empties, then fillers
         self.replay: Callable[[], None] | None = None
         self.out: torch.Tensor | None = None  # [Tb, H]
 
@@ -116,8 +118,10 @@ class _Graph:
                 torch.index_select(flat, 0, packing.indices[rows], out=static[:total])
         batch = packing.batch
         self.cu_seqlens[: batch + 1].copy_(packing.cu_seqlens, non_blocking=True)
-        self.cu_seqlens[batch + 1 : self.batch + 1].fill_(total)  # empty sequences up to the bucket's batch
-        torch.add(self.fill, total, out=self.cu_seqlens[self.batch + 1 :]).clamp_(max=self.tokens)  # rows T..Tb
+        tail = self._tails.get(batch)
+        if tail is None:  # empty sequences up to the bucket's batch (+0), then the fillers (+Sb each)
+            tail = self._tails[batch] = F.pad(self.fill, (self.batch - batch, 0))
+        torch.add(tail, total, out=self.cu_seqlens[batch + 1 :]).clamp_(max=self.tokens)  # rows T..Tb
 
 
 def cuda_capture(run: Callable[[], torch.Tensor], pool: object) -> tuple[Callable[[], None], torch.Tensor]:
@@ -302,7 +306,7 @@ class Graphs:
 
     def takes(self, plan: Plan, model: nn.Module, structure: Structure) -> str | None:
         mode, wanted = plan.mode, getattr(model, "cuda_graphs", False)
-        device_type = wanted.device_type if isinstance(wanted, CudaGraphs) else "cuda"
+        device_type = (wanted if isinstance(wanted, CudaGraphs) else CudaGraphs).device_type
         if mode.device.type != device_type:
             return f"runs on {device_type} tensors only"
         if mode.training or mode.grad:

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fastbert import capabilities, ops
@@ -119,20 +120,20 @@ class Plan:
         launcher = backend.inference_function(op) if inference else None
         function, how = (launcher, f"bound to {name} (forward-only launcher)") if launcher else (
             backend.function(op), f"bound to {name}")  # fmt: skip
-        if self.mode.autocast is not None:
+        if self.mode.autocast is not None and op in ops.CASTS:
             function, how = ops.casting(op, function), how + " with the op's autocast casts"
         return function, how, name
 
     def _compose(self, op: str) -> tuple[FusedOp, str]:
         """torch's GEMM with the bound epilogue op: what ops' torch backend composes per call."""
+        mode = self.mode
+        via_fp32 = torch.bfloat16 in (mode.dtype, mode.autocast) and capabilities.bf16_via_fp32(mode.device)
         if op == "linear":
-            mode = self.mode
-            via_fp32 = torch.bfloat16 in (mode.dtype, mode.autocast) and capabilities.bf16_via_fp32(mode.device)
             how = f"bound to torch: F.linear + bias_act ({self.how['bias_act']})"
             return ops.composed_linear(self.functions["bias_act"], via_fp32), how + (
                 ", bf16 GEMMs as fp32 on this CPU" if via_fp32 else "")  # fmt: skip
-        brln = self.functions["bias_residual_layernorm"]
-        return ops.composed_dense_residual_layernorm(self.functions["linear"], brln), (
+        gemm = self.functions["linear"] if via_fp32 else F.linear  # without bias or activation: F.linear's own
+        return ops.composed_dense_residual_layernorm(gemm, self.functions["bias_residual_layernorm"]), (
             f"bound to torch: linear + bias_residual_layernorm ({self.how['bias_residual_layernorm']})"
         )
 

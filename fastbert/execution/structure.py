@@ -132,6 +132,8 @@ class Structure:
         self.params = list({t: None for m in leaves for t in m._parameters.values() if t is not None})
         self._layer_modules = [(p.self_attention, p.out_dense._parameters, p.out_norm, p.inter_dense._parameters,
                                 p.modules[4], p.ffn_dense._parameters, p.ffn_norm) for p in self.layers]  # fmt: skip
+        self._layer_sources = [(p.query._parameters, p.key._parameters, p.value._parameters, *attention[1:])
+                               for p, attention in zip(self.layers, self._layer_modules, strict=True)]  # fmt: skip
         self.static_refusal = self._static_refusal(model, layers, forwards, list(leaves))
 
     def _static_refusal(
@@ -217,13 +219,10 @@ class Structure:
     def layer_sources(self) -> list[tuple]:
         """Per layer, what `layer_weights` reads, with Q, K and V as found: ((Q, K, V weights), (Q, K, V biases),
         attention output weight, ...). A CUDA graph holds these and concatenates Q, K and V at every replay."""
-        out = []
-        for p in self.layers:
-            q, k, v, o, n1, i, f, n2 = [m._parameters for m in p.leaves]
-            out.append(((q["weight"], k["weight"], v["weight"]), (q["bias"], k["bias"], v["bias"]), o["weight"],
-                        o["bias"], n1["weight"], n1["bias"], p.out_norm.eps, i["weight"], i["bias"], p.act,
-                        f["weight"], f["bias"], n2["weight"], n2["bias"], p.ffn_norm.eps))  # fmt: skip
-        return out
+        return [((q["weight"], k["weight"], v["weight"]), (q["bias"], k["bias"], v["bias"]), o["weight"], o["bias"],
+                 n1._parameters["weight"], n1._parameters["bias"], n1.eps, i["weight"], i["bias"], inter.act,
+                 f["weight"], f["bias"], n2._parameters["weight"], n2._parameters["bias"], n2.eps)
+                for q, k, v, o, n1, i, inter, f, n2 in self._layer_sources]  # fmt: skip
 
 
 def fused(sources: list[tuple]) -> list[tuple]:
