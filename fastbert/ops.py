@@ -18,7 +18,7 @@ Importing this module never needs a GPU, Triton or the native extension: a backe
 from __future__ import annotations
 
 import contextlib
-import inspect
+import functools
 import logging
 import os
 import threading
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from fastbert import capabilities, reference
-from fastbert.backends import gemm, int8, native, onednn, scope, timing_store
+from fastbert.backends import contract, gemm, int8, native, onednn, scope, timing_store
 from fastbert.backends import triton as triton_backend
 from fastbert.backends.spec import COMPOUND_OPS, FLOATS, KERNEL_OPS, OPS, Backend, BackendUnavailable
 
@@ -226,15 +226,6 @@ def _dispatch(op: str, *args: Any, **kwargs: Any) -> torch.Tensor:
     return fn(*args, **kwargs)
 
 
-# One public function per op; the signatures are the references' (see fastbert/reference.py), without `upcast`.
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, act: str | None = None
-) -> torch.Tensor:
-    """act(x @ weight^T + bias). A backend that fuses the whole layer (oneDNN) takes it in one call; on the torch
-    backend the GEMM is F.linear and the bias + activation epilogue goes to the `bias_act` op."""
-    return _dispatch("linear", x, weight, bias, act)
-
-
 def composed_linear(
     bias_act_op: Callable[..., torch.Tensor], via_fp32: bool | None = None
 ) -> Callable[..., torch.Tensor]:
@@ -290,84 +281,14 @@ def composed_dense_residual_layernorm(
     return dense_residual_layernorm
 
 
-def dense_residual_layernorm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    residual: torch.Tensor,
-    ln_weight: torch.Tensor,
-    ln_bias: torch.Tensor,
-    eps: float,
-    dropout_p: float = 0.0,
-    training: bool = False,
-) -> torch.Tensor:
-    """LayerNorm(dropout(x @ weight^T + bias) + residual): a sub-layer's output projection and its epilogue.
-
-    oneDNN takes it whole where it can (inference, one dtype throughout: bias and residual ride in the GEMM's
-    epilogue); otherwise the GEMM is the `linear` op and the epilogue the `bias_residual_layernorm` op."""
-    args = (x, weight, bias, residual, ln_weight, ln_bias, eps, dropout_p, training)
-    return _dispatch("dense_residual_layernorm", *args)
-
-
-def embedding_layernorm(
-    input_ids: torch.Tensor | None,
-    token_type_ids: torch.Tensor,
-    position_ids: torch.Tensor,
-    word_weight: torch.Tensor,
-    position_weight: torch.Tensor,
-    type_weight: torch.Tensor,
-    ln_weight: torch.Tensor,
-    ln_bias: torch.Tensor,
-    eps: float,
-    dropout_p: float = 0.0,
-    training: bool = False,
-    inputs_embeds: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """LayerNorm(word[ids] + position[pos] + type[tt]) then dropout, in one pass where a kernel exists."""
-    return _dispatch(
-        "embedding_layernorm",
-        input_ids,
-        token_type_ids,
-        position_ids,
-        word_weight,
-        position_weight,
-        type_weight,
-        ln_weight,
-        ln_bias,
-        eps,
-        dropout_p=dropout_p,
-        training=training,
-        inputs_embeds=inputs_embeds,
-    )
-
-
-def bias_act(x: torch.Tensor, bias: torch.Tensor, kind: str = reference.ACT_GELU) -> torch.Tensor:
-    """act(x + bias) for act in gelu (erf), gelu_tanh, relu."""
-    return _dispatched_bias_act(x, bias, kind)
-
-
 def _bias_act_casting(function: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """`function` with bias_act's cast: under autocast x is the GEMM's low-precision output and F.linear adds its bias
     in that dtype, so does this."""
 
-    def bias_act(x: torch.Tensor, bias: torch.Tensor, kind: str = reference.ACT_GELU) -> torch.Tensor:
-        return function(x, bias.to(x.dtype) if bias.dtype != x.dtype else bias, kind)
+    def bias_act(x: torch.Tensor, bias: torch.Tensor, *rest: Any, **named: Any) -> torch.Tensor:
+        return function(x, bias.to(x.dtype) if bias.dtype != x.dtype else bias, *rest, **named)
 
     return bias_act
-
-
-def bias_residual_layernorm(
-    x: torch.Tensor,
-    bias: torch.Tensor,
-    residual: torch.Tensor,
-    ln_weight: torch.Tensor,
-    ln_bias: torch.Tensor,
-    eps: float,
-    dropout_p: float = 0.0,
-    training: bool = False,
-) -> torch.Tensor:
-    """LayerNorm(dropout(x + bias) + residual)."""
-    return _dispatched_bias_residual_layernorm(x, bias, residual, ln_weight, ln_bias, eps, dropout_p, training)
 
 
 def _bias_residual_layernorm_casting(function: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -375,13 +296,12 @@ def _bias_residual_layernorm_casting(function: Callable[..., torch.Tensor]) -> C
     residual stream keeps the model's dtype; both go to the wider one, as transformers' fp32 LayerNorm does."""
 
     def bias_residual_layernorm(
-        x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor,
-        eps: float, dropout_p: float = 0.0, training: bool = False,
-    ) -> torch.Tensor:  # fmt: skip
+        x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, *rest: Any, **named: Any
+    ) -> torch.Tensor:
         if x.dtype != residual.dtype:
             dtype = torch.promote_types(x.dtype, residual.dtype)
             x, residual = x.to(dtype), residual.to(dtype)
-        return function(x, bias, residual, ln_weight, ln_bias, eps, dropout_p, training)
+        return function(x, bias, residual, *rest, **named)
 
     return bias_residual_layernorm
 
@@ -392,10 +312,6 @@ CASTS: dict[str, Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Ten
     "bias_act": _bias_act_casting,
     "bias_residual_layernorm": _bias_residual_layernorm_casting,
 }
-_dispatched_bias_act = _bias_act_casting(lambda *args: _dispatch("bias_act", *args))
-_dispatched_bias_residual_layernorm = _bias_residual_layernorm_casting(
-    lambda *args: _dispatch("bias_residual_layernorm", *args)
-)
 
 
 def casting(op: str, function: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -405,21 +321,32 @@ def casting(op: str, function: Callable[..., torch.Tensor]) -> Callable[..., tor
     return function if casts is None else casts(function)
 
 
-def attention(
-    qkv: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    dropout_p: float = 0.0,
-    training: bool = False,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """Varlen bidirectional attention over packed QKV `[T, 3, nH, D]` -> `[T, nH, D]`."""
-    return _dispatch("attention", qkv, cu_seqlens, max_seqlen, dropout_p, training, scale)
+def _public(op: contract.Op) -> Callable[..., torch.Tensor]:
+    """The op's public function, from its declaration: the dispatch, after the casts the op makes (CASTS), with the
+    declared signature and words (help(), inspect)."""
+    name = op.name
+    if name in CASTS:
+        function = CASTS[name](functools.partial(_dispatch, name))
+    else:
+
+        def function(*args: Any, **kwargs: Any) -> torch.Tensor:
+            return _dispatch(name, *args, **kwargs)
+
+    function.__name__ = function.__qualname__ = name
+    function.__module__, function.__doc__, function.__signature__ = __name__, op.describe(), op.signature()
+    return function
 
 
-# Every op's parameter names, so that limit checks read a call by name whatever mix of positions and keywords it used
+# One public function per op, each declared once in fastbert.backends.contract
+embedding_layernorm = _public(contract.EMBEDDING_LAYERNORM)
+bias_act = _public(contract.BIAS_ACT)
+bias_residual_layernorm = _public(contract.BIAS_RESIDUAL_LAYERNORM)
+attention = _public(contract.ATTENTION)
+linear = _public(contract.LINEAR)
+dense_residual_layernorm = _public(contract.DENSE_RESIDUAL_LAYERNORM)
+# every op's parameter names, so that limit checks read a call by name whatever mix of positions and keywords it used
 # (a zip, not inspect's bind: select runs on every op of every layer)
-_PARAMS = {op: tuple(inspect.signature(globals()[op]).parameters) for op in OPS}
+_PARAMS = {name: op.names for name, op in contract.OPS.items()}
 
 TORCH = Backend(
     "torch",

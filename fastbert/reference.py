@@ -114,6 +114,23 @@ def bias_residual_layernorm(
     return layer_norm(h, _up(ln_weight, upcast), _up(ln_bias, upcast), eps).to(out_dtype)
 
 
+def dense_residual_layernorm(
+    x: torch.Tensor,  # [T, K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor,  # [N]
+    residual: torch.Tensor,  # [T, N]
+    ln_weight: torch.Tensor,  # [N]
+    ln_bias: torch.Tensor,  # [N]
+    eps: float,
+    dropout_p: float = 0.0,
+    training: bool = False,
+    upcast: bool = False,
+) -> torch.Tensor:  # [T, N]
+    """LayerNorm(dropout(x @ weight^T + bias) + residual): a sub-layer's output projection and its epilogue."""
+    y = linear(x, weight, None, None, upcast)
+    return bias_residual_layernorm(y, bias, residual, ln_weight, ln_bias, eps, dropout_p, training, upcast)
+
+
 def autocast_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype F.linear computes `x` in: autocast's for an fp32 x where autocast is on for x's device, else x's."""
     kind = x.device.type

@@ -65,16 +65,6 @@ def test_triton_limits_are_defined_once() -> None:
     assert attention.MAX_SEQLEN_DROPOUT is limits.MAX_SEQLEN_DROPOUT
 
 
-def test_kernel_functions_have_the_ops_signatures() -> None:
-    import inspect
-
-    from fastbert import kernels
-
-    assert kernels.unavailable_reason() is None
-    for op in ops.KERNEL_OPS:
-        assert inspect.signature(getattr(kernels, op)) == inspect.signature(getattr(ops, op)), op
-
-
 def test_triton_takes_cuda_tensors_automatically() -> None:
     """As data: the Triton backend accepts a CUDA call in automatic mode (checked without a GPU)."""
     backend = ops.backends()["triton"]

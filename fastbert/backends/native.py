@@ -13,13 +13,15 @@ import importlib.util
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import torch
 
 from fastbert import capabilities, reference
+from fastbert.backends import contract
 from fastbert.backends.spec import KERNEL_OPS, Backend, BackendUnavailable, LimitCheck
 
 BUILD_HINTS = {
@@ -170,84 +172,28 @@ def _no_dropout(dropout_p: float, training: bool) -> None:
 
 
 # Dynamo cannot trace into a pybind function: under torch.compile each op goes through a torch custom op
-# (`torch.ops.fastbert.native_*`, forward only, with a fake implementation giving the output's shape and dtype), so
-# the compiled graph holds the kernel whole instead of breaking at it. Eager calls skip the custom op's dispatch.
-@torch.library.custom_op("fastbert::native_embedding_layernorm", mutates_args=())
-def _embedding_layernorm_op(
-    input_ids: torch.Tensor | None,
-    token_type_ids: torch.Tensor,
-    position_ids: torch.Tensor,
-    word_weight: torch.Tensor,
-    position_weight: torch.Tensor,
-    type_weight: torch.Tensor,
-    ln_weight: torch.Tensor,
-    ln_bias: torch.Tensor,
-    eps: float,
-    inputs_embeds: torch.Tensor | None,
-) -> torch.Tensor:
-    lead = inputs_embeds if inputs_embeds is not None else word_weight
-    return _ext(lead.device).embedding_layernorm(
-        input_ids, token_type_ids, position_ids, word_weight, position_weight, type_weight, ln_weight, ln_bias, eps,
-        inputs_embeds,
-    )  # fmt: skip
+# (`torch.ops.fastbert.native_<op>`, forward only: the op's declared arguments without the dropout ones, a fake giving
+# the output's shape and dtype, both derived from fastbert.backends.contract), so the compiled graph holds the kernel
+# whole instead of breaking at it. Eager calls skip the custom op's dispatch.
+def _custom_op(op: contract.Op) -> Callable[..., torch.Tensor]:
+    params, name = op.forward_only(), op.name
+    defaults = tuple(p.default for p in params)
+
+    def run(*args: Any) -> torch.Tensor:  # torch may leave out trailing arguments equal to their defaults
+        lead = next(a for a in args if isinstance(a, torch.Tensor))
+        return getattr(_ext(lead.device), name)(*args, *defaults[len(args) :])
+
+    custom = torch.library.custom_op(f"fastbert::native_{name}", run, mutates_args=(), schema=op.schema(params))
+    custom.register_fake(op.fake(params))
+    return custom
 
 
-@_embedding_layernorm_op.register_fake
-def _(input_ids, token_type_ids, position_ids, word_weight, position_weight, type_weight, ln_weight, ln_bias, eps,
-      inputs_embeds):  # fmt: skip
-    if inputs_embeds is not None:
-        return inputs_embeds.new_empty(inputs_embeds.shape)
-    return word_weight.new_empty(*input_ids.shape, word_weight.shape[-1])
-
-
-@torch.library.custom_op("fastbert::native_bias_act", mutates_args=())
-def _bias_act_op(x: torch.Tensor, bias: torch.Tensor, kind: str) -> torch.Tensor:
-    return _ext(x.device).bias_act(x, bias, kind)
-
-
-@_bias_act_op.register_fake
-def _(x, bias, kind):
-    return x.new_empty(x.shape)
-
-
-@torch.library.custom_op("fastbert::native_bias_residual_layernorm", mutates_args=())
-def _bias_residual_layernorm_op(
-    x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, ln_weight: torch.Tensor, ln_bias: torch.Tensor,
-    eps: float,
-) -> torch.Tensor:  # fmt: skip
-    return _ext(x.device).bias_residual_layernorm(x, bias, residual, ln_weight, ln_bias, eps)
-
-
-@_bias_residual_layernorm_op.register_fake
-def _(x, bias, residual, ln_weight, ln_bias, eps):
-    return x.new_empty(x.shape)
-
-
-@torch.library.custom_op("fastbert::native_attention", mutates_args=())
-def _attention_op(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float) -> torch.Tensor:
-    return _ext(qkv.device).attention(qkv, cu_seqlens, max_seqlen, scale)
-
-
-@_attention_op.register_fake
-def _(qkv, cu_seqlens, max_seqlen, scale):
-    return qkv.new_empty(qkv.shape[0], qkv.shape[2], qkv.shape[3])
+_COMPILED = SimpleNamespace(**{op.name: _custom_op(op) for op in contract.KERNEL_OPS})
 
 
 def _kernels(device: torch.device) -> Any:
     """What runs the ops: the extension itself, or under torch.compile the custom ops that wrap it."""
     return _COMPILED if torch.compiler.is_compiling() else _ext(device)
-
-
-class _CompiledOps:
-    """The extension's op functions as custom ops (same names and arguments), for torch.compile's graphs."""
-
-    embedding_layernorm = staticmethod(_embedding_layernorm_op)
-    bias_act = staticmethod(_bias_act_op)
-    bias_residual_layernorm = staticmethod(_bias_residual_layernorm_op)
-    attention = staticmethod(_attention_op)
-
-
-_COMPILED = _CompiledOps()
 
 
 # One function per op, with fastbert.ops' signatures.

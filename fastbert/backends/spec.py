@@ -1,5 +1,6 @@
-"""What a backend is, as data: the ops the dispatch knows, and the `Backend` record each backend module exports as its
-SPEC (devices, dtypes, the ops it implements, per-op limits). A leaf: backends import it, never the dispatcher."""
+"""What a backend is, as data: the ops the dispatch knows (declared in fastbert.backends.contract), and the `Backend`
+record each backend module exports as its SPEC (devices, dtypes, the ops it implements, per-op limits). A leaf:
+backends import it, never the dispatcher."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from typing import Any
 
 import torch
 
-KERNEL_OPS = ("embedding_layernorm", "bias_act", "bias_residual_layernorm", "attention")
+from fastbert.backends import contract
+
+KERNEL_OPS = tuple(op.name for op in contract.KERNEL_OPS)
 # GEMMs with their epilogues: act(x @ W^T + b), and LayerNorm(dropout(x @ W^T + b) + residual)
-COMPOUND_OPS = ("linear", "dense_residual_layernorm")
+COMPOUND_OPS = tuple(op.name for op in contract.COMPOUND_OPS)
 OPS = KERNEL_OPS + COMPOUND_OPS
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
