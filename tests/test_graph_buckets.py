@@ -80,27 +80,22 @@ def test_memory_bound_runs_eagerly_and_says_why() -> None:
     assert not model.cuda_graphs.graphs and "memory_limit" in model.cuda_graphs.describe()
 
 
-def test_weights_changed_in_place_are_read_by_the_next_replay() -> None:
-    """A replay reads the weights where they lie (the Q, K and V concatenation is inside the graph): a change in place,
-    by any route, even one that bypasses the version counter (`.data`), is seen without a recapture."""
-    eager, model = graphed()
-    ids, mask = batch([9, 4], 9)
-    with torch.inference_mode():
-        for _ in range(2):
-            model(ids, attention_mask=mask)
-        captured = RerunGraphs.captures
+def _in_place(model: torch.nn.Module) -> None:
     with torch.no_grad():
-        for m in (model, eager):
-            m.encoder.layer[0].output.dense.weight.mul_(0.5)
-            m.encoder.layer[1].attention.self.key.weight.data.mul_(1.5)
-    with torch.inference_mode():
-        out = model(ids, attention_mask=mask).last_hidden_state
-        assert torch.allclose(out, eager(ids, attention_mask=mask).last_hidden_state, rtol=0, atol=1e-5)
-    assert RerunGraphs.captures == captured
+        model.encoder.layer[0].output.dense.weight.mul_(0.5)
+        model.encoder.layer[1].attention.self.key.weight.data.mul_(1.5)  # bypasses the version counter
 
 
-def test_weights_given_new_memory_recapture() -> None:
-    """`param.data = ...` moves a weight without registering anything: the address check before the sync sees it."""
+def _new_memory(model: torch.nn.Module) -> None:
+    query = model.encoder.layer[0].attention.self.query
+    query.weight.data = query.weight.data * 0.5  # registers nothing
+
+
+@pytest.mark.parametrize("edit, recaptures", [(_in_place, 0), (_new_memory, 1)], ids=["in-place", "new-memory"])
+def test_weight_edits_are_read_by_the_next_replay(edit, recaptures: int) -> None:  # noqa: ANN001
+    """A replay reads the weights where they lie (the Q, K and V concatenation is inside the graph): a change in place,
+    by any route, is seen without a recapture; a weight moved to new memory is caught by the address check before
+    the sync, and recaptured."""
     eager, model = graphed()
     ids, mask = batch([9, 4], 9)
     with torch.inference_mode():
@@ -108,12 +103,11 @@ def test_weights_given_new_memory_recapture() -> None:
             model(ids, attention_mask=mask)
         captured = RerunGraphs.captures
     for m in (model, eager):
-        query = m.encoder.layer[0].attention.self.query
-        query.weight.data = query.weight.data * 0.5
+        edit(m)
     with torch.inference_mode():
         out = model(ids, attention_mask=mask).last_hidden_state
         assert torch.allclose(out, eager(ids, attention_mask=mask).last_hidden_state, rtol=0, atol=1e-5)
-    assert RerunGraphs.captures == captured + 1
+    assert RerunGraphs.captures == captured + recaptures
 
 
 def test_two_threads_replaying_one_model_get_their_own_outputs() -> None:

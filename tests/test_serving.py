@@ -75,7 +75,7 @@ def test_a_forced_backend_runs_its_ops_and_leaves_the_others_to_the_automatic_ch
     monkeypatch.setattr(ops, "_last_facts", {})
     with torch.no_grad(), fastbert.use_backend(name):
         BertModel(BertConfig(**TINY)).eval()(ids, attention_mask=mask)  # a model's first forward in a mode dispatches
-    assert f"forced {name}):" in fastbert.explain()  # later ones run the plan bound from it (fastbert.plan)
+    assert f"forced {name}):" in fastbert.explain()  # later ones run the plan bound from it (fastbert.execution)
     decisions = ops.decisions()
     assert {"linear", "embedding_layernorm", "attention"} <= set(decisions)
     for op, decision in decisions.items():
