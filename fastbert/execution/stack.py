@@ -88,8 +88,8 @@ class Stack:
         gemms = (chosen[0], chosen[1], chosen[2], chosen[3])  # QKV, attention out, FFN in, FFN out, in call order
         _status["tried"] += 1
         if elsewhere := [(what, name) for what, name in zip(GEMMS, gemms, strict=True) if name not in OPERANDS]:
-            _status["last"] = (f"op by op, because the first layer ran its {elsewhere[0][0]} GEMM on {elsewhere[0][1]} "
-                               "(this call has the gemm/int8 GEMMs and native attention)")  # fmt: skip
+            _status["last"] = (f"the rest in the loop, because the first layer ran its {elsewhere[0][0]} GEMM on "
+                               f"{elsewhere[0][1]} (the native call has the gemm/int8 GEMMs)")  # fmt: skip
             return loop.layers(plan, s, weights[1:], x, packing)
         operands: list[torch.Tensor] = []
         eps: list[float] = []
@@ -112,7 +112,7 @@ class Stack:
         return x
 
     def note(self, plan: Plan) -> str:
-        return f"the CPU layer stack: the first layer in the loop, then {_status['last']}"
+        return f"the CPU layer stack (layer 1 in the loop): {_status['last']}"
 
     def __reduce__(self) -> str:
         return "STACK"
