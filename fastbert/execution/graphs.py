@@ -183,16 +183,20 @@ class CudaGraphs:
     def reset(self) -> None:
         """Drop every graph and its pool (the model moved or changed): the next call captures again."""
         with self._lock:
-            self.graphs.clear()
-            self.refused.clear()
-            self.pool, self._captured_for, self._done = None, None, None
+            self._clear()
+
+    def _clear(self) -> None:
+        self.graphs.clear()
+        self.refused.clear()
+        self.pool, self._captured_for, self._done = None, None, None
 
     def current(self, plan: Plan, structure: Structure) -> None:
         """Drop the graphs if they were captured for another structure, mode or weight memory (before the sync)."""
         now = (structure, plan.mode, addresses(structure.params))
         if now != self._captured_for:
-            self.reset()
-            self._captured_for = now
+            with self._lock:  # another thread may be replaying them
+                self._clear()
+                self._captured_for = now
 
     @property
     def _token_bytes(self) -> int:
@@ -369,8 +373,7 @@ def enable(model: nn.Module, **limits: int) -> nn.Module:
     """Turn on CUDA graphs for `model` (a BertModel or any head around one) with these limits (max_tokens, max_batch,
     memory_limit in bytes, max_graphs); returns the model."""
     base = _base(model)
-    base.cuda_graphs = CudaGraphs(base, **limits)
-    base.plans.clear()  # the graphs executor is bound anew, with these limits
+    base.cuda_graphs = CudaGraphs(base, **limits)  # the plans are bound anew (BertModel.cuda_graphs' setter)
     return model
 
 
