@@ -113,8 +113,7 @@ setup(
     version="0.1.0",
     description="Fused kernels and a drop-in, faster BertModel for BERT-family encoders",
     python_requires=">=3.10",
-    packages=find_packages(include=["fastbert", "fastbert.*"]) + ["fastbert.kernels"],
-    package_dir={"fastbert.kernels": "kernels"},
+    packages=find_packages(include=["fastbert", "fastbert.*"]),
     # Lower bounds are the versions `make test-oldest` runs (requirements/oldest.txt); CI runs both ends.
     install_requires=["torch>=2.13", "safetensors>=0.4.3", "numpy", "tqdm"],
     extras_require={

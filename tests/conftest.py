@@ -18,6 +18,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ["FASTBERT_TIMING_CACHE"] = "0"  # each test times afresh (tests/test_timing_store.py turns it on)
 
 
+
 def _inductor_cache_per_isa() -> None:
     """One inductor cache per ATen CPU capability. Its FX-graph cache key leaves out the vector ISA that
     ATEN_CPU_CAPABILITY picks, so the forced-AVX2 runs (Makefile's AVX2_ENV) and the native runs shared entries:

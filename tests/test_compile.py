@@ -261,6 +261,33 @@ def test_inference_table_names_every_kernel_op() -> None:
     assert set(kernels.INFERENCE) == {"embedding_layernorm", "bias_act", "bias_residual_layernorm", "attention"}
 
 
+@requires_triton
+def test_the_triton_custom_ops_stay_those_fastbert_calls_after_transformers_looks_for_kernels() -> None:
+    """transformers imports a top-level `kernels` to see whether the HF kernels package is installed. From the
+    repository root that name was this repository's top-level kernels/ folder (now fastbert/kernels/): a second copy
+    of fastbert.kernels, whose @custom_op redefinitions freed the fastbert::triton_* ops fastbert.kernels calls (a
+    compiled Triton launch then read freed memory: the crashed worker in
+    test_compiled_triton_kernels_under_the_interpreter). No `kernels` is found (looked up without importing it, so
+    this test never makes the copy), transformers' probe says there is none, and each op fastbert.kernels calls is
+    still the one torch has registered."""
+    import importlib
+    import importlib.util
+
+    from torch._library.custom_ops import CustomOpDef
+
+    assert importlib.util.find_spec("kernels") is None, "a folder of this repository imports as `kernels`"
+    probe = pytest.importorskip("transformers.utils.import_utils").is_kernels_available
+    probe.cache_clear()  # probe now, in this process, whatever an earlier import of transformers found
+    assert not probe()
+    ops = []
+    for name in ("attention", "bias_act", "bias_residual_layernorm", "embedding"):
+        module = importlib.import_module(f"fastbert.kernels.{name}")
+        ops += [op for op in vars(module).values() if isinstance(op, CustomOpDef)]
+    assert len(ops) == 8, [op._qualname for op in ops]  # a forward and a backward op per kernel
+    stale = [op._qualname for op in ops if getattr(torch.ops.fastbert, op._name).default is not op._opoverload]
+    assert not stale, f"redefined since fastbert.kernels defined them: {stale}"
+
+
 def _pretrain_argv(tmp: Path) -> list[str]:
     docs = [f"Document {d} says the cat sat on mat {d}. The dog ran to park {d}. A bird flew." for d in range(12)]
     (tmp / "corpus.txt").write_text("\n\n".join(docs) + "\n")

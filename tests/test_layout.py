@@ -1,6 +1,6 @@
 """The layout holds: the README's layout block names every top-level folder and every module and package of fastbert/,
 and imports point one way (model -> execution -> dispatch -> backends -> kernels): no circle among fastbert's modules
-(kernels/ included, as fastbert.kernels), no backend reaching the dispatcher, no kernel reaching the library."""
+(fastbert/kernels/ included), no backend reaching the dispatcher, no kernel reaching the library."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = {"fastbert": ROOT / "fastbert", "fastbert.kernels": ROOT / "kernels"}  # setup.py's package_dir
+SOURCES = {"fastbert": ROOT / "fastbert"}
 DISPATCHER = "fastbert.ops"
 
 
@@ -148,7 +148,7 @@ def test_no_backend_reaches_the_dispatcher() -> None:
 
 
 def test_the_kernels_import_nothing_of_the_library() -> None:
-    """kernels/ know nothing of models: they import each other and nothing else of fastbert."""
+    """fastbert/kernels/ know nothing of models: they import each other and nothing else of fastbert."""
     graph = import_graph()
     found = {m: sorted(t for t in graph[m] if not t.startswith("fastbert.kernels"))
              for m in graph if m.startswith("fastbert.kernels")}  # fmt: skip

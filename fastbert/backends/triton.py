@@ -1,5 +1,5 @@
-"""The `triton` backend: the fused kernels in kernels/ (installed as `fastbert.kernels`) on CUDA tensors, and on CPU
-tensors under the Triton interpreter when forced (tests). Its limits are the kernels' own (`kernels/limits.py`)."""
+"""The `triton` backend: the fused kernels in fastbert/kernels/ on CUDA tensors, and on CPU tensors under the Triton
+interpreter when forced (tests). Its limits are the kernels' own (`fastbert/kernels/limits.py`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Triton kernels for fastbert's fused ops, installed as `fastbert.kernels`. They know nothing of models.
+"""Triton kernels for fastbert's fused ops (fastbert.kernels). They know nothing of models.
 
 One file per op (forward and backward kernels, launcher, autograd Function, and the custom ops torch.compile traces);
 the functions here have exactly the signatures of `fastbert.ops`' public functions. `INFERENCE` maps each op to its
