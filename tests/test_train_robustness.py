@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from fastbert import BertForPreTraining
 from fastbert.cli import main
@@ -22,6 +23,7 @@ from fastbert.errors import DataError, UsageError
 from fastbert.finetune.data import read_squad, read_table
 from fastbert.pretrain import pretrain
 from fastbert.tokenization import WordPieceTokenizer
+from fastbert.train import loop as train_loop
 
 WORDS = "the a cat dog sat ran on under mat log house river big small red blue quickly slowly and then".split()
 TINY = {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}
@@ -175,6 +177,69 @@ def test_resume_without_a_checkpoint_says_it_starts_fresh(tmp_path, corpus, caps
     assert re.search(r"--resume: no checkpoint in .*checkpoints; starting a fresh run", capsys.readouterr().out)
 
 
+def killed_after_checkpoint(monkeypatch, at: int) -> None:
+    """The next run dies (as if killed) right after writing its checkpoint `step-<at>`."""
+    write = train_loop.save_resumable
+
+    def save(directory, step, *args, **kwargs):
+        write(directory, step, *args, **kwargs)
+        if step == at:
+            raise KeyboardInterrupt(f"killed after step {at}")
+
+    monkeypatch.setattr(train_loop, "save_resumable", save)
+
+
+def test_overwrite_moves_the_old_run_aside_and_resume_continues_this_run_only(tmp_path, corpus, monkeypatch, capsys):
+    """Run A leaves step-2 and step-4; run B (another lr, --overwrite) is killed after its step-2: resuming B must
+    continue B from its own step-2, never A's step-4, and end where an uninterrupted B ends."""
+    out = tmp_path / "out"
+    run(corpus, out, max_steps=6, save_every=2)
+    b = dict(lr=1e-3, max_steps=6, save_every=1)
+    with monkeypatch.context() as m:
+        killed_after_checkpoint(m, 2)
+        with pytest.raises(KeyboardInterrupt):
+            run(corpus, out, overwrite=True, **b)
+    assert sorted(os.listdir(out / "checkpoints")) == ["step-1", "step-2"]  # none of A's left to resume
+    (replaced,) = [p for p in out.iterdir() if p.name.startswith(".replaced-")]
+    assert sorted(os.listdir(replaced / "checkpoints")) == ["step-2", "step-4"] and (replaced / "final").is_dir()
+    assert str(replaced) in capsys.readouterr().out  # --overwrite says where the old run went
+    resumed = run(corpus, out, resume=True, **b)
+    said = capsys.readouterr().out
+    assert re.search(r"resumed from \S*step-2 at step 2: its run identity .* matches this run", said), said
+    whole = run(corpus, tmp_path / "whole", **b)
+    assert resumed["step"] == whole["step"] == 6
+    a, z = (load_file(d / "final" / "model.safetensors") for d in (out, tmp_path / "whole"))
+    assert all(torch.equal(a[k], z[k]) for k in z)
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [("lr", 1e-3), ("warmup_ratio", 0.5), ("weight_decay", 0.1), ("max_grad_norm", 0.5), ("precision", "bf16")],
+)
+def test_resume_refuses_a_changed_trajectory_option_naming_it(tmp_path, corpus, option, value):
+    run(corpus, tmp_path, max_steps=3, save_every=1)
+    with pytest.raises(UsageError, match=rf"step-2 is a checkpoint of another run \({option}: "):
+        run(corpus, tmp_path, max_steps=3, save_every=1, resume=True, **{option: value})
+
+
+def test_resume_may_change_what_only_reports(tmp_path, corpus):
+    run(corpus, tmp_path, max_steps=3, save_every=1)
+    again = run(corpus, tmp_path, max_steps=4, save_every=0, log_every=2, eval_every=1, keep_checkpoints=1, resume=True)
+    assert again["step"] == 4
+
+
+def test_rerunning_an_interrupted_run_without_resume_suggests_resume(tmp_path, corpus, monkeypatch):
+    with monkeypatch.context() as m:
+        killed_after_checkpoint(m, 1)
+        with pytest.raises(KeyboardInterrupt):
+            run(corpus, tmp_path, max_steps=3, save_every=1)
+    with pytest.raises(UsageError, match=r"an interrupted run of these options .*step-1.*pass --resume to continue"):
+        run(corpus, tmp_path, max_steps=3, save_every=1)
+    with pytest.raises(UsageError, match=r"holds another run \(checkpoints; lr: 0.0005 there, 0.001 now\)"):
+        run(corpus, tmp_path, max_steps=3, save_every=1, lr=1e-3)
+    assert run(corpus, tmp_path, max_steps=3, save_every=1, resume=True)["step"] == 3
+
+
 def test_a_corrupt_trainer_state_is_one_clear_error(tmp_path, corpus):
     run(corpus, tmp_path, max_steps=2, save_every=1)
     (tmp_path / "checkpoints" / "step-1" / "trainer_state.pt").write_bytes(b"not a torch file")
@@ -260,3 +325,33 @@ def test_distill_refuses_another_runs_folder_and_checkpoint(tmp_path):
         distill(teacher, texts(48), tiny(seed=1, resume="latest"))
     longer = distill(teacher, texts(48), tiny(max_steps=6, resume="latest"))  # the same run, a larger budget
     assert [r["step"] for r in longer.history if "loss" in r][-1] == 6
+
+
+def test_distill_overwrite_and_resume_latest_continue_this_run_only(tmp_path):
+    from distill_tiny import corpus as texts
+    from distill_tiny import make_teacher
+
+    from fastbert.distill import DistillConfig, distill
+
+    torch.set_num_threads(1)
+    teacher = make_teacher(str(tmp_path / "teacher"))
+
+    def tiny(**kw) -> DistillConfig:
+        base = dict(num_layers=2, batch_size=8, max_steps=4, checkpoint_every=1, log_every=1, max_eval=16)
+        return DistillConfig(str(tmp_path / "out"), **{**base, **kw})
+
+    def killed(step: int, record: dict) -> None:
+        if step == 2:
+            raise KeyboardInterrupt("killed after step 2")
+
+    distill(teacher, texts(48), tiny(checkpoint_every=2, keep_checkpoints=3, max_steps=6))  # step-2, step-4
+    with pytest.raises(KeyboardInterrupt):
+        distill(teacher, texts(48), tiny(lr=1e-3, overwrite=True), on_step=killed)
+    assert sorted(os.listdir(tmp_path / "out" / "checkpoints")) == ["step-1", "step-2"]
+    with pytest.raises(UsageError, match=r"interrupted run of these options .*step-2.*pass --resume latest"):
+        distill(teacher, texts(48), tiny(lr=1e-3))
+    for changed in ({}, {"teacher_precision": "bf16"}, {"max_grad_norm": 0.5}):  # lr: 1e-4 by default
+        with pytest.raises(UsageError, match=r"step-2 is a checkpoint of another run \((lr|max_grad|teacher_pr)"):
+            distill(teacher, texts(48), tiny(lr=1e-3 if changed else 1e-4, resume="latest", **changed))
+    resumed = distill(teacher, texts(48), tiny(lr=1e-3, resume="latest"))
+    assert [r["step"] for r in resumed.history if "loss" in r] == [1, 2, 3, 4]

@@ -235,12 +235,14 @@ def _loop_config(cfg: DistillConfig, resume_path: str | None) -> LoopConfig:
         save_every=cfg.checkpoint_every,
         resume=resume_path or False,
         final_dir="student",
+        run_files=("teacher_cache", "distill_config.json"),
+        resume_flag="--resume latest",
     )
 
 
-# DistillConfig fields a resumed run may change: how long, how fast, where, how often it reports
-NOT_IDENTITY = {"output_dir", "epochs", "max_steps", "max_minutes", "lr", "warmup_ratio", "weight_decay", "resume"}
-NOT_IDENTITY |= {"max_grad_norm", "precision", "teacher_precision", "checkpoint_every", "keep_checkpoints"}
+# DistillConfig fields a resumed run may change: how long, where and how it executes, how often it reports or saves;
+# every other field (lr, precisions, masking, the held-out split...) changes what the run computes
+NOT_IDENTITY = {"output_dir", "epochs", "max_steps", "max_minutes", "resume", "checkpoint_every", "keep_checkpoints"}
 NOT_IDENTITY |= {"eval_every", "device", "log_every", "overwrite", "compile", "compile_backend"}
 
 
@@ -289,7 +291,7 @@ def distill(
     resume_path = _resolve_resume(cfg)
     identity = _identity(cfg, teacher, corpus, tokenizer, eval_corpus)
     loop = dataclasses.replace(_loop_config(cfg, resume_path), identity=identity)
-    train_loop.check_output_dir(loop)
+    loop = train_loop.check_output_dir(loop, env.is_main)
     check_writable(cfg.output_dir)
     teacher_model = load_teacher(teacher)
     if tokenizer is None:

@@ -27,6 +27,7 @@ from fastbert.train import (
     fingerprint,
     fit,
     init_distributed,
+    trajectory,
 )
 
 TASKS = ("sequence", "regression", "token", "qa")
@@ -93,9 +94,8 @@ def finetune(
         raise FileNotFoundError(f"checkpoint directory {model} does not exist")
     identity = {"command": "finetune", "task": task, "model": fingerprint(model), "train": fingerprint(train)}
     identity.update(tokenizer=fingerprint(tokenizer) if tokenizer else None, batch_size=batch_size, seed=seed)
-    identity.update(grad_accum=cfg.grad_accum, options={k: v for k, v in task_options.items() if v is not None})
-    cfg = dataclasses.replace(cfg, identity=identity)
-    check_output_dir(cfg)
+    identity.update(options={k: v for k, v in task_options.items() if v is not None}, **trajectory(cfg))
+    cfg = check_output_dir(dataclasses.replace(cfg, identity=identity), env.is_main)
     config = BertConfig.from_pretrained(model)
     tok.token_types = tok.token_types and config.family.token_types  # DistilBERT takes no token_type_ids
     for key, value in job.config_updates().items():

@@ -30,6 +30,7 @@ from fastbert.train import (
     fit,
     init_distributed,
     resume_checkpoint,
+    trajectory,
 )
 
 __all__ = ["build_model", "checkpoint_tokenizer", "load_corpus", "pretrain"]
@@ -144,14 +145,14 @@ def pretrain(
             "mlm_probability": mlm_probability,
             "max_length": max_length,
             "batch_size": batch_size,
-            "grad_accum": cfg.grad_accum,
             "init_from": fingerprint(init_from) if init_from else None,
             "config": fingerprint(config) if config else None,
             "model_options": model_options,
             "seed": seed,
+            **trajectory(cfg),
         },
     )
-    check_output_dir(cfg)
+    cfg = check_output_dir(cfg, env.is_main)
     resumed = resume_checkpoint(cfg)
     if resumed:  # the vocabulary the checkpoint was trained with, never a newly learnt one
         tok = checkpoint_tokenizer(resumed, tokenizer)

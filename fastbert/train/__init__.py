@@ -3,14 +3,17 @@ torchrun set-up, resumable state on disk, the batch sampler, AdamW + schedule, p
 
 from fastbert.train.distributed import DistEnv, init_distributed, resolve_device, unwrap, wrap_model
 from fastbert.train.loop import (
+    TRAJECTORY,
     Evaluate,
     LoopConfig,
     check_output_dir,
     fit,
+    move_run_aside,
     progress,
     resume_checkpoint,
     run_eval,
     save_final,
+    trajectory,
 )
 from fastbert.train.optim import WarmupLinear, make_optimizer
 from fastbert.train.options import add_loop_arguments, loop_options, print_summary
@@ -37,6 +40,7 @@ __all__ = [
     "PRECISIONS",
     "PRECISION_CHOICES",
     "STATE_FILE",
+    "TRAJECTORY",
     "WRITE_ERRORS",
     "DistEnv",
     "Evaluate",
@@ -56,6 +60,7 @@ __all__ = [
     "load_checkpoint",
     "loop_options",
     "make_optimizer",
+    "move_run_aside",
     "print_summary",
     "progress",
     "prune_checkpoints",
@@ -68,6 +73,7 @@ __all__ = [
     "save_final",
     "save_resumable",
     "set_rng_state",
+    "trajectory",
     "unwrap",
     "wrap_model",
     "write_atomically",

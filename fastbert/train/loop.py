@@ -51,8 +51,10 @@ class LoopConfig:
     save_every: int = 0  # optimizer steps; 0 = only the final model
     log_every: int = 10
     resume: bool | str = False  # True: the newest checkpoint in output_dir/checkpoints, if any; str: that step-N
-    overwrite: bool = False  # train into an output_dir that holds another run's results (else refused)
-    identity: dict[str, Any] | None = None  # the options that define the run (data, model, objective, seed...)
+    overwrite: bool = False  # move another run's results in output_dir aside (else refused) and train afresh
+    identity: dict[str, Any] | None = None  # the options that define the run (data, model, objective, seed, lr...)
+    run_files: tuple[str, ...] = ()  # what else the run keeps in output_dir (moved aside with it by `overwrite`)
+    resume_flag: str = "--resume"  # how the command asks to continue a run (a refusal's suggestion)
     strategy: str = "ddp"
     keep_checkpoints: int = 0  # the newest N resumable checkpoints are kept; 0 = all
     final_dir: str = "final"  # where the trained model is written, under output_dir
@@ -81,6 +83,17 @@ class LoopConfig:
             raise UsageError("--overwrite and --resume contradict each other: continue the run, or replace it")
         if self.identity is not None:  # as a checkpoint's run.json reads back (tuples as lists, keys as strings)
             self.identity = json.loads(json.dumps(self.identity, sort_keys=True))
+
+
+# LoopConfig fields that change what a run computes: a run's identity holds them (`trajectory`), a resume must match
+# them. Not here: how long (epochs, max_steps, max_minutes: a resume may extend a run), how often it reports or saves,
+# and how it executes (strategy, compile: the same arithmetic by other kernels, like another device).
+TRAJECTORY = ("lr", "warmup_ratio", "weight_decay", "grad_accum", "max_grad_norm", "precision")
+
+
+def trajectory(cfg: LoopConfig) -> dict[str, Any]:
+    """The loop options a run identity holds (`TRAJECTORY`), as given (precision 'auto' stays 'auto')."""
+    return {name: getattr(cfg, name) for name in TRAJECTORY}
 
 
 Evaluate = Callable[[nn.Module], dict[str, float]]
@@ -161,19 +174,63 @@ def save_final(
 RUN_MARKS = ("history.json", "checkpoints")  # with the final folder: what a run leaves in its output folder
 
 
-def check_output_dir(cfg: LoopConfig) -> None:
+def _identity_differences(theirs: dict[str, Any], ours: dict[str, Any] | None) -> str:
+    """'option: value there, value now' for each option two run identities disagree on."""
+    ours = ours or {}
+    differ = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k))
+    return "; ".join(f"{k}: {theirs.get(k)} there, {ours.get(k)} now" for k in differ)
+
+
+def move_run_aside(cfg: LoopConfig) -> str | None:
+    """Move what a run left in `cfg.output_dir` (its final folder, history, checkpoints, `run_files`) into a new
+    `output_dir/.replaced-<time>-XXXX` folder, so that nothing of it can be resumed or mistaken for the new run's;
+    returns that folder (None: there was nothing to move). Nothing is deleted: the user decides."""
+    names = [n for n in (cfg.final_dir, *RUN_MARKS, *cfg.run_files) if os.path.lexists(os.path.join(cfg.output_dir, n))]
+    if not names:
+        return None
+    aside = tempfile.mkdtemp(prefix=time.strftime(".replaced-%Y%m%d-%H%M%S-"), dir=cfg.output_dir)
+    for name in names:
+        os.replace(os.path.join(cfg.output_dir, name), os.path.join(aside, name))
+    return aside
+
+
+def check_output_dir(cfg: LoopConfig, is_main: bool = True) -> LoopConfig:
     """Refuse an output folder that holds another run's results (its final model, history or checkpoints) unless
-    `overwrite`, or `resume` with a checkpoint to continue: a new run never silently replaces an old one."""
-    if cfg.overwrite or not os.path.isdir(cfg.output_dir):
-        return
+    `overwrite`, or `resume` with a checkpoint of this run to continue: a new run never silently replaces an old one.
+
+    With `overwrite`, rank 0 (`is_main`) moves the old run aside (`move_run_aside`) and says where (under torchrun a
+    collective: every rank calls it); the config returned is the one to go on with (after the move, nothing is left to
+    overwrite). An interrupted run of the same options (checkpoints, no final model) is refused with the suggestion to
+    resume it.
+    """
+    if not os.path.isdir(cfg.output_dir):
+        return cfg
+    if cfg.overwrite:
+        aside = move_run_aside(cfg) if is_main else None
+        if aside:
+            print(f"--overwrite: the previous run in {cfg.output_dir} was moved to {aside}", flush=True)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()  # no rank looks into output_dir before the old run is out of it
+        return replace(cfg, overwrite=False)
+    last = latest_checkpoint(os.path.join(cfg.output_dir, "checkpoints"))
     marks = [m for m in (cfg.final_dir, *RUN_MARKS) if os.path.exists(os.path.join(cfg.output_dir, m))]
-    marks = [m for m in marks if m != "checkpoints" or latest_checkpoint(os.path.join(cfg.output_dir, m))]
+    marks = [m for m in marks if m != "checkpoints" or last]
     if not marks or (cfg.resume and resume_checkpoint(cfg)):
-        return
+        return cfg
+    theirs = checkpoint_identity(last) if last and cfg.identity is not None else None
+    if not cfg.resume and marks == ["checkpoints"] and (theirs is None or theirs == cfg.identity):
+        raise UsageError(
+            f"{cfg.output_dir} holds an interrupted run of these options (its last checkpoint is {last}): pass "
+            f"{cfg.resume_flag} to continue it, --overwrite to move it aside and start afresh, or choose another "
+            "--output-dir"
+        )
+    what = ", ".join(marks)
+    if theirs is not None and theirs != cfg.identity:
+        what += f"; {_identity_differences(theirs, cfg.identity)}"
     why = " and no checkpoint to --resume" if cfg.resume else ""
     raise UsageError(
-        f"{cfg.output_dir} holds another run ({', '.join(marks)}){why}: pass --overwrite to replace it, or choose "
-        "another --output-dir"
+        f"{cfg.output_dir} holds another run ({what}){why}: pass --overwrite to move it aside and start afresh, or "
+        "choose another --output-dir"
     )
 
 
@@ -189,12 +246,9 @@ def resume_checkpoint(cfg: LoopConfig) -> str | None:
         path = latest_checkpoint(os.path.join(cfg.output_dir, "checkpoints")) if cfg.resume else None
     theirs = checkpoint_identity(path) if path and cfg.identity is not None else None
     if theirs is not None and theirs != cfg.identity:
-        ours = cfg.identity or {}
-        differ = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k))
-        shown = "; ".join(f"{k}: {theirs.get(k)} there, {ours.get(k)} now" for k in differ)
         raise UsageError(
-            f"{path} is a checkpoint of another run ({shown}): resume it with that run's options, or pass "
-            "--overwrite (or another --output-dir) to start this one afresh"
+            f"{path} is a checkpoint of another run ({_identity_differences(theirs, cfg.identity)}): resume it with "
+            "that run's options, or pass --overwrite (or another --output-dir) to start this one afresh"
         )
     return path
 
@@ -256,7 +310,7 @@ def fit(
     schedule = scheduler.lr_lambdas[0]
     scaler = torch.amp.GradScaler(env.device.type) if cfg.precision == "fp16" else None
     ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
-    check_output_dir(cfg)
+    cfg = check_output_dir(cfg, env.is_main)
     step, history, elapsed_before, extra = 0, [], 0.0, {}
     stateful = {"optimizer": optimizer, "scheduler": scheduler, "scaler": scaler, **(state or {})}
     if env.distributed:  # the model is built alike everywhere; from here each rank draws its own masks and dropout
@@ -267,7 +321,10 @@ def fit(
         step, extra = saved["step"], saved["extra"]
         history, elapsed_before = extra.get("history", []), extra.get("elapsed", 0.0)
         if env.is_main:
-            print(f"resumed from {last} at step {step}", flush=True)
+            known = checkpoint_identity(last) is not None and cfg.identity is not None
+            why = "its run identity (data, model, objective, seed, lr, precision...) matches this run's"
+            said = why if known else "it holds no run identity to check"
+            print(f"resumed from {last} at step {step}: {said}", flush=True)
         planned = extra.get("total", schedule.total)  # the run's own total, before any budget fitted the schedule
         if step >= total:
             raise UsageError(f"{last} is at step {step}, not before the {total} steps asked for: nothing to train")
