@@ -2,6 +2,7 @@
 CLI, transformers loading the student, and clear errors for bad input before any training."""
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -89,12 +90,58 @@ def test_teacher_cache_round_trip(teacher_dir, tmp_path):
     tok = WordPieceTokenizer.from_pretrained(teacher_dir)
     batch = collate([tok.encode_ids([t])[0][:10] for t in corpus(4)], tok.pad_id)
     targets = teacher_targets(teacher, batch, Objectives.sentence_embedding(), {})
-    cache = TeacherCache(str(tmp_path))
+    cache = TeacherCache(str(tmp_path), {})
     cache.put([0, 1, 2, 3], [{"embedding": e} for e in targets["embedding"]])
     cache.flush()
-    again = TeacherCache(str(tmp_path)).get([3, 1])
+    again = TeacherCache(str(tmp_path), {}).get([3, 1])
     assert torch.equal(again[0]["embedding"], targets["embedding"][3])
-    assert TeacherCache(str(tmp_path)).get([4]) is None
+    assert TeacherCache(str(tmp_path), {}).get([4]) is None
+
+
+def test_teacher_cache_holds_its_key_and_is_rebuilt_for_another(tmp_path):
+    key = {"teacher": "aaaa", "inputs": "1111", "teacher_precision": "fp32"}
+    cache = TeacherCache(str(tmp_path), key)
+    cache.put([0, 1], [{"embedding": torch.ones(4)}, {"embedding": torch.zeros(4)}])
+    cache.flush()
+    assert torch.equal(TeacherCache(str(tmp_path), key).get([0])[0]["embedding"], torch.ones(4))
+    other = TeacherCache(str(tmp_path), {**key, "teacher": "bbbb"})
+    assert other.get([0]) is None and "teacher" in other.rebuilt
+    assert TeacherCache(str(tmp_path), key).get([0]) is None  # the other teacher's targets are gone, not kept
+    (tmp_path / "key.json").unlink()  # a cache without its key: whose targets it holds is unknown
+    other.put([0], [{"embedding": torch.ones(4)}])
+    other.flush()
+    assert TeacherCache(str(tmp_path), {**key, "teacher": "bbbb"}).get([0]) is None
+
+
+def test_a_teacher_cache_left_by_another_teacher_is_rebuilt(teacher_dir, tmp_path, capsys):
+    """Results cleared by hand, the cache left behind: a second teacher must not train on the first one's targets."""
+    other = make_teacher(str(tmp_path / "other"), seed=1)
+    obj = Objectives(hidden_mse=1.0, cosine=1.0)
+
+    def run(teacher, out, **kw):
+        cfg = tiny(tmp_path / out, cache_teacher=True, objectives=obj, max_steps=4, checkpoint_every=0, **kw)
+        return distill(teacher, corpus(32), cfg)
+
+    run(teacher_dir, "out")
+    shutil.rmtree(tmp_path / "out" / "student")
+    os.remove(tmp_path / "out" / "history.json")
+    capsys.readouterr()
+    second = run(other, "out")
+    said = capsys.readouterr().out
+    fresh = run(other, "fresh")
+    losses = lambda h: [(r["step"], r["loss"]) for r in h if "loss" in r]  # noqa: E731
+    assert losses(second.history) == losses(fresh.history)
+    assert "teacher cache" in said and "teacher" in said.split("teacher cache", 1)[1]  # it says it rebuilds, and why
+    bf16 = run(other, "out", teacher_precision="bf16", overwrite=True)  # the cache moved aside with the old run
+    assert losses(bf16.history) == losses(run(other, "fresh-bf16", teacher_precision="bf16").history)
+
+
+def test_a_live_teacher_is_known_by_its_weights(teacher_dir, tmp_path):
+    other = make_teacher(str(tmp_path / "other"), seed=1)
+    tok = WordPieceTokenizer.from_pretrained(teacher_dir)
+    distill(load_teacher(teacher_dir), corpus(32), tiny(tmp_path / "out", max_steps=3, checkpoint_every=1), tok)
+    with pytest.raises(ValueError, match=r"another run \(teacher: "):
+        distill(load_teacher(other), corpus(32), tiny(tmp_path / "out", max_steps=3, resume="latest"), tok)
 
 
 # ---------------------------------------------------------------------------------------------------- training
@@ -243,7 +290,7 @@ def _cached_hidden_targets(teacher_dir, tmp_path, device: torch.device) -> dict:
     tok = WordPieceTokenizer.from_pretrained(teacher_dir)
     batch = collate([tok.encode_ids([t])[0][:10] for t in corpus(4)], tok.pad_id)
     obj, layer_map = Objectives(hidden_mse=1.0, embedding=1.0, cosine=1.0), {1: 2, 2: 4}
-    cache = TeacherCache(str(tmp_path))
+    cache = TeacherCache(str(tmp_path), {})
     _cached_targets(cache, [0, 1, 2, 3], batch, teacher, obj, layer_map)  # computes and stores (on the CPU)
     batch = {**batch, "input_ids": batch["input_ids"].to(device)}
     return _cached_targets(cache, [0, 1, 2, 3], batch, teacher, obj, layer_map)

@@ -5,6 +5,7 @@ sharded over ranks by the shared `fastbert.train.LengthGroupedBatchSampler`.)
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 
@@ -58,21 +59,59 @@ def collate(
 
 class TeacherCache:
     """Teacher targets per example (pooled embeddings, hidden states), kept in memory and in `directory` as
-    safetensors shards, so later epochs and resumed runs skip the teacher. Only valid for unmasked inputs."""
+    safetensors shards, so later epochs and resumed runs skip the teacher. Only valid for unmasked inputs.
 
-    def __init__(self, directory: str, rank: int = 0) -> None:
+    Examples are stored by corpus index, which says nothing of whose targets they are: `key` names them (the
+    teacher by content, the tokenised inputs, the teacher's precision, which targets) and is kept with the shards
+    in `key.json`. A cache whose key differs, or that has none, holds another run's targets: it is emptied and
+    rebuilt (`rebuilt` says why), never read. Rank 0 empties it; another rank only declines to read it.
+    """
+
+    KEY_FILE = "key.json"
+
+    def __init__(self, directory: str, key: dict, rank: int = 0) -> None:
         from safetensors.torch import load_file
 
         self.directory, self.rank = directory, rank
+        self.key = json.loads(json.dumps(key, sort_keys=True))  # as key.json reads back (tuples as lists...)
+        self.rebuilt = ""
         os.makedirs(directory, exist_ok=True)
         self.entries: dict[int, dict[str, torch.Tensor]] = {}
         self.pending: dict[int, dict[str, torch.Tensor]] = {}
         self.shards = 0
-        for name in sorted(os.listdir(directory)):
-            if name.endswith(".safetensors"):
-                for key, value in load_file(os.path.join(directory, name)).items():
-                    index, field = key.split("/", 1)
-                    self.entries.setdefault(int(index), {})[field] = value
+        shards = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
+        theirs = self._stored_key()
+        if theirs != self.key:
+            if shards or theirs is not None:
+                self.rebuilt = self._why(theirs)
+            if rank == 0:
+                for name in shards:
+                    os.remove(os.path.join(directory, name))
+                tmp = os.path.join(directory, self.KEY_FILE + ".tmp")
+                with open(tmp, "w", encoding="utf-8") as f:
+                    json.dump(self.key, f, indent=1, sort_keys=True)
+                os.replace(tmp, os.path.join(directory, self.KEY_FILE))  # written last: shards under it are its own
+            return
+        for name in shards:
+            for key, value in load_file(os.path.join(directory, name)).items():
+                index, field = key.split("/", 1)
+                self.entries.setdefault(int(index), {})[field] = value
+
+    def _stored_key(self) -> dict | None:
+        """The key the shards in the folder were written under; None if none (or unreadable)."""
+        try:
+            with open(os.path.join(self.directory, self.KEY_FILE), encoding="utf-8") as f:
+                stored = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return stored if isinstance(stored, dict) else None
+
+    def _why(self, theirs: dict | None) -> str:
+        """Why the folder's targets are not this run's, in one line."""
+        if theirs is None:
+            return f"teacher cache {self.directory} holds targets of unknown origin (no {self.KEY_FILE}): rebuilding it"
+        differ = sorted(k for k in theirs.keys() | self.key.keys() if theirs.get(k) != self.key.get(k))
+        return f"teacher cache {self.directory} holds another run's targets ({', '.join(differ)} differ): rebuilding it"
 
     def get(self, indices: Sequence[int]) -> list[dict[str, torch.Tensor]] | None:
         """Every example's targets, or None if any is missing."""

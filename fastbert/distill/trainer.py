@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import json
 import os
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -246,15 +247,47 @@ NOT_IDENTITY = {"output_dir", "epochs", "max_steps", "max_minutes", "resume", "c
 NOT_IDENTITY |= {"eval_every", "device", "log_every", "overwrite", "compile", "compile_backend"}
 
 
+def _module_fingerprint(module: nn.Module) -> str:
+    """A live model by content: its class and a SHA-256 of every tensor's name, dtype, shape and bytes."""
+    digest = hashlib.sha256(type(module).__name__.encode())
+    for name, tensor in sorted(module.state_dict().items()):
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"{name} {flat.dtype} {tuple(tensor.shape)}".encode())
+        digest.update(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
+    return f"{type(module).__name__}:{digest.hexdigest()[:16]}"
+
+
 def _source_identity(source: object) -> str | None:
-    """A teacher, corpus or tokenizer by content: a path's fingerprint, texts' digest, a live model's class."""
+    """A teacher, corpus or tokenizer by content: a path's fingerprint, texts' digest, a live model's weights."""
     if source is None:
         return None
     if isinstance(source, (str, os.PathLike)) and os.path.exists(source):
         return fingerprint(source)
     if isinstance(source, Sequence) and not isinstance(source, str):
         return hashlib.sha256("\n".join(map(str, source)).encode()).hexdigest()[:16]
-    return type(source).__name__ if isinstance(source, nn.Module) else str(source)
+    if isinstance(source, nn.Module):
+        return _module_fingerprint(source)
+    if isinstance(source, WordPieceTokenizer):
+        return hashlib.sha256(json.dumps(source.backend.get_vocab(), sort_keys=True).encode()).hexdigest()[:16]
+    return str(source)
+
+
+def _cache_key(teacher: str | None, ids: list[list[int]], teacher_precision: str, obj: Objectives, hidden_map) -> dict:
+    """What the teacher cache's targets depend on: the teacher by content, the tokenised training inputs (corpus,
+    tokenizer, max_length and held-out split in one digest), the teacher's precision and which targets it holds."""
+    digest = hashlib.sha256()
+    for row in ids:
+        digest.update(len(row).to_bytes(4, "little"))
+        digest.update(array("q", row).tobytes())
+    targets = {"last": bool(obj.cosine), "embedding": bool(obj.embedding)}
+    targets["hidden"] = {str(k): v for k, v in hidden_map.items()} if obj.hidden_mse else {}
+    return {
+        "format": 1,
+        "teacher": teacher,
+        "inputs": digest.hexdigest()[:16],
+        "teacher_precision": teacher_precision,
+        "targets": targets,
+    }
 
 
 def _identity(cfg: DistillConfig, teacher: object, corpus: object, tokenizer: object, eval_corpus: object) -> dict:
@@ -325,7 +358,14 @@ def distill(
         (student.bert if hasattr(student, "bert") else student).embeddings.word_embeddings.requires_grad_(False)
     if getattr(student, "pooler", None) is not None:
         student.pooler.requires_grad_(False)  # no objective reaches it; frozen, it stays the teacher's (and DDP-safe)
-    cache = TeacherCache(os.path.join(cfg.output_dir, "teacher_cache"), env.rank) if cfg.cache_teacher else None
+    ids = tokenize_corpus(texts, tokenizer, cfg.max_length)
+    eval_ids = tokenize_corpus(eval_texts, tokenizer, cfg.max_length)
+    cache = None
+    if cfg.cache_teacher:
+        key = _cache_key(identity["teacher"], ids, cfg.teacher_precision, obj, hidden_map)
+        cache = TeacherCache(os.path.join(cfg.output_dir, "teacher_cache"), key, env.rank)
+        if cache.rebuilt and env.is_main:
+            print(cache.rebuilt, flush=True)
 
     def targets(batch: dict[str, torch.Tensor]) -> dict:
         """The teacher's targets; training batches (they carry corpus indices) go through the cache if there is one."""
@@ -334,8 +374,6 @@ def distill(
         return teacher_targets(teacher_model, batch, obj, hidden_map)
 
     module = DistillStudent(student, projections, obj, hidden_map, targets).to(env.device)
-    ids = tokenize_corpus(texts, tokenizer, cfg.max_length)
-    eval_ids = tokenize_corpus(eval_texts, tokenizer, cfg.max_length)
     masker = (
         MLMMasker.from_tokenizer(tokenizer, whole_word=cfg.whole_word, probability=cfg.mlm_probability)
         if obj.masks_inputs
