@@ -16,10 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastbert import execution, ops, reference
+from fastbert import execution, ops, reference, weight_stamp
 from fastbert.checkpoint import PreTrainedModel
 from fastbert.config import BertConfig
 from fastbert.execution import CudaGraphs, Inputs
+from fastbert.execution.structure import plain
 from fastbert.outputs import BaseModelOutputWithPooling
 from fastbert.padding import Packing, unpad_and_read
 from fastbert.validation import check_inputs
@@ -52,6 +53,14 @@ class BertEmbeddings(nn.Module):
         project = dim != config.hidden_size or family.always_project
         self.projection = nn.Linear(dim, config.hidden_size) if project else None
 
+    def fused(self) -> bool:
+        """Whether every table, the LayerNorm and the projection are plain (fastbert.execution.structure.plain), so
+        the fused op reading their tensors computes what they would."""
+        m = self._modules
+        return (plain(m["word_embeddings"], nn.Embedding) and plain(m["position_embeddings"], nn.Embedding)
+                and plain(m.get("token_type_embeddings"), nn.Embedding) and plain(m["LayerNorm"], nn.LayerNorm)
+                and plain(m.get("projection"), nn.Linear))  # fmt: skip
+
     def type_table(self) -> torch.Tensor:
         """[type_vocab_size, E], or one zero row where the family has no token types."""
         return self.token_type_embeddings.weight if hasattr(self, "token_type_embeddings") else self.no_token_types
@@ -69,6 +78,13 @@ class BertEmbeddings(nn.Module):
         position_ids: torch.Tensor,  # [T]
         inputs_embeds: torch.Tensor | None = None,  # [T, E]
     ) -> torch.Tensor:  # [T, H]
+        """Packed tokens, or any leading shape: transformers' [B, S] when a leaf is hooked or wrapped (`fused`)."""
+        if not self.fused():
+            words = inputs_embeds if inputs_embeds is not None else self.word_embeddings(input_ids)
+            types = self.token_type_embeddings(token_type_ids) if hasattr(self, "token_type_embeddings") else 0
+            x = self.LayerNorm(words + self.position_embeddings(position_ids) + types)
+            x = F.dropout(x, self.dropout_p, self.training)
+            return self.projection(x) if self.projection is not None else x
         x = ops.embedding_layernorm(
             input_ids,
             token_type_ids,
@@ -148,8 +164,13 @@ class BertSelfAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, packing: Packing, output_attentions: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [T, H] -> [T, H], probs [B, nH, S, S] or None
-        weight, bias = self.qkv_weight()
-        qkv = ops.linear(x, weight, bias).view(x.shape[0], 3, self.num_heads, self.head_dim)
+        m = self._modules
+        if plain(m["query"], nn.Linear) and plain(m["key"], nn.Linear) and plain(m["value"], nn.Linear):
+            weight, bias = self.qkv_weight()
+            qkv = ops.linear(x, weight, bias)
+        else:  # a hooked or wrapped projection (LoRA) runs its own forward
+            qkv = torch.stack([m["query"](x), m["key"](x), m["value"](x)], dim=1)
+        qkv = qkv.view(x.shape[0], 3, self.num_heads, self.head_dim)
         if output_attentions:
             ctx, probs = reference.attention_with_probs(
                 qkv, packing.cu_seqlens, packing.max_seqlen, self.dropout_p, self.training
@@ -167,6 +188,8 @@ class BertSelfOutput(nn.Module):
         self.dropout_p = config.hidden_dropout_prob
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        if not (plain(self.dense, nn.Linear) and plain(self.LayerNorm, nn.LayerNorm)):
+            return self.LayerNorm(F.dropout(self.dense(x), self.dropout_p, self.training) + residual)
         return ops.dense_residual_layernorm(
             x,
             self.dense.weight,
@@ -200,6 +223,8 @@ class BertIntermediate(nn.Module):
         self.act = ACT_OF_CONFIG[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not plain(self.dense, nn.Linear):
+            return reference.activation(self.dense(x), self.act)
         return ops.linear(x, self.dense.weight, self.dense.bias, self.act)
 
 
@@ -283,7 +308,14 @@ class BertPooler(nn.Module):
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [B, S, H] -> [B, H]
-        return torch.tanh(ops.linear(hidden_states[:, 0], self.dense.weight, self.dense.bias))
+        first = hidden_states[:, 0]
+        if not plain(self.dense, nn.Linear):
+            return torch.tanh(self.dense(first))
+        return torch.tanh(ops.linear(first, self.dense.weight, self.dense.bias))
+
+
+def _weights_loaded(model: BertModel, incompatible_keys: object) -> None:
+    model.weights_changed()
 
 
 def _pad_probs(probs: torch.Tensor, seqlen: int) -> torch.Tensor:
@@ -305,6 +337,7 @@ class BertModel(PreTrainedModel):
         self.encoder = BertEncoder(config)
         self.pooler = BertPooler(config) if add_pooling_layer and config.family.pooler else None
         self.cuda_graphs = None
+        self.register_load_state_dict_post_hook(_weights_loaded)  # into inference tensors, no version is bumped
         self.post_init()
 
     @property
@@ -328,6 +361,17 @@ class BertModel(PreTrainedModel):
         if isinstance(self.cuda_graphs, CudaGraphs):
             self.cuda_graphs.reset()
         return super()._apply(fn, *args, **kwargs)
+
+    def weights_changed(self) -> None:
+        """Say that weights were changed where torch cannot see it (`param.data` edited in place, a NumPy view of a
+        parameter written): the copies kept of them (the fused QKV weight, the CPU kernels' packed and int8 weights)
+        are built again at the next forward. Every other route is seen without it: in-place ops on a parameter, an
+        optimizer step, `load_state_dict` (which calls this), `.to()`, a parameter or module assigned anew. A CUDA
+        graph reads the weights where they lie and needs nothing."""
+        for module in self.modules():
+            if isinstance(module, BertSelfAttention):
+                module._fused = None
+        weight_stamp.forget(self.parameters())
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embeddings.word_embeddings

@@ -4,15 +4,26 @@ A cache built from weights (the fused QKV weight, oneDNN's prepacked weights, th
 int8 backend's quantized copies) is stale when a weight was updated in place (its version) or given new memory (its
 address): `stamp`. A CUDA graph reads the weights where they lie, so it sees in-place updates by itself and is stale
 only when a weight's memory moved: `addresses`. Both are safe for inference tensors, which have no version counter.
-Updates that bypass the version counter (`param.data.mul_(...)`, a NumPy view) are not seen by the caches."""
+Updates that bypass the version counter (`param.data.mul_(...)`, a NumPy view, a `load_state_dict` into inference
+tensors) are not seen by a stamp: `forget` drops what was built from given weights (BertModel.weights_changed, and
+every `load_state_dict`, call it)."""
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+
+_caches: weakref.WeakSet[WeightCache] = weakref.WeakSet()
+
+
+def forget(weights: Iterable[torch.Tensor]) -> None:
+    """Drop every cached value built from these weights, in every WeightCache: the next use builds it again."""
+    ids = {id(w) for w in weights}
+    for cache in list(_caches):
+        cache.forget(ids)
 
 
 def stamp(*tensors: torch.Tensor | None) -> tuple:
@@ -30,10 +41,16 @@ def addresses(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
 
 class WeightCache:
     """Values built from a weight (a prepacked layout, a quantised copy), built once and rebuilt when the weight or
-    any tensor built with it changes; an entry is dropped when its weight is freed."""
+    any tensor built with it changes; an entry is dropped when its weight is freed, or forgotten (`forget`)."""
 
     def __init__(self) -> None:
         self._entries: dict[tuple, tuple[weakref.ref, tuple, Any]] = {}
+        _caches.add(self)
+
+    def forget(self, weights: set[int]) -> None:
+        """Drop the entries built from the weights whose ids are in `weights`."""
+        for key in [k for k in self._entries if k[0] in weights]:
+            del self._entries[key]
 
     def get(self, weight: torch.Tensor, variant: tuple, inputs: tuple, build: Callable[[], Any]) -> Any:
         """The value for (`weight`, `variant`), from `build()` when missing or when `weight`/`inputs` changed."""

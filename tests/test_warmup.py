@@ -32,3 +32,15 @@ def test_after_warmup_the_first_requests_pay_nothing(monkeypatch: pytest.MonkeyP
             ids = torch.randint(1, 300, (batch, seqlen))
             model(input_ids=ids, attention_mask=torch.ones_like(ids))
     assert paid == []
+
+
+def test_warmup_takes_one_shape_or_a_list_and_refuses_what_is_not_a_shape() -> None:
+    """`fastbert.warmup(model, (8, 128))` is one shape, as `[(8, 128)]`; anything but (batch, seqlen) pairs of positive
+    ints is a ValueError showing the expected form (a bare pair raised TypeError: cannot unpack an int)."""
+    config = fastbert.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 intermediate_size=64)  # fmt: skip
+    model = fastbert.BertModel(config).eval()
+    assert fastbert.warmup(model, (2, 8)) == 0 and fastbert.warmup(model, [(1, 4), (2, 8)]) == 0
+    for bad in ((0, 8), [(2, -1)], [], "8x128", [(2,)]):
+        with pytest.raises(ValueError, match=r"\(batch, seqlen\) pairs"):
+            fastbert.warmup(model, bad)

@@ -150,8 +150,11 @@ class Plan:
 def _modules(call: Call, packing: Packing, attentions: list | None) -> torch.Tensor:
     """The encoder module by module (fastbert.modeling's forwards): what takes every forward."""
     model, i = call.model, call.inputs
-    pack = packing.pack
-    x = model.embeddings(*(pack(t) if t is not None else None for t in (i.ids, i.types, i.positions, i.embeds)))
+    pack, embeddings = packing.pack, model.embeddings
+    if getattr(embeddings, "fused", lambda: True)():
+        x = embeddings(*(pack(t) if t is not None else None for t in (i.ids, i.types, i.positions, i.embeds)))
+    else:  # a hooked or wrapped table sees what it sees in transformers: [B, S] ids, [B, S, E] out
+        x = pack(embeddings(i.ids, i.types, i.positions, i.embeds))
     x, hidden, probs = model.encoder(x, packing, call.hidden is not None, attentions is not None)
     if call.hidden is not None:
         call.hidden.extend(hidden)
@@ -215,14 +218,14 @@ class Plans:
         grad = torch.is_grad_enabled() and (
             (embeds is not None and embeds.requires_grad) or structure.requires_grad()
         )
-        mode = current_mode(model, device, structure.tables[0]._parameters["weight"].dtype, grad)
+        mode = current_mode(model, device, structure.dtype, grad)
         plan = self.plans.get(mode)
         if plan is None:
             return self._binding_run(model, structure, mode, hidden, attentions)
         why = "output_attentions materialises each layer's probabilities" if attentions else structure.refusal(
             mode.training)  # fmt: skip
         if why is not None:
-            plan.note = f"module by module, because {why}"
+            plan.note = f"module by module, because {why} (what is hooked or wrapped runs its own forward)"
             return self._module_run(model, structure, hidden, attentions)
         states: list[torch.Tensor] | None = [] if hidden else None
         call = Call(model, structure, Inputs(None, None, None, embeds), states)  # inputs: filled in after the sync
@@ -255,7 +258,7 @@ class Plans:
                 x = _modules(Call(model, structure, inputs, states), packing, probs)
             plan = self.bind(mode, seen, model, structure)
             if (why := structure.refusal(mode.training)) is not None:  # what the next forwards will find too
-                plan.note = f"module by module, because {why}"
+                plan.note = f"module by module, because {why} (what is hooked or wrapped runs its own forward)"
             return x, states or [], probs or []
 
         return run

@@ -44,6 +44,20 @@ def bump() -> None:
     _registered()
 
 
+def plain(module: nn.Module | None, kind: type[nn.Module]) -> bool:
+    """Whether a leaf computes exactly what a fused op reading its tensors computes: of type `kind` itself (not a
+    parametrized or adapter-wrapped one), without forward hooks (its own or global ones) or a forward set on it. A
+    module's forward calls a leaf that is not plain, so what is hooked or wrapped runs (fastbert.modeling)."""
+    if module is None:
+        return True
+    hooks = nn.modules.module
+    return (
+        type(module) is kind
+        and not (module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
+        and not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
+    )
+
+
 class Forwards(NamedTuple):
     """The forwards the fused executors reproduce (fastbert.modeling's), so a module running another is caught."""
 
@@ -118,7 +132,8 @@ class Structure:
         self.layers: list[LayerParts] = [p for p in map(layer_parts, layers) if p is not None]
         self.found = (self.embeddings, *layers)  # what `stale` compares, by identity
         e = self.embeddings
-        self.tables = tuple(e._modules[n] for n in ("word_embeddings", "position_embeddings", "LayerNorm"))
+        self.tables = tuple(e._modules.get(n) for n in ("word_embeddings", "position_embeddings", "LayerNorm"))
+        self.dtype = next(model.parameters()).dtype if self.tables[0] is None else self.tables[0].weight.dtype
         projection = e._modules.get("projection")
         leaves = {m: None for m in (*self.tables, e._modules.get("token_type_embeddings"), projection) if m is not None}
         for p in self.layers:
@@ -141,6 +156,8 @@ class Structure:
     ) -> str | None:
         """Why this structure cannot run fused whatever the call: decided when it is found."""
         e = self.embeddings
+        if None in self.tables:
+            return f"the embeddings ({type(e).__name__}) are not built as fastbert's BertEmbeddings"
         if type(e).forward is not forwards.embeddings:
             return f"the embeddings ({type(e).__name__}) run another forward than fastbert's"
         if len(self.layers) != len(layers):
