@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Collection, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -106,6 +107,102 @@ def _shards_of(index: str) -> list[str]:
             f"or remove it and keep a single {WEIGHTS_NAME}"
         )
     return sorted(set(weight_map.values()))
+
+
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
+
+
+def safetensors_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape in a safetensors file, from its JSON header alone (no tensor data is read)."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        size = os.fstat(f.fileno()).st_size
+        n = int.from_bytes(head, "little") if len(head) == 8 else 0
+        if not 0 < n <= min(size - 8, MAX_HEADER_BYTES):
+            raise CheckpointError(
+                f"{path} is a damaged safetensors file (truncated or corrupted?): header of {n} bytes"
+            )
+        try:
+            header = json.loads(f.read(n))
+            return {k: tuple(int(d) for d in v["shape"]) for k, v in header.items() if k != "__metadata__"}
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+            raise CheckpointError(f"{path} is a damaged safetensors file (truncated or corrupted?): {exc}") from None
+
+
+def checkpoint_shapes(directory: str | os.PathLike) -> tuple[str, dict[str, tuple[int, ...]]] | None:
+    """(the weights file's name, every tensor's shape) of a safetensors checkpoint directory, single or sharded,
+    read from the headers only; None for any other layout (a pickle: its shapes are known only once loaded)."""
+    directory = os.fspath(directory)
+    single, index = os.path.join(directory, WEIGHTS_NAME), os.path.join(directory, WEIGHTS_INDEX_NAME)
+    if os.path.isfile(single):
+        files, name = [single], WEIGHTS_NAME
+    elif os.path.isfile(index):
+        files, name = [os.path.join(directory, shard) for shard in _shards_of(index)], WEIGHTS_INDEX_NAME
+    else:
+        return None
+    if any(not os.path.isfile(file) or sniff_format(file) != "safetensors" for file in files):
+        return None  # loading says what is wrong with it
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        shapes.update(safetensors_shapes(file))
+    return name, shapes
+
+
+_LAYER_KEY = re.compile(r"^encoder\.layer\.(\d+)\.")
+# (config field, fastbert key (LAYER: the first layer the checkpoint has), shape dimension it sets)
+_SIZED_KEYS = (
+    ("vocab_size", "embeddings.word_embeddings.weight", 0),
+    ("max_position_embeddings", "embeddings.position_embeddings.weight", 0),
+    ("type_vocab_size", "embeddings.token_type_embeddings.weight", 0),
+    ("hidden_size", "LAYER.attention.self.query.weight", 0),
+    ("intermediate_size", "LAYER.intermediate.dense.weight", 0),
+)
+
+
+def check_sizes(
+    directory: str | os.PathLike, config: BertConfig, head_kind: str = "model", given: Collection[str] = ()
+) -> None:
+    """Check `config`'s sizes against the checkpoint's tensors (safetensors headers: nothing is loaded) and this
+    machine's memory, before a model is built from it: an untrusted config.json (`"num_hidden_layers": 100000` beside
+    6 layers of weights) fails in one line naming the file and the field, instead of allocating gigabytes first.
+
+    `given`: fields the caller set over config.json's (named as such). Raises CheckpointError (or ValueError for a
+    model too large for the machine); a checkpoint whose shapes are unknown before loading is checked for memory only.
+    """
+    source = os.path.join(os.fspath(directory), "config.json")
+
+    def where(field: str) -> str:
+        return f"{source} (with {field} given)" if field in given else source
+
+    found = checkpoint_shapes(directory)
+    hf_names = dict((fb, hf) for hf, fb in config.family.config_names)
+    if found is not None:
+        weights, shapes = found
+        state = to_fastbert_keys(_normalise_keys(shapes), config, head_kind)
+        prefix = PreTrainedModel.base_model_prefix + "."
+        originals = dict(zip(state, shapes, strict=True))  # fastbert key -> the file's own name, for messages
+        base = {k.removeprefix(prefix): k for k in state}
+        layers = sorted({int(m.group(1)) for k in base if (m := _LAYER_KEY.match(k))})
+        field = "num_hidden_groups" if config.layer_sharing == "all" else "num_hidden_layers"
+        if layers and len(layers) < getattr(config, field):  # fewer asked for: the loader names the extra keys
+            hf_layers = next((hf for hf, fb in config.family.keys if fb == "encoder.layer"), "encoder.layer")
+            numbers = f"{layers[0]}..{layers[-1]}" if layers[-1] - layers[0] == len(layers) - 1 else str(layers)
+            span = f"{hf_layers}.{numbers}" if "*" not in hf_layers else f"groups {numbers}"
+            raise CheckpointError(
+                f"{where(field)}: {hf_names.get(field, field)}={getattr(config, field)} but {weights} has "
+                f"{len(layers)} layers ({span})"
+            )
+        for field, key, dim in _SIZED_KEYS:
+            key = key.replace("LAYER", f"encoder.layer.{layers[0]}") if layers else key
+            if key not in base:
+                continue
+            shape, want = state[base[key]], getattr(config, field)
+            if len(shape) > dim and shape[dim] != want:
+                raise CheckpointError(
+                    f"{where(field)}: {hf_names.get(field, field)}={want} but {weights} has {shape[dim]} "
+                    f"({originals[base[key]]} {list(shape)})"
+                )
+    config.check_fits(where)
 
 
 def _normalise_keys(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -275,6 +372,7 @@ class PreTrainedModel(nn.Module):
         for key, value in config_overrides.items():
             setattr(config, key, value)
         config.validate()
+        check_sizes(directory, config, cls.head_kind, config_overrides)
         model = cls(config)
         model.load_checkpoint_state(load_checkpoint_dir(directory, allow_pickle), strict_heads=strict_heads)
         model.eval()

@@ -10,6 +10,7 @@ import copy
 import json
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 from fastbert import ops
@@ -59,6 +60,8 @@ _SIZES = (  # positive integers
     "type_vocab_size",
     "num_hidden_groups",
 )
+MAX_LABELS = 1 << 20  # num_labels builds a label map entry per label at once: more is a typo or a hostile file
+LAYER_BYTES = 1 << 14  # a generous bound on a layer's Python objects (modules, parameter wrappers), shared or not
 _PROBABILITIES = ("hidden_dropout_prob", "attention_probs_dropout_prob", "classifier_dropout")  # None: not set
 PROBLEM_TYPES = (None, "regression", "single_label_classification", "multi_label_classification")
 # transformers fields that change what the model computes, which fastbert does not implement: each runs here only
@@ -120,6 +123,8 @@ class BertConfig:
         if values.get("id2label") is None:
             if not _is_int(values["num_labels"]) or values["num_labels"] < 0:
                 raise ValueError(f"num_labels must be a non-negative integer, got {values['num_labels']!r}")
+            if values["num_labels"] > MAX_LABELS:
+                raise ValueError(f"num_labels must be at most {MAX_LABELS}, got {values['num_labels']!r}")
             values["id2label"] = {i: f"LABEL_{i}" for i in range(values["num_labels"])}
         values["id2label"] = _label_map(values["id2label"])
         values["num_labels"] = len(values["id2label"])
@@ -187,6 +192,41 @@ class BertConfig:
         if self.position_embedding_type != "absolute":
             raise _not_implemented("position_embedding_type", self.position_embedding_type, "other position "
                                    "embeddings than absolute ones", "'absolute'")  # fmt: skip
+
+    def parameter_count(self) -> int:
+        """The parameters a model of this config holds (the bare encoder, a pooler, an MLM transform and a
+        classifier: an upper bound for every head), counted from the sizes alone, nothing allocated."""
+        e, h, i, v = self.embedding_dim, self.hidden_size, self.intermediate_size, self.vocab_size
+        layers, groups = self.num_hidden_layers, self.num_hidden_groups
+        project = e != h or self.family.always_project
+        embeddings = (v + self.max_position_embeddings + self.type_vocab_size + 2) * e + (e * h + h) * project
+        attention, ffn = 4 * h * h + 6 * h, 2 * h * i + i + 3 * h
+        unique = {"none": (layers, layers), "all": (groups, groups), "attention": (groups, layers)}
+        n_attention, n_ffn = unique.get(self.layer_sharing, (layers, groups))
+        heads = 2 * (h * h + h) + 3 * h + v + (self.num_labels + 1) * h + v * e * (not self.tie_word_embeddings)
+        return embeddings + n_attention * attention + n_ffn * ffn + heads
+
+    def check_fits(self, source: str | Callable[[str], str], memory: int | None = None) -> None:
+        """Raise ValueError, naming `source` (the file or options the sizes came from; a function of the field where
+        they came from several) and the size most out of proportion, if a model of this config cannot be allocated
+        on this machine (its fp32 parameters and per-layer objects exceed `memory`, default: `machine_memory()`):
+        one line before a byte is allocated, not the allocator's error (or the OOM killer) after minutes of trying."""
+        memory = machine_memory() if memory is None else memory
+        if memory is None:
+            return
+        need = 4 * self.parameter_count() + LAYER_BYTES * self.num_hidden_layers
+        if need <= memory:
+            return
+        names = (*_SIZES, "embedding_size", "num_labels")
+        sizes = {n: getattr(self, n) for n in names if _is_int(getattr(self, n)) and getattr(self, n) > 0}
+        defaults = {**_DEFAULTS, "embedding_size": _DEFAULTS["hidden_size"]}
+        field = max(sizes, key=lambda n: sizes[n] / max(1, defaults[n] or 1))
+        shown = dict((fb, hf) for hf, fb in self.family.config_names).get(field, field)
+        where = source(field) if callable(source) else source
+        raise ValueError(
+            f"{where}: {shown}={sizes[field]} makes a model of {self.parameter_count():.3g} parameters "
+            f"({need / 2**30:.3g} GiB in fp32), more than this machine's memory ({memory / 2**30:.3g} GiB)"
+        )
 
     # ---------------------------------------------------------- derived values
     @property
@@ -264,6 +304,24 @@ class BertConfig:
 
     def __repr__(self) -> str:
         return f"BertConfig {self.to_json_string()}"
+
+
+def machine_memory() -> int | None:
+    """Bytes of memory this process may use: the machine's physical memory, or its cgroup's limit where lower;
+    None where neither can be read (no model is then refused for its size)."""
+    try:
+        limits = [os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")]
+    except (AttributeError, ValueError, OSError):
+        limits = []
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path, encoding="ascii") as f:
+                text = f.read(64).strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limits.append(int(text))
+    return min(limits) if limits else None
 
 
 def _config_class(model_type: str, name: str) -> type[BertConfig]:

@@ -247,6 +247,26 @@ def test_sequence_pairs_and_regression_end_to_end(tmp_path, tiny_checkpoint, tok
     )
 
 
+def test_config_sizes_are_checked_against_the_checkpoint_before_building(tmp_path, tiny_checkpoint, monkeypatch):
+    from fastbert.checkpoint import CheckpointError, PreTrainedModel
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 100000}))
+    (tmp_path / "train.csv").write_text("text,label\na cat,yes\na dog,no\n")
+
+    def build(self, *args, **kwargs) -> None:
+        raise AssertionError("the model was built before its sizes were checked")
+
+    monkeypatch.setattr(PreTrainedModel, "__init__", build)
+    with pytest.raises(CheckpointError, match=r"config.json: num_hidden_layers=100000 but model.safetensors has 2 "):
+        finetune(
+            "sequence", str(model), str(tmp_path / "train.csv"), str(tmp_path / "out"), text_columns=["text"],
+            label_column="label", loop={"max_steps": 1},
+        )  # fmt: skip
+
+
 def test_regression_head_folds_standardisation(tok):
     from fastbert import BertForSequenceClassification
 

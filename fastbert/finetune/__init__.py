@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from fastbert.auto import model_class
-from fastbert.checkpoint import load_checkpoint_dir
+from fastbert.checkpoint import check_sizes, load_checkpoint_dir
 from fastbert.config import BertConfig
 from fastbert.errors import UsageError
 from fastbert.finetune.tasks import QATask, SequenceTask, TokenTask
@@ -98,8 +98,10 @@ def finetune(
     cfg = check_output_dir(dataclasses.replace(cfg, identity=identity), env.is_main)
     config = BertConfig.from_pretrained(model)
     tok.token_types = tok.token_types and config.family.token_types  # DistilBERT takes no token_type_ids
-    for key, value in job.config_updates().items():
+    updates = job.config_updates()
+    for key, value in updates.items():
         setattr(config, key, value)
+    check_sizes(model, config, job.model_class.head_kind, updates)  # before a byte of an untrusted config is built
     torch.manual_seed(seed)
     net = model_class(config.model_type, job.model_class.head_kind)(config)  # RobertaFor... on a RoBERTa checkpoint
     net.load_checkpoint_state(load_checkpoint_dir(model))

@@ -56,12 +56,15 @@ def load_corpus(
 
 
 def model_config(config: str | None, vocab_size: int, **overrides: Any) -> BertConfig:
-    """A config.json (or the defaults) with BertConfig fields `overrides`; fields no model can take are a UsageError."""
+    """A config.json (or the defaults) with BertConfig fields `overrides`; fields no model can take are a UsageError,
+    sizes too large for this machine a ValueError naming the file (or the options) and the field."""
     values = (BertConfig.from_json_file(config) if config else BertConfig()).to_dict()
     try:
-        return BertConfig.from_dict({**values, **overrides, "vocab_size": vocab_size})
+        shape = BertConfig.from_dict({**values, **overrides, "vocab_size": vocab_size})
     except ValueError as exc:
         raise UsageError(f"model options {overrides}: {exc}") from None
+    shape.check_fits(lambda field: config if config and field not in overrides else "model options")
+    return shape
 
 
 def checkpoint_tokenizer(checkpoint: str, given: str | None = None) -> WordPieceTokenizer:
