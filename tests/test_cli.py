@@ -134,6 +134,33 @@ def test_loop_and_distill_configs_reject_nonsense_before_any_work(tmp_path: Path
 @pytest.mark.parametrize(
     "argv",
     [
+        ["pretrain", "--train", "{d}/missing.txt", "--output-dir", "{d}/out"],
+        ["finetune", "sequence", "--model", "{d}", "--train", "{d}/missing.csv", "--output-dir", "{d}/o"],
+        ["distill", "{d}/teacher", "{d}/missing.txt", "--output", "{d}/o"],
+    ],
+    ids=["pretrain", "finetune", "distill"],
+)
+def test_a_misspelt_compile_backend_is_one_line_before_any_data(files: Path, capsys, argv: list[str]) -> None:
+    """Checked against torch's own list up front: the data, the teacher and the model are not even looked at (their
+    files do not exist here), where a typo used to end in a traceback at the first forward."""
+    code, err = run_cli([*(a.format(d=files) for a in argv), "--compile", "--compile-backend", "inductr"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert re.search(r"--compile-backend 'inductr' is not a torch.compile backend: choose one of .*\binductor\b", err)
+    assert "aot_eager" in err and "TESTING" not in err
+
+
+def test_configs_check_the_compile_backend_when_compiling(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="--compile-backend 'inductr' is not a torch.compile backend"):
+        LoopConfig(str(tmp_path), compile=True, compile_backend="inductr")
+    with pytest.raises(UsageError, match="--compile-backend 'inductr' is not a torch.compile backend"):
+        DistillConfig(str(tmp_path), compile=True, compile_backend="inductr")
+    LoopConfig(str(tmp_path), compile=True, compile_backend="aot_eager")  # debug backends are backends too
+    LoopConfig(str(tmp_path), compile_backend="inductr")  # not compiling: not used, not imported
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
         [*PRETRAIN[:-1], "{d}/corpus.txt/out"],
         ["finetune", "sequence", "--model", "{d}", "--train", "{d}/scores.csv", "--output-dir", "{d}/corpus.txt/out"],
         ["distill", "{d}/teacher", "{d}/corpus.txt", "--output", "{d}/corpus.txt/out"],

@@ -81,8 +81,21 @@ class LoopConfig:
                 raise UsageError(f"{name} must be {rule}, got {getattr(self, name)!r}")
         if self.overwrite and self.resume:
             raise UsageError("--overwrite and --resume contradict each other: continue the run, or replace it")
+        if self.compile and isinstance(self.compile_backend, str):
+            check_compile_backend(self.compile_backend)
         if self.identity is not None:  # as a checkpoint's run.json reads back (tuples as lists, keys as strings)
             self.identity = json.loads(json.dumps(self.identity, sort_keys=True))
+
+
+def check_compile_backend(name: str) -> None:
+    """A UsageError listing torch.compile's backends unless `name` is one: a typo fails in one line before any data is
+    read, not in a traceback at the first forward (torch._dynamo is imported only when compiling)."""
+    from torch._dynamo import list_backends
+
+    known = list_backends(exclude_tags=())  # the debug ones (eager, aot_eager) included
+    if name not in known:
+        shown = ", ".join(sorted(b for b in known if "TESTING" not in b))
+        raise UsageError(f"--compile-backend {name!r} is not a torch.compile backend: choose one of {shown}")
 
 
 # LoopConfig fields that change what a run computes: a run's identity holds them (`trajectory`), a resume must match
