@@ -3,14 +3,19 @@ verdict is read back instead of timed, by a new process too; nothing else is kep
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
+from memory_cap import run_capped
 
 from fastbert.backends import timing, timing_store
 
@@ -150,10 +155,84 @@ def test_another_processs_verdicts_are_kept_when_writing(store: Path, monkeypatc
 
 
 def test_a_failed_write_leaves_no_temporary_file(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    timing_store.path().mkdir(parents=True)  # the file's name taken by a directory: the final rename fails
+    def full(src: str, dst: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(timing_store.os, "replace", full)  # the final rename fails
     _judge(QUIET, monkeypatch)
     assert "cannot write" in timing_store.describe()
-    assert [p.name for p in store.iterdir()] == [timing_store.path().name]
+    assert list(store.iterdir()) == []
+
+
+def test_a_directory_at_the_store_path_is_passed_over(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    timing_store.path().mkdir(parents=True)
+    verdict, timed = _judge(QUIET, monkeypatch)
+    assert timed == 1 and verdict[0] is True and "not a regular file" in timing_store.describe()
+    assert [p.name for p in store.iterdir()] == [timing_store.path().name] and timing_store.path().is_dir()
+
+
+def _released(thread: threading.Thread, fifo: Path) -> bool:
+    """Wait for `thread`; if it is stuck opening `fifo` (a hang, whatever the time), open its other end until it
+    goes on. True if it had to be released."""
+    thread.join(60)
+    stuck = thread.is_alive()
+    for _ in range(20):
+        if not thread.is_alive():
+            break
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # the blocked reader's open returns, then EOF
+        thread.join(1)
+    return stuck
+
+
+def test_a_fifo_at_the_store_path_is_passed_over(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Opening a FIFO for reading blocks until a writer comes: the first forward hung. It is never opened."""
+    file = timing_store.path()
+    file.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(file)
+    judged = []
+    worker = threading.Thread(target=lambda: judged.append(_judge(QUIET, monkeypatch)), daemon=True)
+    worker.start()
+    assert not _released(worker, file), "a FIFO at the store's path hung the lookup"
+    (verdict, timed) = judged[0]
+    assert timed == 1 and verdict[0] is True
+    assert re.search(r"not a regular file.*passed over", timing_store.describe()), timing_store.describe()
+    assert stat.S_ISFIFO(os.lstat(file).st_mode)  # left alone: not the store's to replace
+
+
+def test_a_link_to_dev_zero_is_passed_over(store: Path) -> None:
+    """Reading /dev/zero never ends (memory grew until the process was killed); capped here, in a child."""
+    imports = "import os\nfrom fastbert.backends import timing_store\n"
+    body = """
+file = timing_store.path()
+file.parent.mkdir(parents=True, exist_ok=True)
+os.symlink("/dev/zero", file)
+print(timing_store.lookup("gemm", (768, 768, "small")))
+timing_store.remember("gemm", (768, 768, "small"), True, "faster")
+print(timing_store.describe())
+print(os.path.islink(file))
+"""
+    done = run_capped(imports, body)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found, said, still_a_link = done.stdout.strip().splitlines()[-3:]
+    assert found == "None" and re.search(r"not a regular file.*passed over", said), said
+    assert still_a_link == "True"
+
+
+def test_a_file_over_the_size_cap_is_not_read(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _judge(QUIET, monkeypatch)
+    monkeypatch.setattr(timing_store, "MAX_FILE_BYTES", 64)
+    timing_store.forget()  # as a new process, whose file has grown past the cap
+    _, timed = _judge(QUIET, monkeypatch)
+    assert timed == 1 and re.search(r"larger than 64 bytes.*passed over", timing_store.describe())
+
+
+def test_the_store_keeps_at_most_max_entries(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(timing_store, "MAX_ENTRIES", 2)
+    for n in range(3):
+        _judge(QUIET, monkeypatch, key=(n, "shape"))
+    assert len(json.loads(timing_store.path().read_text())["verdicts"]) == 2
+    assert "holds 2 verdicts, its most" in timing_store.describe()
 
 
 CHILD = """

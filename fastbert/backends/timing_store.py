@@ -5,7 +5,8 @@ torch and fastbert build. Settled verdicts are written to one JSON file per such
 `FASTBERT_CACHE_DIR` (default `~/.cache/fastbert`); the next process reads its verdicts from there instead of timing
 (BERT-base's first 8 x 128 forward on a 2-core CPU: 4.1 s with timing, 0.9 s without). Provisional verdicts (timed on a
 busy machine) are never written. `FASTBERT_TIMING_CACHE=0` turns the store off; a file that cannot be read or written
-is passed over with one log line, never an error.
+is passed over with one log line, never an error. Only a regular file of at most MAX_FILE_BYTES is ever read (a FIFO
+at the path would block, a link to /dev/zero never end), and the file keeps at most MAX_ENTRIES verdicts.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import os
 import platform
+import stat
 import tempfile
 import threading
 from pathlib import Path
@@ -30,9 +33,12 @@ log = logging.getLogger("fastbert.timing")
 ENV_DIR, ENV_SWITCH = "FASTBERT_CACHE_DIR", "FASTBERT_TIMING_CACHE"
 ONEDNN_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ONEDNN_DEFAULT_FPMATH_MODE", "MKL_ENABLE_INSTRUCTIONS")
 FORMAT = 1  # the verdicts' meaning: raised when timing's rules change (a margin, what a path is compared with)
+MAX_FILE_BYTES = 4 << 20  # a store this large is not one fastbert wrote (MAX_ENTRIES verdicts take well under 2 MiB)
+MAX_ENTRIES = 4096  # verdicts kept in the file: GEMM shapes of a few models, many times over
 _lock = threading.Lock()
 _files: dict[Path, dict[str, list]] = {}  # each file read so far: verdict key -> [wins, why]
 _state = {"read": 0, "written": 0, "note": ""}
+_passed_over: set[Path] = set()  # files not read (PassedOver): nor written, whatever they are
 
 
 def enabled() -> bool:
@@ -97,19 +103,47 @@ def _key(store: str, key: tuple) -> str:
     return "|".join([store, paths, *map(str, key)])
 
 
+class PassedOver(ValueError):
+    """A store path that is not read at all: not a regular file, or larger than MAX_FILE_BYTES."""
+
+
+def _check_regular(file: Path, st: os.stat_result) -> None:
+    """Raise PassedOver unless `st` (the file's, links followed) is a regular file of at most MAX_FILE_BYTES."""
+    if not stat.S_ISREG(st.st_mode):
+        raise PassedOver(f"{file} is not a regular file: passed over")
+    if st.st_size > MAX_FILE_BYTES:
+        raise PassedOver(f"{file} is larger than {MAX_FILE_BYTES} bytes: passed over")
+
+
 def _read(file: Path) -> dict[str, list]:
-    """The file's well-formed verdicts ([bool, str] each); a missing file is empty, a bad one raises."""
-    if not file.exists():
+    """The file's well-formed verdicts ([bool, str] each, at most MAX_ENTRIES); a missing file is empty, a bad one
+    raises. Checked before it is opened and again on the open descriptor (no blocking open, no race), and never
+    read past MAX_FILE_BYTES: a FIFO, a device or a huge file at the path is PassedOver, not a hang."""
+    try:
+        _check_regular(file, os.stat(file))
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
         return {}
-    verdicts = json.loads(file.read_text()).get("verdicts", {})
-    return {k: v for k, v in verdicts.items() if isinstance(v, list) and len(v) == 2
-            and isinstance(v[0], bool) and isinstance(v[1], str)}  # fmt: skip
+    with os.fdopen(fd, "rb") as f:
+        _check_regular(file, os.fstat(f.fileno()))
+        data = f.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:  # grew since it was checked
+        raise PassedOver(f"{file} is larger than {MAX_FILE_BYTES} bytes: passed over")
+    verdicts = json.loads(data).get("verdicts", {})
+    good = ((k, v) for k, v in verdicts.items() if isinstance(v, list) and len(v) == 2
+            and isinstance(v[0], bool) and isinstance(v[1], str))  # fmt: skip
+    return dict(itertools.islice(good, MAX_ENTRIES))
 
 
 def _entries(file: Path) -> dict[str, list]:
     if file not in _files:
         try:
             _files[file] = _read(file)
+        except PassedOver as e:
+            _files[file] = {}
+            _passed_over.add(file)
+            _state["note"] = f"{e}, timing again"
+            log.info("fastbert: %s", _state["note"])
         except Exception as e:  # noqa: BLE001  (any bad file, deep nesting included, means: time again)
             _files[file] = {}
             _state["note"] = f"{file} unreadable, timing again ({type(e).__name__}: {str(e)[:200]})"
@@ -141,12 +175,19 @@ def remember(store: str, key: tuple, wins: bool, why: str) -> None:
         return
     with _lock:
         entries = _entries(file)
-        entries[_key(store, key)] = [wins, why]
+        if file in _passed_over:  # not read, so not replaced either: what is there is not the store's to touch
+            return
+        name = _key(store, key)
+        if name not in entries and len(entries) >= MAX_ENTRIES:
+            _state["note"] = f"{file} holds {MAX_ENTRIES} verdicts, its most: new ones stay in this process"
+            return
+        entries[name] = [wins, why]
         tmp = None
         try:
             file.parent.mkdir(parents=True, exist_ok=True)
             with contextlib.suppress(Exception):  # another process's verdicts since this one read the file
-                entries.update({k: v for k, v in _read(file).items() if k not in entries})
+                theirs = [(k, v) for k, v in _read(file).items() if k not in entries]
+                entries.update(theirs[: max(0, MAX_ENTRIES - len(entries))])
             with tempfile.NamedTemporaryFile("w", dir=file.parent, suffix=".tmp", delete=False) as out:
                 tmp = out.name
                 json.dump({"fingerprint": fingerprint(), "verdicts": entries}, out, indent=1)
@@ -178,4 +219,5 @@ def forget() -> None:
     """Drop what this process read (tests: a new fingerprint or directory takes effect)."""
     with _lock:
         _files.clear()
+        _passed_over.clear()
         _state.update(read=0, written=0, note="")
