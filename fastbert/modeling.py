@@ -156,7 +156,7 @@ class BertSelfAttention(nn.Module):
         q, k, v = m["query"]._parameters, m["key"]._parameters, m["value"]._parameters
         key = stamp(q["weight"], k["weight"], v["weight"], q["bias"], k["bias"], v["bias"])
         if self._fused is None or self._fused[0] != key:
-            with torch.no_grad():
+            with torch.inference_mode(False), torch.no_grad():  # a normal tensor: a later forward may need its grad
                 self._fused = (key, torch.cat((q["weight"], k["weight"], v["weight"])),
                                torch.cat((q["bias"], k["bias"], v["bias"])))  # fmt: skip
         return self._fused[1], self._fused[2]
@@ -170,6 +170,7 @@ class BertSelfAttention(nn.Module):
             qkv = ops.linear(x, weight, bias)
         else:  # a hooked or wrapped projection (LoRA) runs its own forward
             qkv = torch.stack([m["query"](x), m["key"](x), m["value"](x)], dim=1)
+            self._fused = None  # a wrapper may edit the weights behind torch's back (peft's merge: .data +=)
         qkv = qkv.view(x.shape[0], 3, self.num_heads, self.head_dim)
         if output_attentions:
             ctx, probs = reference.attention_with_probs(
@@ -293,10 +294,12 @@ class BertEncoder(nn.Module):
         return x, hidden, attentions
 
 
-# What the fused executors compute: these forwards (the embeddings', then a layer's, its attention's, self-attention's,
-# attention output's, intermediate's and output's); a model whose modules run any other runs module by module.
+# What the fused executors compute: these forwards (the embeddings', the encoder's, then a layer's, its attention's,
+# self-attention's, attention output's, intermediate's and output's); a model whose modules run any other runs module
+# by module.
 FORWARDS = execution.Forwards(
     BertEmbeddings.forward,
+    BertEncoder.forward,
     (BertLayer.forward, BertAttention.forward, BertSelfAttention.forward, BertSelfOutput.forward,
      BertIntermediate.forward, BertOutput.forward),
 )  # fmt: skip
@@ -355,9 +358,7 @@ class BertModel(PreTrainedModel):
         """.to() / .cuda() / .half() ...: plans, fused QKV copies and captured graphs belong to the old tensors; drop
         them so they free their memory now (the next forward binds and captures again)."""
         self.plans.clear()
-        for module in self.modules():
-            if isinstance(module, BertSelfAttention):
-                module._fused = None
+        self.weights_changed()
         if isinstance(self.cuda_graphs, CudaGraphs):
             self.cuda_graphs.reset()
         return super()._apply(fn, *args, **kwargs)

@@ -58,7 +58,7 @@ class WeightCache:
         now = stamp(weight, *inputs)
         entry = self._entries.get(key)
         if entry is None or entry[0]() is not weight or entry[1] != now:
-            with torch.no_grad():
+            with torch.inference_mode(False), torch.no_grad():  # normal tensors: a later forward may need grad
                 value = build()
             if entry is None:
                 weakref.finalize(weight, self._entries.pop, key, None)

@@ -49,7 +49,7 @@ def test_every_backend_takes_the_declared_parameters(op: contract.Op) -> None:
     assert checked, f"no backend implements {op.name}"
 
 
-@pytest.mark.parametrize("op", contract.KERNEL_OPS, ids=lambda op: op.name)
+@pytest.mark.parametrize("op", contract.KERNELS, ids=lambda op: op.name)
 def test_the_native_custom_ops_and_bindings_take_the_forward_only_parameters(op: contract.Op) -> None:
     """The custom op torch.compile traces has the declared forward-only schema; the C++ binding the same names (and
     an optional `out`)."""

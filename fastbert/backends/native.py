@@ -188,7 +188,7 @@ def _custom_op(op: contract.Op) -> Callable[..., torch.Tensor]:
     return custom
 
 
-_COMPILED = SimpleNamespace(**{op.name: _custom_op(op) for op in contract.KERNEL_OPS})
+_COMPILED = SimpleNamespace(**{op.name: _custom_op(op) for op in contract.KERNELS})
 
 
 def _kernels(device: torch.device) -> Any:

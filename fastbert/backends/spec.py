@@ -13,9 +13,9 @@ import torch
 
 from fastbert.backends import contract
 
-KERNEL_OPS = tuple(op.name for op in contract.KERNEL_OPS)
+KERNEL_OPS = tuple(op.name for op in contract.KERNELS)
 # GEMMs with their epilogues: act(x @ W^T + b), and LayerNorm(dropout(x @ W^T + b) + residual)
-COMPOUND_OPS = tuple(op.name for op in contract.COMPOUND_OPS)
+COMPOUND_OPS = tuple(op.name for op in contract.COMPOUNDS)
 OPS = KERNEL_OPS + COMPOUND_OPS
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastbert.execution import loop
+from fastbert.execution.mode import Mode
 from fastbert.execution.plan import Call, Plan
 from fastbert.execution.structure import Structure, fused
 from fastbert.padding import Packing
@@ -111,7 +112,7 @@ class _Graph:
         the last call left there (ids and positions of an earlier call: valid table rows; the fillers' output is
         discarded)."""
         for static, value in zip((self.ids, self.types, self.positions), inputs, strict=True):
-            flat = value.reshape(-1)
+            flat = value.reshape(-1) if value.dtype == torch.long else value.reshape(-1).long()  # int32 ids too
             if packing.indices is None:
                 static[:total].copy_(flat[rows], non_blocking=True)
             else:
@@ -124,8 +125,12 @@ class _Graph:
         torch.add(tail, total, out=self.cu_seqlens[batch + 1 :]).clamp_(max=self.tokens)  # rows T..Tb
 
 
+_capturing = threading.Lock()  # one capture at a time in the process (torch's rule), whichever model captures
+
+
 def cuda_capture(run: Callable[[], torch.Tensor], pool: object) -> tuple[Callable[[], None], torch.Tensor]:
-    """Warm up on a side stream (kernel selection, Triton compiles, caches), capture into `pool`; (replay, output)."""
+    """Warm up on a side stream (kernel selection, Triton compiles, caches), capture into `pool` on that same stream
+    (its lazily made state, cuBLAS workspaces included, exists by then); (replay, output)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -133,8 +138,8 @@ def cuda_capture(run: Callable[[], torch.Tensor], pool: object) -> tuple[Callabl
             run()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):  # a server's other threads go on
-        out = run()
+    with _capturing, torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        out = run()  # thread_local: a server's other threads go on launching meanwhile
     graph.replay()
     return graph.replay, out
 
@@ -164,6 +169,7 @@ class CudaGraphs:
         self.graphs: OrderedDict[Key, _Graph] = OrderedDict()  # least recently used first
         self.pool = None
         self.refused: dict[Key, str] = {}  # buckets not captured, and why (explain())
+        self._failed: set[Key] = set()  # buckets whose capture failed: they run in the loop from then on
         self._captured_for: tuple | None = None  # (structure, plan mode, weight addresses) the graphs hold
         self._done: torch.cuda.Event | None = None  # the last call's copy-out, which the next call's stream waits on
         self._lock = threading.Lock()
@@ -188,11 +194,12 @@ class CudaGraphs:
     def _clear(self) -> None:
         self.graphs.clear()
         self.refused.clear()
+        self._failed.clear()
         self.pool, self._captured_for, self._done = None, None, None
 
     def current(self, plan: Plan, structure: Structure) -> None:
         """Drop the graphs if they were captured for another structure, mode or weight memory (before the sync)."""
-        now = (structure, plan.mode, addresses(structure.params))
+        now = (structure, plan.mode, addresses(structure.params()))
         if now != self._captured_for:
             with self._lock:  # another thread may be replaying them
                 self._clear()
@@ -211,6 +218,10 @@ class CudaGraphs:
         """The encoder's output [T, H] for a packed call, by replay (split when beyond the largest bucket)."""
         inputs = call.inputs[:3]
         with self._lock, _on_device(plan.mode.device):
+            captured = self._captured_for
+            if captured is None or captured[0] is not call.structure or captured[1] != plan.mode:  # another thread
+                self._clear()  # changed them since this call's check: its graphs are not this call's
+                self._captured_for = (call.structure, plan.mode, addresses(call.structure.params()))
             if self.device_type == "cuda":  # one call at a time on the GPU too, whatever stream each caller uses
                 if self._done is not None:
                     torch.cuda.current_stream().wait_event(self._done)
@@ -241,6 +252,8 @@ class CudaGraphs:
         key = bucket_key(packing.batch, total, packing.max_seqlen)
         graph = self.graphs.get(key)
         if graph is None:
+            if key in self._failed:
+                return self._loop(plan, structure, inputs, packing, rows)
             if (why := self._admit(key)) is not None:
                 self.refused[key] = why
                 return self._loop(plan, structure, inputs, packing, rows)
@@ -248,6 +261,7 @@ class CudaGraphs:
                 graph = self._capture(plan, structure, key, inputs, packing, rows, total)
             except Exception as error:  # a kernel that cannot be captured: this bucket runs in the loop from now on
                 self.refused[key] = f"capture failed ({type(error).__name__}: {str(error)[:120]})"
+                self._failed.add(key)
                 return self._loop(plan, structure, inputs, packing, rows)
         else:
             self.graphs.move_to_end(key)
@@ -284,10 +298,12 @@ class CudaGraphs:
             self.pool = torch.cuda.graph_pool_handle()
 
         tables, sources = structure.embedding_weights(), structure.layer_sources()  # what the graph reads
+        mode = plan.mode
 
         def run() -> torch.Tensor:  # Q, K and V concatenated in the graph: it reads them, not a copy
-            x = loop.embed(plan, structure, graph.ids, graph.types, graph.positions, None, tables)
-            return loop.layers(plan, structure, fused(sources), x, graph.packing)
+            with _autocast_uncached(mode):
+                x = loop.embed(plan, structure, graph.ids, graph.types, graph.positions, None, tables)
+                return loop.layers(plan, structure, fused(sources), x, graph.packing)
 
         graph.replay, graph.out = type(self).capture(run, self.pool)
         self.graphs[key] = graph
@@ -331,8 +347,8 @@ class Graphs:
             return "output_hidden_states asks for every layer's output"
         if plan.mode.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return "called while the stream is capturing"
-        if graphs is None:
-            graphs = call.model.cuda_graphs = CudaGraphs(call.model)
+        if graphs is None:  # the default, made on first use: set without binding anew (the setter's is for a choice)
+            graphs = call.model.__dict__["_cuda_graphs"] = CudaGraphs(call.model)
         graphs.current(plan, call.structure)
         plan.details = graphs.details
         return None
@@ -350,6 +366,14 @@ class Graphs:
 
 
 GRAPHS = Graphs()
+
+
+def _autocast_uncached(mode: Mode) -> contextlib.AbstractContextManager:
+    """Under autocast, autocast without its cache of weight casts: a graph must record the casts, not a cached copy
+    (which would miss in-place edits, and is freed when the caller's autocast block exits)."""
+    if mode.autocast is None:
+        return contextlib.nullcontext()
+    return torch.autocast(mode.device.type, dtype=mode.autocast, cache_enabled=False)
 
 
 def _no_graphs() -> None:

@@ -3,16 +3,14 @@ ops, no module calls and no dispatch. It computes what fastbert.modeling's forwa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from fastbert.execution.plan import Call, Inputs, Plan
+from fastbert.execution.plan import Call, FusedOp, Inputs, Plan
 from fastbert.execution.structure import Structure
 from fastbert.padding import Packing
-
-FusedOp = Callable[..., torch.Tensor]
 
 
 def embed(plan: Plan, structure: Structure, ids: torch.Tensor | None, types: torch.Tensor, positions: torch.Tensor,

@@ -99,6 +99,7 @@ class Plan:
             else:
                 self.skipped.append((executor.name, why))
         self.note = "bound after its first forward, which ran module by module"  # how the last forward ran, and why
+        self.provisional = False  # bound from a forward whose ops did not all go through the dispatch
         self.details: Callable[[], str | None] = lambda: None  # an executor's own line for explain() (graphs)
 
     def _bind(self, op: str, names: set[str]) -> tuple[FusedOp, str, str | None]:
@@ -192,9 +193,11 @@ class Plans:
         self.structure = None
 
     def current_structure(self, model: nn.Module) -> Structure:
-        """The model's structure, found again when something registered since may have changed it."""
+        """The model's structure, found again (and the plans bound again: what an executor takes may differ) when a
+        module the executors read was replaced."""
         s = self.structure
         if s is None or s.stale(model):
+            self.plans.clear()
             s = self.structure = Structure(model, self.forwards)
         return s
 
@@ -220,10 +223,10 @@ class Plans:
         )
         mode = current_mode(model, device, structure.dtype, grad)
         plan = self.plans.get(mode)
-        if plan is None:
-            return self._binding_run(model, structure, mode, hidden, attentions)
         why = "output_attentions materialises each layer's probabilities" if attentions else structure.refusal(
             mode.training)  # fmt: skip
+        if plan is None or (plan.provisional and why is None):
+            return self._binding_run(model, structure, mode, hidden, attentions, why)
         if why is not None:
             plan.note = f"module by module, because {why} (what is hooked or wrapped runs its own forward)"
             return self._module_run(model, structure, hidden, attentions)
@@ -249,15 +252,20 @@ class Plans:
 
         return run
 
-    def _binding_run(self, model: nn.Module, structure: Structure, mode: Mode, hidden: bool, attentions: bool) -> Run:
-        """The first forward in a mode: module by module, watching what each op runs on, then bind."""
+    def _binding_run(
+        self, model: nn.Module, structure: Structure, mode: Mode, hidden: bool, attentions: bool, why: str | None
+    ) -> Run:
+        """The first forward in a mode: module by module, watching what each op runs on, then bind. A forward that
+        must run module by module (`why`) binds a provisional plan: some of its ops ran outside the dispatch (a hooked
+        leaf, attention with probabilities), so the first forward without a reason binds it again."""
 
         def run(inputs: Inputs, packing: Packing) -> tuple[torch.Tensor, list, list]:
             states, probs = ([] if hidden else None), ([] if attentions else None)
             with ops.watching() as seen:
                 x = _modules(Call(model, structure, inputs, states), packing, probs)
             plan = self.bind(mode, seen, model, structure)
-            if (why := structure.refusal(mode.training)) is not None:  # what the next forwards will find too
+            if why is not None:
+                plan.provisional = True
                 plan.note = f"module by module, because {why} (what is hooked or wrapped runs its own forward)"
             return x, states or [], probs or []
 

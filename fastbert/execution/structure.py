@@ -2,13 +2,15 @@
 they still compute what fastbert's modules compute, and the one rule for when the model changed shape.
 
 The fused executors read the modules' tensors and never call their `forward`, so whatever would make a module compute
-something else (a hook, a forward set on the instance, a module swapped in or wrapped, a submodule in another
-train/eval mode) must send the forward module by module. That check runs every forward, so it is made of C-level
-scans over lists found once (`refusal`: hook tables, instance dictionaries, training flags), never a walk of the module
-tree. What changes the tree itself (a parameter, buffer or submodule registered anywhere: `setattr`, `load_state_dict(
-assign=True)`, a parametrization, a LoRA wrapper) bumps a process-wide count through torch's registration hooks; a
-structure found under an older count is found again, and the executors that keep state across forwards (CUDA graphs)
-start over when it differs.
+something else (a forward or backward hook, a forward set on the instance, a class swapped, a module wrapped or
+swapped in, a submodule in another train/eval mode) must send the forward module by module. That check runs every
+forward, so it is made of C-level scans over lists found once (`refusal`: the modules' types, hook tables, instance
+dictionaries, training flags), never a walk of the module tree; the parameters are read from the leaves' own tables
+every forward (functional_call and direct writes register nothing). What registers a parameter, buffer or submodule
+anywhere (`setattr`, `load_state_dict(assign=True)`, a parametrization, a LoRA wrapper) bumps a process-wide count
+through torch's registration hooks; a structure found under an older count is compared with the model again, and so is
+the layer list every forward (a ModuleList edit registers nothing). A structure found anew binds the plans anew, and
+the executors that keep state across forwards (CUDA graphs) start over.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -39,29 +41,32 @@ def epoch() -> int:
     return _epoch[0]
 
 
-def bump() -> None:
-    """Count a change torch's registration hooks do not see (a model's `_apply`: .to(), .half() move every tensor)."""
-    _registered()
-
-
 def plain(module: nn.Module | None, kind: type[nn.Module]) -> bool:
     """Whether a leaf computes exactly what a fused op reading its tensors computes: of type `kind` itself (not a
     parametrized or adapter-wrapped one), without forward hooks (its own or global ones) or a forward set on it. A
     module's forward calls a leaf that is not plain, so what is hooked or wrapped runs (fastbert.modeling)."""
     if module is None:
         return True
-    hooks = nn.modules.module
     return (
         type(module) is kind
         and not (module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
-        and not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
+        and not (module._backward_hooks or module._backward_pre_hooks)
+        and not global_hooks()
     )
+
+
+def global_hooks() -> bool:
+    """Whether hooks are registered for every module's forward or backward (torch's module-level registries)."""
+    hooks = nn.modules.module
+    return bool(hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks
+                or hooks._global_backward_pre_hooks)  # fmt: skip
 
 
 class Forwards(NamedTuple):
     """The forwards the fused executors reproduce (fastbert.modeling's), so a module running another is caught."""
 
     embeddings: Callable
+    encoder: Callable
     layer: tuple[Callable, ...]  # a layer, its attention, self-attention, attention output, intermediate, output
 
 
@@ -127,46 +132,60 @@ class Structure:
 
     def __init__(self, model: nn.Module, forwards: Forwards) -> None:
         self.epoch = epoch()
+        self.model, self.forwards = model, forwards
         self.embeddings: nn.Module = model._modules["embeddings"]
-        layers = list(model._modules["encoder"]._modules["layer"]._modules.values())
+        self.encoder: nn.Module = model._modules["encoder"]
+        layers = list(self.encoder._modules["layer"]._modules.values())
         self.layers: list[LayerParts] = [p for p in map(layer_parts, layers) if p is not None]
-        self.found = (self.embeddings, *layers)  # what `stale` compares, by identity
+        self.found = [self.embeddings, self.encoder, *layers]  # what `stale` compares every forward, by identity
         e = self.embeddings
         self.tables = tuple(e._modules.get(n) for n in ("word_embeddings", "position_embeddings", "LayerNorm"))
-        self.dtype = next(model.parameters()).dtype if self.tables[0] is None else self.tables[0].weight.dtype
         projection = e._modules.get("projection")
         leaves = {m: None for m in (*self.tables, e._modules.get("token_type_embeddings"), projection) if m is not None}
         for p in self.layers:
             leaves.update(dict.fromkeys(p.leaves))
         wholes = {m: None for p in self.layers for m in p.modules}
-        self.modules = [e, *wholes, *leaves]  # shared layers (ALBERT) once
-        self._hooks = [t for m in self.modules for t in (m._forward_hooks, m._forward_pre_hooks)]
+        self.modules = [e, self.encoder, *wholes, *leaves]  # shared layers (ALBERT) once
+        self._types = list(map(type, self.modules))
+        self._hooks = [t for m in self.modules
+                       for t in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)]
         self._dicts = [m.__dict__ for m in self.modules]
         dropout = {e: None} | {p.modules[i]: None for p in self.layers for i in _DROPOUT_ROLES}
         self._dropout_dicts = [m.__dict__ for m in dropout]
-        self.params = list({t: None for m in leaves for t in m._parameters.values() if t is not None})
+        self._param_dicts = [m._parameters for m in leaves]  # read every forward: a parameter can be swapped in there
         self._layer_modules = [(p.self_attention, p.out_dense._parameters, p.out_norm, p.inter_dense._parameters,
                                 p.modules[4], p.ffn_dense._parameters, p.ffn_norm) for p in self.layers]  # fmt: skip
         self._layer_sources = [(p.query._parameters, p.key._parameters, p.value._parameters, *attention[1:])
                                for p, attention in zip(self.layers, self._layer_modules, strict=True)]  # fmt: skip
-        self.static_refusal = self._static_refusal(model, layers, forwards, list(leaves))
+        self._leaves, self._layer_count = list(leaves), len(layers)
+        self.static_refusal = self._static_refusal()
 
-    def _static_refusal(
-        self, model: nn.Module, layers: list[nn.Module], forwards: Forwards, leaves: list[nn.Module]
-    ) -> str | None:
-        """Why this structure cannot run fused whatever the call: decided when it is found."""
-        e = self.embeddings
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's dtype now (its word table's): a submodule cast on its own changes it."""
+        table = self.tables[0]
+        return next(self.model.parameters()).dtype if table is None else table.weight.dtype
+
+    def params(self) -> list[torch.Tensor]:
+        """The parameters the executors read, as the leaves hold them now."""
+        return [t for d in self._param_dicts for t in d.values() if t is not None]
+
+    def _static_refusal(self) -> str | None:
+        """Why this structure cannot run fused whatever the call, from the modules' types (checked every forward)."""
+        e, forwards = self.embeddings, self.forwards
         if None in self.tables:
             return f"the embeddings ({type(e).__name__}) are not built as fastbert's BertEmbeddings"
         if type(e).forward is not forwards.embeddings:
             return f"the embeddings ({type(e).__name__}) run another forward than fastbert's"
-        if len(self.layers) != len(layers):
+        if type(self.encoder).forward is not forwards.encoder:
+            return f"the encoder ({type(self.encoder).__name__}) runs another forward than fastbert's"
+        if len(self.layers) != self._layer_count:
             return "a layer is not built as fastbert's BertLayer"
         for p in self.layers:
             for module, forward in zip(p.modules, forwards.layer, strict=True):
                 if type(module).forward is not forward:
                     return f"a {type(module).__name__} runs another forward than fastbert's"
-        for leaf in leaves:
+        for leaf in self._leaves:
             kind = nn.LayerNorm if isinstance(leaf, nn.LayerNorm) else nn.Embedding if isinstance(
                 leaf, nn.Embedding) else nn.Linear  # fmt: skip
             if type(leaf) is not kind:  # a parametrization or an adapter (LoRA) wraps it: its forward differs
@@ -174,35 +193,40 @@ class Structure:
         return None
 
     def stale(self, model: nn.Module) -> bool:
-        """Whether the model may no longer be built as found: something was registered since (anywhere) and a module or
-        parameter the executors read is another object now. One integer compared when nothing was registered; when
-        something was but this model reads the same objects, the structure takes the new count."""
+        """Whether the model may no longer be built as found: the embeddings, encoder or layer list hold other objects
+        (compared every forward: a ModuleList edit registers nothing), or something was registered since (anywhere)
+        and a module the executors read is another object now. When something was registered but this model reads the
+        same modules, the structure takes the new count."""
+        encoder = model._modules["encoder"]
+        found = [model._modules["embeddings"], encoder, *encoder._modules["layer"]._modules.values()]
+        if list(map(id, found)) != list(map(id, self.found)):
+            return True
         if self.epoch == epoch():
             return False
         now = epoch()
-        layers = model._modules["encoder"]._modules["layer"]._modules.values()
-        if list(map(id, (model._modules["embeddings"], *layers))) != list(map(id, self.found)):
-            return True
-        if Structure(model, _NO_CHECK).signature() != self.signature():
+        if Structure(model, self.forwards).signature() != self.signature():
             return True
         self.epoch = now
         return False
 
     def signature(self) -> tuple:
-        """Every module and parameter the executors read, by identity: two structures equal in this read the same."""
-        return tuple(map(id, self.modules)), tuple(map(id, self.params)), tuple(map(type, self.modules))
+        """Every module the executors read and its type, by identity: two structures equal in this read the same."""
+        return tuple(map(id, self.modules)), tuple(self._types), tuple(map(id, self._param_dicts))
 
     def refusal(self, training: bool) -> str | None:
         """Why this forward must run module by module (see the module's docstring), or None; every forward."""
+        if list(map(type, self.modules)) != self._types:  # a class swapped on an instance registers nothing
+            self._types, self.static_refusal = list(map(type, self.modules)), self._static_refusal()
         if self.static_refusal is not None:
             return self.static_refusal
-        hooks = nn.modules.module
-        if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
-            return "global module forward hooks are registered"
+        if global_hooks():
+            return "global module hooks are registered"
         if any(self._hooks) or any(map(dict.__contains__, self._dicts, itertools.repeat("forward"))):
             for module in self.modules:
                 if module._forward_hooks or module._forward_pre_hooks:
                     return f"a {type(module).__name__} has forward hooks"
+                if module._backward_hooks or module._backward_pre_hooks:
+                    return f"a {type(module).__name__} has backward hooks"
                 if "forward" in module.__dict__:
                     return f"a {type(module).__name__} runs another forward than fastbert's"
         if (not training) in map(_training, self._dropout_dicts):
@@ -211,8 +235,8 @@ class Structure:
         return None
 
     def requires_grad(self) -> bool:
-        """Whether a weight the executors read requires grad (a C-level scan; stops at the first that does)."""
-        return any(map(_requires_grad, self.params))
+        """Whether a weight the executors read requires grad (stops at the first that does)."""
+        return any(map(_requires_grad, self.params()))
 
     def embedding_weights(self) -> tuple:
         """(word, position, token-type tables, LayerNorm weight, bias, eps, projection weight, bias or None)."""
@@ -245,13 +269,6 @@ class Structure:
 def fused(sources: list[tuple]) -> list[tuple]:
     """`Structure.layer_sources` with Q, K and V concatenated now: `layer_weights`' form."""
     return [(torch.cat(weights), torch.cat(biases), *rest) for weights, biases, *rest in sources]
-
-
-def _never(*args: Any) -> None:
-    return None
-
-
-_NO_CHECK = Forwards(_never, (_never,) * 6)  # a structure found only to compare, never run
 
 
 def same_layers(layers: Sequence[LayerParts]) -> int | None:
