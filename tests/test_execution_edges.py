@@ -34,6 +34,16 @@ def bound(**overrides: int) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor
     return model, ids, mask
 
 
+def replaying() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """A tiny model with the CPU graph twin whose bucket is captured and replayed once (inference mode)."""
+    model, (ids, mask) = tiny_bert(max_position_embeddings=64), batch([9, 4], 9)
+    model.cuda_graphs = RerunGraphs(model)
+    with torch.inference_mode():
+        for _ in range(3):
+            model(ids, attention_mask=mask)
+    return model, ids, mask
+
+
 @pytest.mark.parametrize("how", ["del", "pop", "insert"])
 def test_a_layer_list_edited_in_place_is_read(how: str) -> None:
     """ModuleList's del, pop and insert rewrite its table without registering anything."""
@@ -64,12 +74,8 @@ def test_functional_call_swaps_weights_for_outputs_and_gradients() -> None:
 
 
 def test_functional_call_under_graphs_replays_the_swapped_weights() -> None:
-    model = tiny_bert(max_position_embeddings=64)
-    model.cuda_graphs = RerunGraphs(model)
-    ids, mask = batch([9, 4], 9)
+    model, ids, mask = replaying()
     with torch.inference_mode():
-        for _ in range(3):
-            model(ids, attention_mask=mask)
         half = {k: v * 0.5 if k.endswith("dense.weight") else v for k, v in model.state_dict().items()}
         got = functional_call(model, half, (ids,), {"attention_mask": mask}).last_hidden_state
         want = functional_call(copy.deepcopy(model), half, (ids,), {"attention_mask": mask}).last_hidden_state
@@ -165,12 +171,8 @@ def test_a_forward_with_attentions_binds_no_plan_that_sticks() -> None:
 
 
 def test_int32_ids_replay() -> None:
-    model = tiny_bert(max_position_embeddings=64)
-    model.cuda_graphs = RerunGraphs(model)
-    ids, mask = batch([9, 4], 9)
+    model, ids, mask = replaying()
     with torch.inference_mode():
-        for _ in range(3):
-            model(ids, attention_mask=mask)
         out = model(ids.int(), attention_mask=mask).last_hidden_state
     torch.testing.assert_close(out, fresh(model, ids, mask), atol=1e-5, rtol=0)
     assert not model.cuda_graphs.refused
