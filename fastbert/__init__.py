@@ -9,6 +9,7 @@ from fastbert.auto import (
     AlbertModel,
     AutoModel,
     AutoModelForMaskedLM,
+    AutoModelForMultipleChoice,
     AutoModelForQuestionAnswering,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
@@ -22,6 +23,12 @@ from fastbert.auto import (
     ElectraForSequenceClassification,
     ElectraForTokenClassification,
     ElectraModel,
+    MPNetForMaskedLM,
+    MPNetForMultipleChoice,
+    MPNetForQuestionAnswering,
+    MPNetForSequenceClassification,
+    MPNetForTokenClassification,
+    MPNetModel,
     RobertaForMaskedLM,
     RobertaForQuestionAnswering,
     RobertaForSequenceClassification,
@@ -33,7 +40,15 @@ from fastbert.auto import (
     XLMRobertaForTokenClassification,
     XLMRobertaModel,
 )
-from fastbert.config import AlbertConfig, BertConfig, DistilBertConfig, ElectraConfig, RobertaConfig, XLMRobertaConfig
+from fastbert.config import (
+    AlbertConfig,
+    BertConfig,
+    DistilBertConfig,
+    ElectraConfig,
+    MPNetConfig,
+    RobertaConfig,
+    XLMRobertaConfig,
+)
 from fastbert.execution import graphs as cuda_graphs  # fastbert.cuda_graphs.enable(model, ...) / disable(model)
 from fastbert.execution import warmup
 from fastbert.families import UnsupportedModelError
@@ -63,6 +78,7 @@ __all__ = [
     "AlbertModel",
     "AutoModel",
     "AutoModelForMaskedLM",
+    "AutoModelForMultipleChoice",
     "AutoModelForQuestionAnswering",
     "AutoModelForSequenceClassification",
     "AutoModelForTokenClassification",
@@ -88,6 +104,13 @@ __all__ = [
     "ElectraForSequenceClassification",
     "ElectraForTokenClassification",
     "ElectraModel",
+    "MPNetConfig",
+    "MPNetForMaskedLM",
+    "MPNetForMultipleChoice",
+    "MPNetForQuestionAnswering",
+    "MPNetForSequenceClassification",
+    "MPNetForTokenClassification",
+    "MPNetModel",
     "RobertaConfig",
     "RobertaForMaskedLM",
     "RobertaForQuestionAnswering",

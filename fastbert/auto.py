@@ -97,6 +97,10 @@ class AutoModelForMaskedLM(_Auto):
     kind = "mlm"
 
 
+class AutoModelForMultipleChoice(_Auto):
+    kind = "choice"
+
+
 RobertaModel = CLASSES["roberta", "model"]
 RobertaForSequenceClassification = CLASSES["roberta", "sequence"]
 RobertaForTokenClassification = CLASSES["roberta", "token"]
@@ -122,3 +126,9 @@ ElectraForSequenceClassification = CLASSES["electra", "sequence"]
 ElectraForTokenClassification = CLASSES["electra", "token"]
 ElectraForQuestionAnswering = CLASSES["electra", "qa"]
 ElectraForMaskedLM = CLASSES["electra", "mlm"]
+MPNetModel = CLASSES["mpnet", "model"]
+MPNetForSequenceClassification = CLASSES["mpnet", "sequence"]
+MPNetForTokenClassification = CLASSES["mpnet", "token"]
+MPNetForQuestionAnswering = CLASSES["mpnet", "qa"]
+MPNetForMaskedLM = CLASSES["mpnet", "mlm"]
+MPNetForMultipleChoice = CLASSES["mpnet", "choice"]

@@ -15,6 +15,7 @@ from typing import Any
 
 from fastbert import ops
 from fastbert.families import Family, UnsupportedModelError, family_of
+from fastbert.relative_positions import RELATIVE_BUCKETS
 
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 SHARING = ("none", "all", "attention", "ffn")
@@ -186,6 +187,13 @@ class BertConfig:
                 raise ValueError("inner_group_num must be 1: ALBERT groups of several layers are not supported")
             if self.layer_sharing != "all":
                 raise ValueError(f"layer_sharing must be 'all' for {self.model_type}, got {self.layer_sharing!r}")
+        if self.family.relative_attention:
+            buckets = getattr(self, "relative_attention_num_buckets", None)
+            if not _is_int(buckets) or buckets < RELATIVE_BUCKETS:
+                raise ValueError(
+                    f"relative_attention_num_buckets must be an integer >= {RELATIVE_BUCKETS} (MPNet buckets distances "
+                    f"{RELATIVE_BUCKETS} ways whatever the table's size), got {buckets!r}"
+                )
         for name, what in OFF_ONLY_FIELDS:
             if getattr(self, name, None):
                 raise _not_implemented(name, getattr(self, name), what, "switched off (false, 0, null or empty)")
@@ -334,3 +342,4 @@ XLMRobertaConfig = CONFIG_CLASSES["xlm-roberta"] = _config_class("xlm-roberta", 
 DistilBertConfig = CONFIG_CLASSES["distilbert"] = _config_class("distilbert", "DistilBert")
 AlbertConfig = CONFIG_CLASSES["albert"] = _config_class("albert", "Albert")
 ElectraConfig = CONFIG_CLASSES["electra"] = _config_class("electra", "Electra")
+MPNetConfig = CONFIG_CLASSES["mpnet"] = _config_class("mpnet", "MPNet")

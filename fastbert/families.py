@@ -32,6 +32,8 @@ class Family:
     native_fields: tuple[str, ...] = ()  # fastbert's own fields that are this family's transformers fields too
     extra_fields: tuple[str, ...] = ()  # transformers-only fields kept when converting a live model
     padded_positions: bool = False  # RoBERTa: position = cumsum(id != pad) * (id != pad) + pad
+    position_pad: int | None = None  # the pad id positions count from where the family fixes it (MPNet: 1)
+    relative_attention: bool = False  # MPNet: a learned bias per head and relative-distance bucket on every score
     token_types: bool = True  # False: no token_type_embeddings (DistilBERT)
     pooler: bool = True  # the bare model has a pooler
     always_project: bool = False  # an E -> H projection even when E == H (ALBERT's embedding_hidden_mapping_in)
@@ -157,6 +159,34 @@ FAMILIES: dict[str, Family] = {
                     ("predictions", "cls.predictions"),
                 )
             },
+        ),
+        Family(
+            "mpnet",
+            "MPNet",
+            "mpnet",
+            config_defaults={
+                **_ROBERTA["config_defaults"],
+                "vocab_size": 30527,
+                "max_position_embeddings": 512,
+                "layer_norm_eps": 1e-12,
+                "relative_attention_num_buckets": 32,
+            },
+            config_absent=("type_vocab_size", "position_embedding_type", "classifier_dropout"),
+            padded_positions=True,
+            position_pad=1,
+            relative_attention=True,
+            token_types=False,
+            keys=(
+                ("attention.attn.q", "attention.self.query"),
+                ("attention.attn.k", "attention.self.key"),
+                ("attention.attn.v", "attention.self.value"),
+                ("attention.attn.o", "attention.output.dense"),
+                ("attention.LayerNorm", "attention.output.LayerNorm"),
+            ),
+            head_keys={"mlm": _ROBERTA["head_keys"]["mlm"]},
+            classifier_act="tanh",
+            mlm_act="gelu",
+            heads=(*FAMILY_HEADS, "choice"),
         ),
         Family(
             "electra",

@@ -22,7 +22,8 @@ from fastbert.config import BertConfig
 from fastbert.execution import CudaGraphs, Inputs
 from fastbert.execution.structure import plain
 from fastbert.outputs import BaseModelOutputWithPooling
-from fastbert.padding import Packing, unpad_and_read
+from fastbert.padding import Packing, rows_with_gaps, unpad_and_read
+from fastbert.relative_positions import bias_table, distance_buckets
 from fastbert.validation import check_inputs
 from fastbert.weight_stamp import stamp
 
@@ -41,8 +42,8 @@ class BertEmbeddings(nn.Module):
         dim, family = config.embedding_dim, config.family
         self.sinusoidal = bool(getattr(config, "sinusoidal_pos_embds", False))
         self.word_embeddings = nn.Embedding(config.vocab_size, dim, padding_idx=config.pad_token_id)
-        # RoBERTa's row pad_token_id is never read for a real token; transformers starts it at zero
-        pad_position = config.pad_token_id if family.padded_positions else None
+        # RoBERTa's row pad_token_id (MPNet's row 1) is never read for a real token; transformers starts it at zero
+        pad_position = position_pad(config) if family.padded_positions else None
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, dim, padding_idx=pad_position)
         if family.token_types:
             self.token_type_embeddings = nn.Embedding(config.type_vocab_size, dim)
@@ -111,17 +112,31 @@ def sinusoidal_table(positions: int, dim: int) -> torch.Tensor:
     return table.float()
 
 
+def position_pad(config: BertConfig) -> int:
+    """The id padded positions count from: the family's own (MPNet: 1, whatever the pad token) or the pad token's."""
+    pad = config.family.position_pad
+    return config.pad_token_id if pad is None else pad
+
+
 def family_positions(
     config: BertConfig, input_ids: torch.Tensor | None, seqlen: int, device: torch.device
 ) -> torch.Tensor:
     """Default position ids [B or 1, S]: 0..S-1, or RoBERTa's (counted over non-pad ids, offset by the pad id)."""
     if not config.family.padded_positions:
         return torch.arange(seqlen, device=device).unsqueeze(0)
-    pad = config.pad_token_id
+    pad = position_pad(config)
     if input_ids is None:  # nothing says which embeddings are padding: sequential, as transformers does
         return torch.arange(pad + 1, seqlen + pad + 1, device=device).unsqueeze(0)
     real = input_ids.ne(pad).long()
     return torch.cumsum(real, dim=1) * real + pad
+
+
+def relative_bias(table: nn.Module) -> torch.Tensor:
+    """MPNet's [buckets, nH] embedding as the attention's [nH, 2R + 1] table: buckets as transformers' MPNet computes
+    them (32 whatever the table's size), the embedding's own forward where it is hooked or wrapped."""
+    if plain(table, nn.Embedding):
+        return bias_table(table.weight)
+    return table(distance_buckets(table.weight.device)).float().t().contiguous()
 
 
 class BertSelfAttention(nn.Module):
@@ -162,7 +177,11 @@ class BertSelfAttention(nn.Module):
         return self._fused[1], self._fused[2]
 
     def forward(
-        self, x: torch.Tensor, packing: Packing, output_attentions: bool = False
+        self,
+        x: torch.Tensor,
+        packing: Packing,
+        output_attentions: bool = False,
+        position_bias: torch.Tensor | None = None,  # [nH, 2R + 1] fp32 (BertEncoder.position_bias)
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [T, H] -> [T, H], probs [B, nH, S, S] or None
         m = self._modules
         if plain(m["query"], nn.Linear) and plain(m["key"], nn.Linear) and plain(m["value"], nn.Linear):
@@ -174,10 +193,12 @@ class BertSelfAttention(nn.Module):
         qkv = qkv.view(x.shape[0], 3, self.num_heads, self.head_dim)
         if output_attentions:
             ctx, probs = reference.attention_with_probs(
-                qkv, packing.cu_seqlens, packing.max_seqlen, self.dropout_p, self.training
+                qkv, packing.cu_seqlens, packing.max_seqlen, self.dropout_p, self.training, None, position_bias
             )
         else:
-            ctx, probs = ops.attention(qkv, packing.cu_seqlens, packing.max_seqlen, self.dropout_p, self.training), None
+            cu, longest = packing.cu_seqlens, packing.max_seqlen
+            ctx = ops.attention(qkv, cu, longest, self.dropout_p, self.training, None, position_bias)
+            probs = None
         return ctx.reshape(x.shape[0], self.num_heads * self.head_dim), probs
 
 
@@ -211,9 +232,13 @@ class BertAttention(nn.Module):
         self.output = BertSelfOutput(config)
 
     def forward(
-        self, x: torch.Tensor, packing: Packing, output_attentions: bool = False
+        self,
+        x: torch.Tensor,
+        packing: Packing,
+        output_attentions: bool = False,
+        position_bias: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        ctx, probs = self.self(x, packing, output_attentions)
+        ctx, probs = self.self(x, packing, output_attentions, position_bias)
         return self.output(ctx, x), probs
 
 
@@ -254,9 +279,13 @@ class BertLayer(nn.Module):
         self.intermediate, self.output = ffn.intermediate, ffn.output
 
     def forward(
-        self, x: torch.Tensor, packing: Packing, output_attentions: bool = False
+        self,
+        x: torch.Tensor,
+        packing: Packing,
+        output_attentions: bool = False,
+        position_bias: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        h, probs = self.attention(x, packing, output_attentions)
+        h, probs = self.attention(x, packing, output_attentions, position_bias)
         return self.output(self.intermediate(h), h), probs
 
 
@@ -277,16 +306,27 @@ def build_layers(config: BertConfig) -> nn.ModuleList:
 
 
 class BertEncoder(nn.Module):
+    """The layers; with MPNet's relative attention, the [buckets, nH] bias table every layer's attention adds."""
+
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
         self.layer = build_layers(config)
+        if config.family.relative_attention:
+            buckets = config.relative_attention_num_buckets
+            self.relative_attention_bias = nn.Embedding(buckets, config.num_attention_heads)
+
+    def position_bias(self) -> torch.Tensor | None:
+        """The [nH, 2R + 1] fp32 table by key - query distance the attention kernels read (None without one)."""
+        table = self._modules.get("relative_attention_bias")
+        return None if table is None else relative_bias(table)
 
     def forward(
         self, x: torch.Tensor, packing: Packing, output_hidden_states: bool = False, output_attentions: bool = False
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         hidden, attentions = [x] if output_hidden_states else [], []
+        bias = self.position_bias()
         for layer in self.layer:
-            x, probs = layer(x, packing, output_attentions)
+            x, probs = layer(x, packing, output_attentions, bias)
             if output_hidden_states:
                 hidden.append(x)
             if output_attentions:
@@ -459,7 +499,17 @@ class BertModel(PreTrainedModel):
         position_ids = position_ids.reshape(-1, seqlen).expand(batch, seqlen).contiguous()  # packed after the sync
         if token_type_ids is None:
             token_type_ids = torch.zeros(batch, seqlen, dtype=torch.long, device=device)
-        packing, checked = unpad_and_read(attention_mask, batch, seqlen, device, ranges and ranges.values)
+        read = ranges.values if ranges is not None else None
+        gaps = attention_mask is not None and self.config.family.relative_attention
+        if gaps:  # read with the packing's sync
+            read = rows_with_gaps(attention_mask) if read is None else torch.cat([read, rows_with_gaps(attention_mask)])
+        packing, checked = unpad_and_read(attention_mask, batch, seqlen, device, read)
+        if gaps and checked.pop():
+            raise ValueError(
+                f"attention_mask has zeros between the ones of a row: {type(self).__name__}'s relative positions "
+                "would count the masked tokens between them, and fastbert packs the real tokens together; pass masks "
+                "whose ones are one run per row (left or right padding)"
+            )
         if ranges is not None:  # before any kernel gathers with these ids
             ranges.raise_if_bad(checked)
         x, hidden, attentions = run(Inputs(input_ids, token_type_ids, position_ids, inputs_embeds), packing)

@@ -27,7 +27,7 @@ def optimize(
 ) -> nn.Module:
     """Convert (weights copied; the original is untouched) and set up for inference.
 
-    - a transformers model (BERT, RoBERTa, XLM-RoBERTa, DistilBERT, ALBERT, ELECTRA; the bare encoder or a head)
+    - a transformers model (BERT, RoBERTa, XLM-RoBERTa, DistilBERT, ALBERT, ELECTRA, MPNet; the bare encoder or a head)
       becomes its fastbert class (`from_hf`); a fastbert model is used as is;
     - moved to `device` / cast to `dtype` (bf16 or fp16 runs every GEMM in that dtype; statistics stay fp32);
     - eval mode; `freeze` turns off requires_grad so the inference-only fast paths (oneDNN prepacked GEMMs) apply

@@ -77,3 +77,13 @@ def unpad_and_read(
         return Packing(batch, seqlen, cu, seqlen, None), values
     indices = valid.reshape(-1).nonzero_static(size=total).squeeze(1)  # sized by `total`: no second sync
     return Packing(batch, seqlen, cu, max_seqlen, indices), values
+
+
+def rows_with_gaps(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[1] int64: how many rows of a [B, S] mask have zeros between their ones (packing closes such gaps, which changes
+    a relative position's distance), computed on the mask's device for a later read."""
+    valid = attention_mask.to(torch.bool)
+    count = valid.sum(dim=1)
+    first = valid.int().argmax(dim=1)
+    last = valid.shape[1] - 1 - valid.flip(1).int().argmax(dim=1)
+    return ((count > 0) & (last - first + 1 != count)).sum().reshape(1).to(torch.int64)

@@ -15,6 +15,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from fastbert import relative_positions
+
 ACT_GELU, ACT_GELU_TANH, ACT_RELU = "gelu", "gelu_tanh", "relu"
 ACTIVATIONS = (ACT_GELU, ACT_GELU_TANH, ACT_RELU)
 
@@ -172,6 +174,15 @@ def _to_padded(
     return padded, mask, flat
 
 
+def _biased_mask(
+    table: torch.Tensor, heads: int, mask: torch.Tensor | None, seqlen: int, dtype: torch.dtype
+) -> torch.Tensor:  # [B or 1, nH, S, S] in `dtype`
+    """The position bias as an additive mask, -inf at the keys `mask` leaves out."""
+    relative_positions.table_radius(table, heads)
+    bias = relative_positions.dense_bias(table, seqlen).unsqueeze(0).to(dtype)
+    return bias if mask is None else bias.masked_fill(~mask, float("-inf"))
+
+
 def attention(
     qkv: torch.Tensor,  # [T, 3, nH, D] packed tokens
     cu_seqlens: torch.Tensor,  # [B + 1] int32
@@ -179,9 +190,11 @@ def attention(
     dropout_p: float = 0.0,
     training: bool = False,
     scale: float | None = None,
+    position_bias: torch.Tensor | None = None,  # [nH, 2R + 1] fp32
     upcast: bool = False,
 ) -> torch.Tensor:  # [T, nH, D]
-    """softmax(q k^T * scale) v within each sequence (bidirectional), fp32 softmax."""
+    """softmax(q k^T * scale + bias) v within each sequence (bidirectional), fp32 softmax; the bias of query i and
+    key j is position_bias[h, clamp(j - i, -R, R) + R] (spelled out as [nH, S, S] here, the reference's form)."""
     total, _, heads, dim = qkv.shape
     if total == 0:
         return qkv.new_zeros(0, heads, dim)
@@ -189,6 +202,8 @@ def attention(
     q, k, v = padded.unbind(0)
     p = dropout_p if training else 0.0
     scale = scale if scale is not None else 1.0 / math.sqrt(dim)
+    if position_bias is not None:
+        mask = _biased_mask(position_bias, heads, mask, max_seqlen, q.dtype)
     with no_autocast(qkv.device):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=scale)  # [B, nH, S, D]
     out = out.transpose(1, 2).reshape(-1, heads, dim)
@@ -203,6 +218,7 @@ def attention_with_probs(
     dropout_p: float = 0.0,
     training: bool = False,
     scale: float | None = None,
+    position_bias: torch.Tensor | None = None,  # [nH, 2R + 1] fp32
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, nH, D], [B, nH, S, S]
     """The slow path that materialises the probabilities (`output_attentions`, attention distillation)."""
     total, _, heads, dim = qkv.shape
@@ -214,6 +230,9 @@ def attention_with_probs(
     scale = scale if scale is not None else 1.0 / math.sqrt(dim)
     with no_autocast(qkv.device):
         scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+        if position_bias is not None:
+            relative_positions.table_radius(position_bias, heads)
+            scores = scores + relative_positions.dense_bias(position_bias, max_seqlen)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1)

@@ -203,7 +203,7 @@ at::Tensor bias_residual_layernorm(const at::Tensor& x, const at::Tensor& bias, 
 }
 
 at::Tensor attention(const at::Tensor& qkv_in, const at::Tensor& cu_seqlens, int64_t max_seqlen, double scale,
-                     const std::optional<at::Tensor>& out_opt) {
+                     const std::optional<at::Tensor>& position_bias, const std::optional<at::Tensor>& out_opt) {
   check_device(qkv_in, kCpu, "qkv");
   check_device(cu_seqlens, kCpu, "cu_seqlens");
   const DType dtype = dtype_of(qkv_in, "qkv");
@@ -223,10 +223,20 @@ at::Tensor attention(const at::Tensor& qkv_in, const at::Tensor& cu_seqlens, int
                       c[b + 1] - c[b], ": lengths must be in [0, max_seqlen = ", max_seqlen, "]");
     longest = std::max<int64_t>(longest, c[b + 1] - c[b]);
   }
+  at::Tensor bias;
+  if (position_bias.has_value()) {
+    bias = *position_bias;
+    check_device(bias, kCpu, "position_bias");
+    TORCH_CHECK_TYPE(bias.scalar_type() == at::kFloat, "position_bias must be float32, got ", bias.scalar_type());
+    TORCH_CHECK_VALUE(bias.dim() == 2 && bias.size(0) == heads && bias.size(1) % 2 == 1,
+                      "position_bias must be [nH = ", heads, ", 2R + 1], got ", bias.sizes());
+    bias = bias.contiguous();
+  }
   at::Tensor out = output(out_opt, {total, heads, dim}, qkv_in);
   if (total == 0 || heads == 0 || dim == 0) return out;
   at::Tensor qkv = qkv_in.stride(3) == 1 ? qkv_in : qkv_in.contiguous();
   AttentionArgs a{};
+  if (bias.defined()) a.bias = bias.data_ptr<float>(), a.bias_radius = (bias.size(1) - 1) / 2;
   a.qkv = qkv.data_ptr();
   a.stride_t = qkv.stride(0);
   a.stride_which = qkv.stride(1);
@@ -353,10 +363,11 @@ at::Tensor stack_gemm(const at::Tensor& x, const at::Tensor* w, const std::optio
 // projection + residual + LayerNorm, FFN in + activation, FFN out + residual + LayerNorm. The kernels and their order
 // are those of the per-op path (fastbert/layer_stack.py), without a return to Python between them. `weights`: 16 per
 // layer, {packed, scales, bias} for QKV, then for the output projection followed by its LayerNorm's weight and bias,
-// then for FFN in, then for FFN out with its LayerNorm's; `eps`: the two LayerNorms' per layer.
+// then for FFN in, then for FFN out with its LayerNorm's; `eps`: the two LayerNorms' per layer; `position_bias`: the
+// attention's relative position table, shared by every layer (MPNet), or none.
 at::Tensor encoder_layers(const at::Tensor& x_in, const at::Tensor& cu_seqlens, int64_t max_seqlen, int64_t heads,
                           double scale, const std::vector<at::Tensor>& weights, const std::optional<std::string>& act,
-                          const std::vector<double>& eps) {
+                          const std::vector<double>& eps, const std::optional<at::Tensor>& position_bias) {
   constexpr size_t kPerLayer = 16;
   TORCH_CHECK_VALUE(weights.size() % kPerLayer == 0 && eps.size() * kPerLayer == 2 * weights.size(),
                     "weights must hold 16 tensors and eps 2 values per layer, got ", weights.size(), " and ",
@@ -372,7 +383,7 @@ at::Tensor encoder_layers(const at::Tensor& x_in, const at::Tensor& cu_seqlens, 
                       ": biases must have 3H, H and H (FFN out) elements for H = ", hidden, ", got ", w[2].numel(),
                       ", ", w[5].numel(), ", ", w[13].numel());
     const at::Tensor qkv = stack_gemm(x, w, std::nullopt).view({tokens, 3, heads, hidden / heads});
-    const at::Tensor ctx = attention(qkv, cu_seqlens, max_seqlen, scale, std::nullopt).view({tokens, hidden});
+    const at::Tensor ctx = attention(qkv, cu_seqlens, max_seqlen, scale, position_bias, std::nullopt).view({tokens, hidden});
     const at::Tensor h = stack_gemm(ctx, w + 3, std::nullopt, x, w[6], w[7], eps[2 * layer]);
     x = stack_gemm(stack_gemm(h, w + 8, act), w + 11, std::nullopt, h, w[14], w[15], eps[2 * layer + 1]);
   }
@@ -398,8 +409,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bias"), py::arg("residual"), py::arg("ln_weight"), py::arg("ln_bias"), py::arg("eps"),
         py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("attention", &attention, "varlen attention over packed qkv [T, 3, nH, D] -> [T, nH, D]", py::arg("qkv"),
-        py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("scale"), py::arg("out") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("scale"), py::arg("position_bias") = py::none(),
+        py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("int8_linear", &int8_linear,
         "act(x @ W^T + bias) or LayerNorm(x @ W^T + bias + residual), W int8 per channel, x int8 per row",
         py::arg("x"), py::arg("packed"), py::arg("w_scale"), py::arg("bias") = py::none(), py::arg("act") = py::none(),
@@ -413,7 +424,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("encoder_layers", &encoder_layers,
         "post-LN encoder layers in one call (inference), on the kernels the per-op path runs: [T, H] -> [T, H]",
         py::arg("x"), py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("heads"), py::arg("scale"),
-        py::arg("weights"), py::arg("act"), py::arg("eps"),
+        py::arg("weights"), py::arg("act"), py::arg("eps"), py::arg("position_bias") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("int8_k_per_step", &int8_k_per_step,
         "k values per step of the int8 weight pack the kernels in use take: 4 (int8 quads, VNNI) or 2 (int16 pairs)");

@@ -49,6 +49,8 @@ struct AttentionArgs {
   const int32_t* cu_seqlens;  // [B + 1], validated by the caller
   int64_t batch, heads, dim, max_seqlen;
   float scale;
+  const float* bias;          // [nH, 2R + 1] contiguous: added to the score at distance clamp(j - i, -R, R) + R; or null
+  int64_t bias_radius;        // R
   void* out;                  // [T, nH, D] contiguous
 };
 

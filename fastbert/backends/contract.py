@@ -152,10 +152,13 @@ ATTENTION = Op(
     "attention",
     (Param("qkv", "Tensor", shape="[T, 3, nH, D] packed tokens"),
      Param("cu_seqlens", "Tensor", shape="[B + 1] int32"), Param("max_seqlen", "SymInt"), *DROPOUT,
-     Param("scale", "float?", None)),
+     Param("scale", "float?", None),
+     Param("position_bias", "Tensor?", None, shape="[nH, 2R + 1] fp32, by key - query distance clamped to [-R, R]")),
     "[T, nH, D]",
-    "Varlen bidirectional attention over packed QKV: softmax(q k^T * scale) v within each sequence, fp32 softmax; a "
-    "fully masked (empty) sequence gives no rows, never NaN.",
+    "Varlen bidirectional attention over packed QKV: softmax(q k^T * scale + bias) v within each sequence, fp32 "
+    "softmax; a fully masked (empty) sequence gives no rows, never NaN. `position_bias` adds, for query i and key j "
+    "of one sequence, position_bias[h, clamp(j - i, -R, R) + R] (MPNet's and T5's relative buckets, folded into a "
+    "table by distance): kernels read it in the tile loop, never as an [S, S] tensor.",
     _attention_output,
 )  # fmt: skip
 LINEAR = Op(

@@ -247,11 +247,13 @@ def attention(
     dropout_p: float = 0.0,
     training: bool = False,
     scale: float | None = None,
+    position_bias: torch.Tensor | None = None,  # [nH, 2R + 1] fp32
 ) -> torch.Tensor:  # [T, nH, D]
-    """Varlen bidirectional attention over packed QKV (CPU only), exact fp32 softmax."""
+    """Varlen bidirectional attention over packed QKV (CPU only), exact fp32 softmax, with MPNet's relative position
+    bias read from its table by distance."""
     _no_dropout(dropout_p, training)
     scale = 1.0 / math.sqrt(qkv.shape[-1]) if scale is None else float(scale)
-    return _kernels(qkv.device).attention(qkv, cu_seqlens, int(max_seqlen), scale)
+    return _kernels(qkv.device).attention(qkv, cu_seqlens, int(max_seqlen), scale, position_bias)
 
 
 def _limit(op: str) -> LimitCheck:

@@ -195,8 +195,11 @@ def attention(
     dropout_p: float = 0.0,
     training: bool = False,
     scale: float | None = None,
+    position_bias: torch.Tensor | None = None,  # refused (_refuses_attention)
 ) -> torch.Tensor:  # [T, nH, D]
     """softmax(q k^T * scale) v within each sequence: one SDPA call per sequence, one per batch if none is padded."""
+    if position_bias is not None:
+        raise ValueError("the onednn attention takes no position_bias")
     total, _, heads, dim = qkv.shape
     p = dropout_p if training else 0.0
     batch = cu_seqlens.numel() - 1
@@ -227,6 +230,8 @@ def refuses_dense_residual_layernorm(call: dict, forced: bool) -> str | None:
 
 
 def _refuses_attention(call: dict, forced: bool) -> str | None:
+    if call.get("position_bias") is not None:  # SDPA would take it only as a materialised [nH, L, L] mask
+        return "no relative position bias (SDPA takes it only as an [nH, L, L] mask)"
     # a loop over cu_seqlens read on the host: torch.compile/export trace the reference instead
     return "under torch.compile/export tracing" if torch.compiler.is_compiling() else None
 

@@ -44,10 +44,11 @@ def layers(
     heads, head_dim = first.self_attention.num_heads, first.self_attention.head_dim
     p_attn, p_hidden = first.self_attention.dropout_p, first.modules[3].dropout_p
     cu, max_seqlen, tokens = packing.cu_seqlens, packing.max_seqlen, x.shape[0]
+    bias = structure.position_bias()
     qkv_shape, ctx_shape = (tokens, 3, heads, head_dim), (tokens, heads * head_dim)
     for qkv_w, qkv_b, o_w, o_b, n1_w, n1_b, eps1, i_w, i_b, act, f_w, f_b, n2_w, n2_b, eps2 in weights:
         qkv = linear(x, qkv_w, qkv_b, None).view(qkv_shape)
-        ctx = attention(qkv, cu, max_seqlen, p_attn, training, None).reshape(ctx_shape)
+        ctx = attention(qkv, cu, max_seqlen, p_attn, training, None, bias).reshape(ctx_shape)
         h = drl(ctx, o_w, o_b, x, n1_w, n1_b, eps1, p_hidden, training)
         x = drl(linear(h, i_w, i_b, act), f_w, f_b, h, n2_w, n2_b, eps2, p_hidden, training)
         if hidden is not None:

@@ -104,7 +104,8 @@ class Stack:
         first = s.layers[0].self_attention
         cpu, _ = native.load("_native_cpu")
         x = cpu.encoder_layers(x, packing.cu_seqlens, int(packing.max_seqlen), first.num_heads,
-                               1.0 / math.sqrt(first.head_dim), operands, s.layers[0].act, eps)  # fmt: skip
+                               1.0 / math.sqrt(first.head_dim), operands, s.layers[0].act, eps,
+                               s.position_bias())  # fmt: skip
         _status["stacked"] += 1
         on = (f"every GEMM on {gemms[0]}" if len(set(gemms)) == 1
               else ", ".join(f"{what} on {name}" for what, name in zip(GEMMS, gemms, strict=True)))  # fmt: skip

@@ -141,7 +141,9 @@ class Structure:
         e = self.embeddings
         self.tables = tuple(e._modules.get(n) for n in ("word_embeddings", "position_embeddings", "LayerNorm"))
         projection = e._modules.get("projection")
-        leaves = {m: None for m in (*self.tables, e._modules.get("token_type_embeddings"), projection) if m is not None}
+        self.relative = self.encoder._modules.get("relative_attention_bias")  # MPNet's [buckets, nH] table, or None
+        leaves = {m: None for m in (*self.tables, e._modules.get("token_type_embeddings"), projection, self.relative)
+                  if m is not None}  # fmt: skip
         for p in self.layers:
             leaves.update(dict.fromkeys(p.leaves))
         wholes = {m: None for p in self.layers for m in p.modules}
@@ -245,6 +247,11 @@ class Structure:
         w = projection._parameters if projection is not None else {}
         tables = (word._parameters["weight"], position._parameters["weight"], self.embeddings.type_table())
         return (*tables, norm._parameters["weight"], norm._parameters["bias"], norm.eps, w.get("weight"), w.get("bias"))
+
+    def position_bias(self) -> torch.Tensor | None:
+        """The attention's [nH, 2R + 1] relative position table, read from the encoder's bucket embedding now (MPNet),
+        or None."""
+        return None if self.relative is None else self.encoder.position_bias()
 
     def layer_weights(self, concatenate: bool) -> list[tuple]:
         """Per layer, the tensors its fused ops read, in the loop's order: (QKV weight, bias, attention output weight,

@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastbert import outputs, reference
+from fastbert import outputs, reference, relative_positions
 from fastbert.auto import BY_NAME
 from fastbert.checkpoint import PreTrainedModel
 from fastbert.heads import HEADS, ClassificationHead
-from fastbert.modeling import ACT_OF_CONFIG, BertLayer, BertModel
+from fastbert.modeling import ACT_OF_CONFIG, BertLayer, BertModel, position_pad
 
 
 @dataclass(frozen=True)
@@ -137,7 +137,7 @@ class ReferenceGraph(nn.Module):
         emb = self.bert.embeddings
         dtype = emb.word_embeddings.weight.dtype
         if self.bert.config.family.padded_positions:  # RoBERTa: counted over non-pad ids, from pad_token_id + 1
-            pad = self.bert.config.pad_token_id
+            pad = position_pad(self.bert.config)
             real = input_ids.ne(pad).long()
             positions = torch.cumsum(real, dim=1) * real + pad
         else:
@@ -149,6 +149,9 @@ class ReferenceGraph(nn.Module):
             x = _linear(x, emb.projection)
         mask = attention_mask.unsqueeze(1).unsqueeze(2).to(dtype)  # [B, 1, 1, S]
         additive = (1.0 - mask) * torch.finfo(dtype).min
+        table = self.bert.encoder.position_bias()  # MPNet: [nH, 2R + 1] by distance -> [1, nH, S, S]
+        if table is not None:
+            additive = additive + relative_positions.dense_bias(table, input_ids.size(1)).unsqueeze(0).to(dtype)
         for layer in self.bert.encoder.layer:
             x = self._layer(layer, x, additive)
         x = x * attention_mask.unsqueeze(-1).to(dtype)  # fastbert's repad: zeros at padded positions
