@@ -101,3 +101,35 @@ def test_optimized_cross_encoder_saves_and_loads_back_in_plain_sentence_transfor
     assert type(loaded[0].model).__module__.startswith("transformers")
     after = loaded.predict(pairs, convert_to_tensor=True)
     assert (after - before).abs().max().item() <= 1e-5
+
+
+STSB_PAIRS = 200  # a slice of STS-B dev: the whole set takes minutes on a 2-core machine (benchmarks.bench_encode)
+
+
+def test_all_mpnet_base_v2_embeddings_and_stsb(mpnet_dir: Path, shared_data: Path) -> None:
+    """The real all-mpnet-base-v2: fastbert's embeddings have cosine >= 0.99999 to sentence-transformers' own and the
+    same STS-B Spearman; int8 stays within 0.5 points of it."""
+    from scipy.stats import spearmanr
+
+    from fastbert import ops
+    from fastbert.distill.recipes.minilm_sts import read_sts
+
+    a, b, gold = (column[:STSB_PAIRS] for column in read_sts(str(shared_data / "stsb" / "sts-dev.csv")))
+
+    def spearman(model: st.SentenceTransformer) -> tuple[torch.Tensor, float]:
+        emb = model.encode(a + b, batch_size=32, convert_to_tensor=True)
+        cos = torch.cosine_similarity(emb[:STSB_PAIRS], emb[STSB_PAIRS:])
+        return emb, 100 * spearmanr(cos.numpy(), gold).statistic
+
+    model = st.SentenceTransformer(str(mpnet_dir), device="cpu")
+    theirs, theirs_rho = spearman(model)
+    fastbert.optimize(model)
+    assert isinstance(model[0].model, fastbert.MPNetModel)
+    ours, ours_rho = spearman(model)
+    assert torch.cosine_similarity(ours, theirs).min().item() >= 0.99999
+    assert abs(ours_rho - theirs_rho) <= 0.01, (ours_rho, theirs_rho)
+    quantized = fastbert.optimize(st.SentenceTransformer(str(mpnet_dir), device="cpu"), quantize="int8")
+    with ops.use_backend("int8"):  # every GEMM int8, whatever the timings on this CPU
+        int8, int8_rho = spearman(quantized)
+    assert abs(int8_rho - theirs_rho) <= 0.5, (int8_rho, theirs_rho)
+    assert torch.cosine_similarity(int8, theirs).max().item() < 1.0  # int8 really ran
