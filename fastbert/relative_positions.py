@@ -33,11 +33,19 @@ def relative_buckets(distance: torch.Tensor, num_buckets: int = 32, max_distance
     return ret + torch.where(n < max_exact, n, large)
 
 
-@functools.cache
 def distance_buckets(device: torch.device, num_buckets: int = RELATIVE_BUCKETS, max_distance: int = MAX_DISTANCE
                      ) -> torch.Tensor:  # fmt: skip
-    """[2R + 1] bucket indices for the distances -R..R (R = max_distance), cached per device (a normal tensor even when
-    first asked under inference_mode: a later training forward saves it for backward)."""
+    """[2R + 1] bucket indices for the distances -R..R (R = max_distance): cached per device, computed in the graph
+    while torch.compile traces (a cache is no guard)."""
+    if torch.compiler.is_compiling():
+        distance = torch.arange(-max_distance, max_distance + 1, device=device)
+        return relative_buckets(distance, num_buckets, max_distance)
+    return _cached_buckets(device, num_buckets, max_distance)
+
+
+@functools.cache
+def _cached_buckets(device: torch.device, num_buckets: int, max_distance: int) -> torch.Tensor:
+    """A normal tensor even when first asked under inference_mode: a later training forward saves it for backward."""
     with torch.inference_mode(False), torch.no_grad():
         distance = torch.arange(-max_distance, max_distance + 1, device=device)
         return relative_buckets(distance, num_buckets, max_distance)
@@ -46,7 +54,8 @@ def distance_buckets(device: torch.device, num_buckets: int = RELATIVE_BUCKETS, 
 def bias_table(weight: torch.Tensor, num_buckets: int = RELATIVE_BUCKETS, max_distance: int = MAX_DISTANCE
                ) -> torch.Tensor:  # fmt: skip
     """[buckets, nH] embedding weight -> the [nH, 2R + 1] fp32 table (differentiable in `weight`)."""
-    return weight.float().index_select(0, distance_buckets(weight.device, num_buckets, max_distance)).t().contiguous()
+    buckets = distance_buckets(weight.device, num_buckets, max_distance)
+    return weight.float().index_select(0, buckets).t().contiguous()
 
 
 def table_radius(table: torch.Tensor, heads: int) -> int:

@@ -314,3 +314,27 @@ def test_cached_teacher_targets_follow_the_batch_device(teacher_dir, tmp_path):
 def test_cached_teacher_targets_follow_the_batch_device_on_cuda(teacher_dir, tmp_path):
     found = _tensors(_cached_hidden_targets(teacher_dir, tmp_path, torch.device("cuda")))
     assert len(found) == 4 and all(t.device.type == "cuda" for t in found)
+
+
+def test_an_mpnet_teacher_gives_an_mpnet_student(tmp_path):
+    """A family without token types (MPNet): neither teacher nor student is passed any, and the student transformers
+    loads computes what fastbert's does, relative position bias included."""
+    transformers = pytest.importorskip("transformers")
+    from fastbert import MPNetConfig, MPNetForMaskedLM, MPNetModel
+
+    teacher_dir = str(tmp_path / "teacher")
+    tok = WordPieceTokenizer.train(corpus(200), vocab_size=64, min_frequency=1)
+    config = MPNetConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                         intermediate_size=64, max_position_embeddings=66, pad_token_id=tok.pad_id)  # fmt: skip
+    torch.manual_seed(0)
+    MPNetForMaskedLM(config).save_pretrained(teacher_dir)
+    tok.save(teacher_dir)
+    cfg = tiny(tmp_path / "run", max_steps=2, checkpoint_every=0, objectives=Objectives(kl=1.0, hidden_mse=1.0))
+    result = distill(teacher_dir, corpus(24), cfg)
+    assert type(result.student) is MPNetForMaskedLM and result.student.config.num_hidden_layers == 2
+    theirs = transformers.MPNetModel.from_pretrained(result.student_dir).eval()
+    ids = torch.tensor([tok.encode_ids(["the cat sat on a mat", "a dog ran"])[0][:6], [5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        a = MPNetModel.from_pretrained(result.student_dir)(ids).last_hidden_state
+        b = theirs(input_ids=ids).last_hidden_state
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)

@@ -41,6 +41,14 @@ def load_teacher(teacher: str | os.PathLike | nn.Module) -> PreTrainedModel:
     return model_class(BertConfig.from_pretrained(path).model_type, kind).from_pretrained(path)
 
 
+def encoder_inputs(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The batch's ids and mask, and its token types where the model's family has them (not MPNet, DistilBERT)."""
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    if model.config.family.token_types:
+        inputs["token_type_ids"] = batch["token_type_ids"]
+    return inputs
+
+
 def has_mlm_head(model: nn.Module) -> bool:
     return hasattr(model, "cls") and hasattr(model.cls, "predictions")
 
@@ -92,9 +100,7 @@ class DistillStudent(nn.Module):
         obj = self.obj
         want_hidden = bool(obj.hidden_mse) or has_mlm_head(self.student) and bool(obj.cosine or obj.embedding)
         out = self.student(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            token_type_ids=batch["token_type_ids"],
+            **encoder_inputs(self.student, batch),
             output_hidden_states=want_hidden,
             output_attentions=bool(obj.attention),
         )
@@ -123,9 +129,7 @@ def teacher_targets(
     """What the active objectives need from the teacher, in fp32; hidden/attention keyed by the student's index."""
     want_hidden = bool(obj.hidden_mse) or has_mlm_head(teacher) and bool(obj.cosine or obj.embedding)
     out = teacher(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        token_type_ids=batch["token_type_ids"],
+        **encoder_inputs(teacher, batch),
         output_hidden_states=want_hidden,
         output_attentions=bool(obj.attention),
     )
