@@ -211,6 +211,19 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+# Encoders people ask for that fastbert does not run yet, with what they need beyond the families above
+NOT_YET = {
+    "deberta-v2": "DeBERTa-v2/v3: disentangled relative attention (content-to-position, position-to-content)",
+    "deberta": "DeBERTa: disentangled relative attention",
+    "modernbert": "ModernBERT: rotary positions, GeGLU, pre-norm without biases, sliding-window layers",
+    "new": "GTE (new): rotary positions, gated feed-forward",
+    "gte": "GTE: rotary positions, gated feed-forward",
+    "nomic_bert": "NomicBERT: rotary positions, SwiGLU",
+    "jina_embeddings_v3": "Jina-embeddings-v3: rotary positions and per-task LoRA adapters",
+    "eurobert": "EuroBERT: rotary positions, RMSNorm, SwiGLU",
+}
+
+
 class UnsupportedModelError(ValueError):
     """A checkpoint or config of an architecture fastbert does not run."""
 
@@ -219,8 +232,10 @@ def family_of(model_type: str) -> Family:
     """The Family for a config's model_type; UnsupportedModelError naming what is supported otherwise."""
     family = FAMILIES.get("bert" if model_type == "fastbert" else model_type)
     if family is None:
+        missing = f" ({NOT_YET[model_type]})" if model_type in NOT_YET else ""
         raise UnsupportedModelError(
-            f"model_type {model_type!r} is not supported by fastbert; supported: {', '.join(FAMILIES)}"
+            f"model_type {model_type!r} is not supported by fastbert{missing}; supported: {', '.join(FAMILIES)}; "
+            f"not yet: {', '.join(NOT_YET)}"
         )
     return family
 
