@@ -1,6 +1,15 @@
-"""pytest-benchmark, CPU: attention on a ragged batch, transformers-style eager (padded [B, nH, S, S] scores with an
-additive mask) vs fastbert's dispatched op on packed tokens. No GPU claims: on CPU `fastbert.ops` picks the native
-or torch path. Lengths are uniform in [S/4, S] (DESIGN.md), so the packed path skips the padding."""
+"""pytest-benchmark: attention on a ragged batch.
+
+CPU: transformers-style eager (padded [B, nH, S, S] scores with an additive mask) vs fastbert's dispatched op on packed
+tokens. No GPU claims there: on CPU `fastbert.ops` picks the native or torch path. Lengths are uniform in [S/4, S]
+(DESIGN.md), so the packed path skips the padding.
+
+GPU (skipped without CUDA): the Triton kernel with and without an MPNet relative position bias (nH = 12, D = 64, a
+[12, 2R + 1] table with R = 128), next to torch eager (fastbert.reference: padded SDPA, the bias materialised as an
+[B, nH, S, S] mask), forward and forward + backward, fp16. Times are `triton.testing.do_bench` medians (L2 flushed,
+after warm-up), in `extra_info` with TFLOP/s, GB/s and the max error vs the fp32 reference; pytest-benchmark's own
+table times the same call with a device sync.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +17,14 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from fastbert import ops, reference
+from fastbert import kernels, ops, reference
 from fastbert.padding import unpad
 
 BATCH, SEQLEN, HEADS, HEAD_DIM = 4, 64, 4, 64
+GPU_BATCH, GPU_SEQLEN, GPU_HEADS, GPU_HEAD_DIM, GPU_RADIUS = 32, 512, 12, 64, 128  # MPNet-base, 32 x <= 512 tokens
+GPU = "cuda"
 
 
 def _eager(padded: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -38,3 +50,71 @@ def test_attention_ragged(benchmark, path: str) -> None:
         benchmark.group = f"attention B={BATCH} S<={SEQLEN} nH={HEADS} D={HEAD_DIM}"
         out = benchmark(fn)
         torch.testing.assert_close(out, reference.attention(qkv, packing.cu_seqlens, packing.max_seqlen))
+
+
+def _work(lengths: torch.Tensor, bias: bool, element_size: int, backward: bool) -> tuple[float, float]:
+    """(FLOPs, bytes) of one call. FLOPs: the forward's two GEMMs, 2 * 2 * L^2 * D per (sequence, head), and the
+    backward's five, 2.5x (the FlashAttention paper's convention); the bias add, like the softmax, is not counted.
+    Bytes: forward reads q, k, v and writes the output; backward reads q, k, v, the output, dO and writes dqkv (the
+    kernels' fp32 statistics left out); the table ([nH, 2R + 1] fp32, read from cache after its first touch) counted
+    once per kernel that reads it, with the bias gradient's [programs, nH, 2R + 1] fp32 partials written and read
+    back."""
+    tokens = int(lengths.sum())
+    flops = 4 * GPU_HEADS * GPU_HEAD_DIM * float((lengths.double() ** 2).sum())
+    row = GPU_HEADS * GPU_HEAD_DIM * element_size
+    table = GPU_HEADS * (2 * GPU_RADIUS + 1) * 4 if bias else 0
+    nbytes = 4 * tokens * row + table
+    if backward:
+        flops *= 1 + 2.5
+        programs = GPU_BATCH * -(-GPU_SEQLEN // 64) * GPU_HEADS  # the dQ kernel's grid, 64-row query blocks
+        nbytes += 8 * tokens * row + 2 * table + (2 * programs * (2 * GPU_RADIUS + 1) * 4 if bias else 0)
+    return flops, nbytes
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the Triton attention kernel)")
+@pytest.mark.skipif(kernels.unavailable_reason() is not None, reason=str(kernels.unavailable_reason()))
+@pytest.mark.parametrize("direction", ["fwd", "fwd+bwd"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no bias", f"position bias R={GPU_RADIUS}"])
+@pytest.mark.parametrize("path", ["triton", "torch eager"])
+def test_attention_position_bias_gpu(benchmark, path: str, bias: bool, direction: str) -> None:
+    import triton.testing
+
+    gen = torch.Generator().manual_seed(GPU_SEQLEN)
+    lengths = torch.randint(GPU_SEQLEN // 4, GPU_SEQLEN + 1, (GPU_BATCH,), generator=gen)
+    cu = F.pad(lengths.cumsum(0), (1, 0)).to(device=GPU, dtype=torch.int32)
+    qkv = torch.randn(int(lengths.sum()), 3, GPU_HEADS, GPU_HEAD_DIM, generator=gen).to(GPU, torch.float16)
+    table = torch.randn(GPU_HEADS, 2 * GPU_RADIUS + 1, generator=gen).to(GPU) if bias else None
+    attend = kernels.attention if path == "triton" else reference.attention
+    backward = direction == "fwd+bwd"
+    x = qkv.clone().requires_grad_(backward)
+    t = table.clone().requires_grad_(backward) if bias else None
+    grad = torch.randn(x.shape[0], GPU_HEADS, GPU_HEAD_DIM, device=GPU, dtype=x.dtype)
+
+    def call() -> None:
+        if backward:
+            x.grad = None
+            if t is not None:
+                t.grad = None
+            attend(x, cu, GPU_SEQLEN, position_bias=t).backward(grad)
+        else:
+            with torch.no_grad():
+                attend(x, cu, GPU_SEQLEN, position_bias=t)
+
+    with torch.no_grad():
+        ref = reference.attention(qkv.float(), cu, GPU_SEQLEN, position_bias=table)
+        err = (attend(qkv, cu, GPU_SEQLEN, position_bias=table).float() - ref).abs().max().item()
+    assert err < 2e-2, f"{path}: max error {err:.3g} vs the fp32 reference"
+    benchmark.group = (f"attention {direction} fp16 B={GPU_BATCH} S<={GPU_SEQLEN} nH={GPU_HEADS} D={GPU_HEAD_DIM} "
+                       f"(bias: R={GPU_RADIUS})")  # fmt: skip
+    benchmark.extra_info["max_err"] = err
+    if benchmark.enabled:
+        ms = triton.testing.do_bench(call, return_mode="median")
+        flops, nbytes = _work(lengths, bias, qkv.element_size(), backward)
+        benchmark.extra_info.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12, gbps=nbytes / (ms * 1e-3) / 1e9)
+
+    def synced() -> None:
+        call()
+        if x.is_cuda:
+            torch.cuda.synchronize()
+
+    benchmark(synced)

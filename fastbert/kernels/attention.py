@@ -6,6 +6,17 @@ Python int >= every length (only the grid and the RNG offsets use it; no host sy
 dtype. Softmax and accumulation in fp32 (fp32 inputs: TF32 dots where torch allows TF32, else IEEE). A query
 only sees keys of its own sequence (bidirectional); empty sequences launch programs that exit at once, and no row is
 left unwritten.
+Relative position bias (MPNet/T5 style, `position_bias` [nH, 2R + 1] fp32 contiguous on qkv's device, any R >= 0):
+the score of query i and key j of one sequence gains position_bias[h, clamp(j - i, -R, R) + R] (in natural units,
+times log2(e) in the kernels' log2 units), gathered from the table in the tile loop (never an [S, S] tensor; the
+table stays in cache); a BIAS constexpr, so bias-free launches compile as without it. Table values must be finite (a
+-inf everywhere in a row would leave it no key). The table's gradient, where it requires grad, is deterministic too
+(no atomics): each dQ program sums its dS tiles (the gradient of the natural-units score) by distance into a
+register row of bins, skewing a tile that straddles the band |j - i| < W with tl.gather (32 diagonals at a time) and
+adding a tile wholly beyond it to an end bin, then writes the row to its own slot of an fp32 [programs, nH, 2W + 1]
+buffer that torch sums over the programs afterwards (W = min(R, max_seqlen - 1): no pair is farther apart; the bins
+past it get 0). Costs: that buffer (12.6 MB at B = 128, S = 512, nH = 12, R = 128), next_power_of_2(2W + 1) fp32
+registers a program, and the dQ launch at 8 warps (the skew's registers).
 Dropout on the probabilities: Philox keep-mask from (seed + bh << 32, row * max_seqlen + col), regenerated in both
 backward kernels, so max_seqlen <= 46340. Backward is deterministic: one kernel owns dK/dV per key block, another
 dQ per query block (no atomics); the log-sum-exp per query row is the only softmax state saved.
@@ -25,6 +36,8 @@ from ._device import dot, dropout_keep
 from .limits import MAX_HEAD_DIM, MAX_SEQLEN_DROPOUT, fp32_dot_precision
 
 LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)  # the kernels' copy (a jit function reads module globals only as constexprs)
+_SKEW = tl.constexpr(32)  # diagonals skewed at once by the bias gradient (a [BLOCK_M, 32] tile; BLOCK_T >= 32)
 
 
 @triton.jit
@@ -46,6 +59,48 @@ def _program(max_seqlen, BLOCK: tl.constexpr):
 def _seq_bounds(cu_ptr, b):
     start = tl.load(cu_ptr + b)
     return start, tl.load(cu_ptr + b + 1) - start
+
+
+@triton.jit
+def _bias_tile(bias_ptr, h, radius, rows, cols):
+    """position_bias[h, clamp(j - i, -R, R) + R] of rows i, cols j of one sequence, in log2 units: [BLOCK_M, BLOCK_N]
+    fp32. Every index is inside the table (rows and cols past the sequence too), so no mask."""
+    dist = tl.minimum(tl.maximum(cols[None, :] - rows[:, None], -radius), radius)
+    return tl.load(bias_ptr + h * (2 * radius + 1) + radius + dist) * _LOG2E
+
+
+@triton.jit
+def _distance_sums(ds, m0, n0, radius, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_W: tl.constexpr):  # fmt: skip
+    """A [BLOCK_M, BLOCK_N] tile (rows m0.., cols n0..; 0 off the sequence) summed by distance bin: [BLOCK_W] fp32, bin
+    w = clamp(j - i, -W, W) + W for W = `radius`, 0 past 2W. A tile wholly at or beyond -W or +W goes to an end bin
+    whole; any other is skewed (tl.gather) so that its diagonal t (j - i = n0 - m0 - (BLOCK_M - 1) + t) is a column,
+    summed over rows, _SKEW diagonals at a time (registers); each inner bin takes one diagonal, an end bin the sum of
+    the diagonals at or beyond it. Deterministic: fixed-order sums, no atomics."""
+    w = tl.arange(0, BLOCK_W)
+    first = n0 - m0 - (BLOCK_M - 1)  # the distance of the tile's first diagonal
+    if first + BLOCK_M + BLOCK_N - 2 <= -radius:
+        sums = tl.where(w == 0, tl.sum(tl.sum(ds, axis=1), axis=0), 0.0)
+    elif first >= radius:
+        sums = tl.where(w == 2 * radius, tl.sum(tl.sum(ds, axis=1), axis=0), 0.0)
+    else:
+        r = tl.arange(0, BLOCK_M)
+        sums = tl.zeros((BLOCK_W,), dtype=tl.float32)
+        low = tl.zeros((), dtype=tl.float32)
+        high = tl.zeros((), dtype=tl.float32)
+        for k in tl.static_range(0, BLOCK_T, _SKEW):
+            t = k + tl.arange(0, _SKEW)
+            col = t[None, :] - (BLOCK_M - 1) + r[:, None]
+            on = (col >= 0) & (col < BLOCK_N)
+            diag = tl.sum(tl.where(on, tl.gather(ds, tl.where(on, col, 0), axis=1), 0.0), axis=0)  # [_SKEW]
+            dist = first + t
+            low += tl.sum(tl.where(dist <= -radius, diag, 0.0))
+            high += tl.sum(tl.where((dist >= radius) & (dist > -radius), diag, 0.0))  # W = 0: `low` has bin 0
+            src = w - radius - first - k  # the diagonal (in this chunk) whose distance is w - W
+            inner = (w > 0) & (w < 2 * radius) & (src >= 0) & (src < _SKEW)
+            sums += tl.where(inner, tl.gather(diag, tl.where(inner, src, 0), axis=0), 0.0)
+        sums += tl.where(w == 0, low, 0.0) + tl.where(w == 2 * radius, high, 0.0)
+    return sums
 
 
 @triton.jit
@@ -75,6 +130,8 @@ def _attn_fwd(
     p,
     keep_scale,
     seed,
+    bias_ptr,  # [nH, 2R + 1] fp32 contiguous position bias (BIAS; else unused)
+    radius,  # R
     DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -82,6 +139,7 @@ def _attn_fwd(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     STATS: tl.constexpr = True,  # store the log-sum-exp for a backward; inference leaves it out (lse_ptr unused)
+    BIAS: tl.constexpr = False,  # add position_bias[h, clamp(j - i, -R, R) + R] to the scores
 ):
     b, h, m0 = _program(max_seqlen, BLOCK_M)
     start, length = _seq_bounds(cu_ptr, b)
@@ -103,6 +161,8 @@ def _attn_fwd(
         k = _load_rows(base + stride_3, ctok, cmask, d, D, stride_t)
         v = _load_rows(base + 2 * stride_3, ctok, cmask, d, D, stride_t)
         s = dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N] fp32, log2 units
+        if BIAS:
+            s += _bias_tile(bias_ptr, h, radius, rows, cols)
         s = tl.where(cmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: key 0 is valid in every launched program
         alpha = tl.exp2(m_i - m_new)
@@ -123,11 +183,14 @@ def _attn_fwd(
 
 @triton.jit
 def _probs_and_dscores(
-    q, k, v, do, lse, delta, rmask, cmask, rows, cols, key_seed, max_seqlen, qk_scale, p, keep_scale,
-    DROPOUT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-):
-    """For one [BLOCK_M, BLOCK_N] block: (dropped probs P*Z/(1-p), dS = P * (dP - delta)), both fp32, 0 off mask."""
+    q, k, v, do, lse, delta, rmask, cmask, rows, cols, key_seed, max_seqlen, qk_scale, p, keep_scale, bias_ptr, h,
+    radius, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BIAS: tl.constexpr,
+):  # fmt: skip
+    """For one [BLOCK_M, BLOCK_N] block: (dropped probs P*Z/(1-p), dS = P * (dP - delta)), both fp32, 0 off mask. dS is
+    the gradient of the score in natural units (q.k * scale + bias): dQ, dK take it times the scale, the bias as is."""
     s = dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
+    if BIAS:
+        s += _bias_tile(bias_ptr, h, radius, rows, cols)
     valid = rmask[:, None] & cmask[None, :]
     pr = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)
     dp = dot(do, tl.trans(v), PRECISION, UPCAST)
@@ -158,12 +221,15 @@ def _attn_bwd_dkdv(
     p,
     keep_scale,
     seed,
+    bias_ptr,  # [nH, 2R + 1] fp32 contiguous (BIAS; else unused)
+    radius,  # R
     DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    BIAS: tl.constexpr = False,
 ):
     b, h, n0 = _program(max_seqlen, BLOCK_N)
     start, length = _seq_bounds(cu_ptr, b)
@@ -188,9 +254,9 @@ def _attn_bwd_dkdv(
         lse = tl.load(lse_ptr + tok * H + h, mask=rmask, other=0.0)
         delta = tl.load(delta_ptr + tok * H + h, mask=rmask, other=0.0)
         dropped, ds = _probs_and_dscores(
-            q, k, v, do, lse, delta, rmask, cmask, rows, cols, key_seed, max_seqlen, qk_scale, p, keep_scale,
-            DROPOUT, PRECISION, UPCAST,
-        )
+            q, k, v, do, lse, delta, rmask, cmask, rows, cols, key_seed, max_seqlen, qk_scale, p, keep_scale, bias_ptr,
+            h, radius, DROPOUT, PRECISION, UPCAST, BIAS,
+        )  # fmt: skip
         dv += dot(tl.trans(dropped.to(do.dtype)), do, PRECISION, UPCAST)
         dk += dot(tl.trans(ds.to(q.dtype)), q, PRECISION, UPCAST)
     out = dqkv_ptr + ctok[:, None] * (3 * H * D) + h * D + d[None, :]
@@ -218,12 +284,20 @@ def _attn_bwd_dq(
     p,
     keep_scale,
     seed,
+    bias_ptr,  # [nH, 2R + 1] fp32 contiguous (BIAS; else unused)
+    radius,  # R
+    dbias_ptr,  # [grid x, nH, 2W + 1] fp32 zeros: this program's distance-bin sums of dS go to its row (BIAS_GRAD)
+    grad_radius,  # W = min(R, max_seqlen - 1)
     DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    BIAS: tl.constexpr = False,
+    BIAS_GRAD: tl.constexpr = False,
+    BLOCK_T: tl.constexpr = 1,  # next_power_of_2(BLOCK_M + BLOCK_N - 1): the diagonals of a tile (BIAS_GRAD)
+    BLOCK_W: tl.constexpr = 1,  # next_power_of_2(2W + 1): the distance bins (BIAS_GRAD)
 ):
     b, h, m0 = _program(max_seqlen, BLOCK_M)
     start, length = _seq_bounds(cu_ptr, b)
@@ -239,6 +313,8 @@ def _attn_bwd_dq(
     lse = tl.load(lse_ptr + tok * H + h, mask=rmask, other=0.0)
     delta = tl.load(delta_ptr + tok * H + h, mask=rmask, other=0.0)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    if BIAS_GRAD:
+        dbias = tl.zeros((BLOCK_W,), dtype=tl.float32)
     key_seed = _rng_seed(seed, b, h, H)
     for n0 in range(0, length, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
@@ -247,12 +323,18 @@ def _attn_bwd_dq(
         k = _load_rows(base + stride_3, ctok, cmask, d, D, stride_t)
         v = _load_rows(base + 2 * stride_3, ctok, cmask, d, D, stride_t)
         _, ds = _probs_and_dscores(
-            q, k, v, do, lse, delta, rmask, cmask, rows, cols, key_seed, max_seqlen, qk_scale, p, keep_scale,
-            DROPOUT, PRECISION, UPCAST,
-        )
+            q, k, v, do, lse, delta, rmask, cmask, rows, cols, key_seed, max_seqlen, qk_scale, p, keep_scale, bias_ptr,
+            h, radius, DROPOUT, PRECISION, UPCAST, BIAS,
+        )  # fmt: skip
         dq += dot(ds.to(k.dtype), k, PRECISION, UPCAST)
+        if BIAS_GRAD:
+            dbias += _distance_sums(ds, m0, n0, grad_radius, BLOCK_M, BLOCK_N, BLOCK_T, BLOCK_W)
     out = dqkv_ptr + tok[:, None] * (3 * H * D) + h * D + d[None, :]
     tl.store(out, (dq * sm_scale).to(dqkv_ptr.dtype.element_ty), mask=rmask[:, None] & (d < D)[None, :])
+    if BIAS_GRAD:
+        w = tl.arange(0, BLOCK_W)
+        row = dbias_ptr + (tl.program_id(0) * H + h).to(tl.int64) * (2 * grad_radius + 1)
+        tl.store(row + w, dbias, mask=w <= 2 * grad_radius)
 
 
 def _blocks(head_dim: int, max_seqlen: int) -> tuple[int, int, int, int]:
@@ -285,6 +367,7 @@ def _forward(
     seed: int = 0,
     keep: float = 1.0,  # the dropout keep scale (C.keep_scale(p))
     modes: tuple[str, bool] | None = None,  # _dot_modes(qkv), when the caller has them
+    bias: torch.Tensor | None = None,  # [nH, 2R + 1] fp32 contiguous position bias (checked by _check)
 ) -> torch.Tensor:  # [T, nH, D]
     """One launch of the forward kernel: the training forward (lse, dropout) and the inference launcher share it."""
     total, _, heads, dim = qkv.shape
@@ -295,49 +378,85 @@ def _forward(
         precision, upcast = modes or _dot_modes(qkv)
         _attn_fwd[_grid(batch, max_seqlen, block_m, heads)](
             qkv, cu_seqlens, out, lse if lse is not None else out, qkv.stride(0), qkv.stride(1), qkv.stride(2),
-            heads, dim, max_seqlen, scale * LOG2E, p, keep, seed, DROPOUT=p > 0,
+            heads, dim, max_seqlen, scale * LOG2E, p, keep, seed, *_bias_args(bias, qkv), DROPOUT=p > 0,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision, UPCAST=upcast,
-            STATS=lse is not None, num_warps=warps,
+            STATS=lse is not None, BIAS=bias is not None, num_warps=warps,
         )  # fmt: skip
     return out
 
 
+def _bias_args(bias: torch.Tensor | None, qkv: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(bias_ptr, radius) of a launch: the table and its R, or a stand-in pointer the kernel never reads (BIAS off)."""
+    return (bias, (bias.shape[1] - 1) // 2) if bias is not None else (qkv, 0)
+
+
+def _backward(
+    dout: torch.Tensor,
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    bias: torch.Tensor | None,
+    args: tuple,  # FlashAttention's ctx.args: (max_seqlen, p, keep, seed, scale, precision, upcast)
+    bias_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dqkv, d position_bias or None unless `bias_grad`): the dK/dV kernel, then the dQ kernel, which also writes the
+    bias gradient's per-program partial rows, summed here (deterministic)."""
+    max_seqlen, p, keep, seed, scale, precision, upcast = args
+    total, _, heads, dim = qkv.shape
+    dout = dout.contiguous()
+    delta = (dout.float() * out.float()).sum(-1)  # [T, nH] = rowsum(dO * O) = rowsum(P * dP)
+    dqkv = torch.empty(total, 3, heads, dim, dtype=qkv.dtype, device=qkv.device)
+    bias_grad = bias_grad and bias is not None
+    dbias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if bias_grad else None
+    batch = cu_seqlens.numel() - 1
+    if not (total and batch and max_seqlen):
+        return dqkv, dbias
+    block_m, block_n, block_d, warps = _blocks(dim, max_seqlen)
+    args = (
+        qkv, cu_seqlens, dout, lse, delta, dqkv, qkv.stride(0), qkv.stride(1), qkv.stride(2), heads, dim,
+        max_seqlen, scale * LOG2E, scale, p, keep, seed, *_bias_args(bias, qkv),
+    )  # fmt: skip
+    meta = dict(DROPOUT=p > 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision, UPCAST=upcast)
+    meta["BIAS"] = bias is not None
+    _attn_bwd_dkdv[_grid(batch, max_seqlen, block_n, heads)](*args, **meta, num_warps=warps)
+    grid = _grid(batch, max_seqlen, block_m, heads)
+    if bias_grad:  # no pair is farther apart than max_seqlen - 1: the bins past it get no gradient
+        radius = (bias.shape[1] - 1) // 2
+        width = min(radius, max_seqlen - 1)
+        partial = torch.zeros(grid[0], heads, 2 * width + 1, dtype=torch.float32, device=qkv.device)
+        # 8 warps whatever D: with the skew's registers 4 spill at D = 64 (ptxas for sm_90: 156 bytes a thread in fp16)
+        _attn_bwd_dq[grid](
+            *args, partial, width, **meta, BIAS_GRAD=True, BLOCK_T=C.next_power_of_2(block_m + block_n - 1),
+            BLOCK_W=C.next_power_of_2(2 * width + 1), num_warps=8,
+        )  # fmt: skip
+        dbias[:, radius - width : radius + width + 1] = partial.sum(0)
+    else:
+        _attn_bwd_dq[grid](*args, dqkv, 0, **meta, num_warps=warps)
+    return dqkv, dbias
+
+
 class FlashAttention(torch.autograd.Function):
-    """Saves qkv, the output and the fp32 log-sum-exp; probabilities are recomputed blockwise in backward."""
+    """Saves qkv, the output, the fp32 log-sum-exp and the bias table; probabilities are recomputed blockwise in
+    backward."""
 
     @staticmethod
-    def forward(ctx, qkv, cu_seqlens, max_seqlen: int, p: float, scale: float):
+    def forward(ctx, qkv, cu_seqlens, max_seqlen: int, p: float, scale: float, position_bias=None):
         if qkv.stride(-1) != 1:
             qkv = qkv.contiguous()
         lse = torch.empty(qkv.shape[0], qkv.shape[2], dtype=torch.float32, device=qkv.device)
         seed = C.dropout_seed() if p > 0 else 0
         modes, keep = _dot_modes(qkv), C.keep_scale(p)
-        out = _forward(qkv, cu_seqlens, max_seqlen, scale, lse, p, seed, keep, modes)
-        ctx.save_for_backward(qkv, cu_seqlens, out, lse)
+        out = _forward(qkv, cu_seqlens, max_seqlen, scale, lse, p, seed, keep, modes, position_bias)
+        ctx.save_for_backward(qkv, cu_seqlens, out, lse, position_bias)
         ctx.args = (max_seqlen, p, keep, seed, scale, *modes)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        qkv, cu_seqlens, out, lse = ctx.saved_tensors
-        max_seqlen, p, keep, seed, scale, precision, upcast = ctx.args
-        total, _, heads, dim = qkv.shape
-        dout = dout.contiguous()
-        delta = (dout.float() * out.float()).sum(-1)  # [T, nH] = rowsum(dO * O) = rowsum(P * dP)
-        dqkv = torch.empty(total, 3, heads, dim, dtype=qkv.dtype, device=qkv.device)
-        batch = cu_seqlens.numel() - 1
-        block_m, block_n, block_d, warps = _blocks(dim, max_seqlen)
-        args = (
-            qkv, cu_seqlens, dout, lse, delta, dqkv, qkv.stride(0), qkv.stride(1), qkv.stride(2), heads, dim,
-            max_seqlen, scale * LOG2E, scale, p, keep, seed,
-        )
-        meta = dict(
-            DROPOUT=p > 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision, UPCAST=upcast
-        )
-        if total and batch and max_seqlen:
-            _attn_bwd_dkdv[_grid(batch, max_seqlen, block_n, heads)](*args, **meta, num_warps=warps)
-            _attn_bwd_dq[_grid(batch, max_seqlen, block_m, heads)](*args, **meta, num_warps=warps)
-        return dqkv, None, None, None, None
+        qkv, cu_seqlens, out, lse, bias = ctx.saved_tensors
+        dqkv, dbias = _backward(dout, qkv, cu_seqlens, out, lse, bias, ctx.args, ctx.needs_input_grad[5])
+        return dqkv, None, None, None, None, dbias
 
 
 def attention(
@@ -347,17 +466,19 @@ def attention(
     dropout_p: float = 0.0,
     training: bool = False,
     scale: float | None = None,
+    position_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Varlen bidirectional attention over packed QKV `[T, 3, nH, D]` -> `[T, nH, D]`; differentiable in qkv."""
-    p, scale = _check(qkv, cu_seqlens, max_seqlen, dropout_p, training, scale)
+    """Varlen bidirectional attention over packed QKV `[T, 3, nH, D]` -> `[T, nH, D]`, plus a relative position bias
+    `[nH, 2R + 1]` when given; differentiable in qkv and the bias."""
+    p, scale = _check(qkv, cu_seqlens, max_seqlen, dropout_p, training, scale, position_bias)
     if torch.compiler.is_compiling():
-        return _attention_op(qkv, cu_seqlens, int(max_seqlen), p, scale)[0]
-    return C.apply(FlashAttention, qkv, cu_seqlens, int(max_seqlen), p, scale)
+        return _attention_op(qkv, cu_seqlens, int(max_seqlen), p, scale, position_bias)[0]
+    return C.apply(FlashAttention, qkv, cu_seqlens, int(max_seqlen), p, scale, position_bias)
 
 
 def _check(
     qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, dropout_p: float, training: bool,
-    scale: float | None,
+    scale: float | None, position_bias: torch.Tensor | None = None,
 ) -> tuple[float, float]:  # fmt: skip
     """The call's limits; (dropout probability in effect, softmax scale)."""
     if qkv.dim() != 4 or qkv.shape[1] != 3:
@@ -370,7 +491,23 @@ def _check(
     p = dropout_p if training else 0.0
     if p > 0 and max_seqlen > MAX_SEQLEN_DROPOUT:
         raise ValueError(f"attention dropout needs max_seqlen <= {MAX_SEQLEN_DROPOUT}, got {max_seqlen}")
+    if position_bias is not None:
+        _check_table(position_bias, qkv)
     return p, float(scale if scale is not None else 1.0 / math.sqrt(qkv.shape[-1]))
+
+
+def _check_table(table: torch.Tensor, qkv: torch.Tensor) -> None:
+    """position_bias: [nH, 2R + 1] fp32, contiguous, on qkv's device (relative_positions.table_radius's rule; the
+    kernels import nothing of the library)."""
+    heads = qkv.shape[2]
+    if table.dim() != 2 or table.shape[0] != heads or table.shape[1] % 2 != 1:
+        raise ValueError(f"position_bias must be [nH = {heads}, 2R + 1] (an odd width), got {tuple(table.shape)}")
+    if table.dtype != torch.float32:
+        raise ValueError(f"position_bias must be float32, got {table.dtype}")
+    if table.device != qkv.device:
+        raise ValueError(f"position_bias is on {table.device}, qkv on {qkv.device}")
+    if not table.is_contiguous():
+        raise ValueError("position_bias must be contiguous")
 
 
 def attention_inference(
@@ -380,28 +517,32 @@ def attention_inference(
     dropout_p: float = 0.0,
     training: bool = False,
     scale: float | None = None,
+    position_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Varlen attention `[T, 3, nH, D]` -> `[T, nH, D]`, forward kernel only: no autograd Function, no log-sum-exp
-    written, dropout ignored (inference), launch blocks from the cached rule."""
+    """Varlen attention `[T, 3, nH, D]` -> `[T, nH, D]` (plus the position bias when given), forward kernel only: no
+    autograd Function, no log-sum-exp written, dropout ignored (inference), launch blocks from the cached rule."""
     if torch.compiler.is_compiling():  # a Triton launch in a traced graph goes through the custom op
-        return attention(qkv, cu_seqlens, max_seqlen, scale=scale)
-    _, scale = _check(qkv, cu_seqlens, max_seqlen, 0.0, False, scale)
-    return _forward(qkv if qkv.stride(-1) == 1 else qkv.contiguous(), cu_seqlens, max_seqlen, scale)
+        return attention(qkv, cu_seqlens, max_seqlen, scale=scale, position_bias=position_bias)
+    _, scale = _check(qkv, cu_seqlens, max_seqlen, 0.0, False, scale, position_bias)
+    qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
+    return _forward(qkv, cu_seqlens, max_seqlen, scale, bias=position_bias)
 
 
 # torch.compile: the kernels as custom ops. The forward op returns what the backward op needs besides the inputs
-# (the output, the fp32 log-sum-exp, the dropout seed); the backward op is registered as its gradient.
+# (the output, the fp32 log-sum-exp, the dropout seed); the backward op is registered as its gradient and returns the
+# bias gradient as well (an empty fp32 tensor where none is asked for: an op's outputs are tensors).
 @torch.library.custom_op("fastbert::triton_attention", mutates_args=())
 def _attention_op(
-    qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, p: float, scale: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, p: float, scale: float,
+    position_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     ctx = C.Saved()
-    out = FlashAttention.forward(ctx, qkv, cu_seqlens, max_seqlen, p, scale)
+    out = FlashAttention.forward(ctx, qkv, cu_seqlens, max_seqlen, p, scale, position_bias)
     return out, ctx.saved_tensors[3], C.seed_tensor(ctx.args[3])
 
 
 @_attention_op.register_fake
-def _(qkv, cu_seqlens, max_seqlen, p, scale):
+def _(qkv, cu_seqlens, max_seqlen, p, scale, position_bias=None):
     total, _, heads, dim = qkv.shape
     return (qkv.new_empty(total, heads, dim), qkv.new_empty(total, heads, dtype=torch.float32),
             torch.empty(1, dtype=torch.int64))  # fmt: skip
@@ -410,27 +551,34 @@ def _(qkv, cu_seqlens, max_seqlen, p, scale):
 @torch.library.custom_op("fastbert::triton_attention_backward", mutates_args=())
 def _attention_backward_op(
     dout: torch.Tensor, qkv: torch.Tensor, cu_seqlens: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    seed: torch.Tensor, max_seqlen: int, p: float, scale: float,
-) -> torch.Tensor:  # fmt: skip
+    seed: torch.Tensor, position_bias: torch.Tensor | None, max_seqlen: int, p: float, scale: float, bias_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
     args = (max_seqlen, p, C.keep_scale(p), int(seed.item()), scale, *_dot_modes(qkv))
-    return FlashAttention.backward(C.Saved((qkv, cu_seqlens, out, lse), args=args), dout)[0]
+    dqkv, dbias = _backward(dout, qkv, cu_seqlens, out, lse, position_bias, args, bias_grad)
+    return dqkv, dbias if dbias is not None else qkv.new_empty(0, dtype=torch.float32)
 
 
 @_attention_backward_op.register_fake
-def _(dout, qkv, cu_seqlens, out, lse, seed, max_seqlen, p, scale):
-    return qkv.new_empty(qkv.shape)
+def _(dout, qkv, cu_seqlens, out, lse, seed, position_bias, max_seqlen, p, scale, bias_grad):
+    if bias_grad and position_bias is not None:
+        return qkv.new_empty(qkv.shape), position_bias.new_empty(position_bias.shape)
+    return qkv.new_empty(qkv.shape), qkv.new_empty(0, dtype=torch.float32)
 
 
 def _attention_setup(ctx, inputs, output) -> None:
-    qkv, cu_seqlens, ctx.max_seqlen, ctx.p, ctx.scale = inputs
+    qkv, cu_seqlens, ctx.max_seqlen, ctx.p, ctx.scale, *bias = inputs
     out, lse, seed = output
-    ctx.save_for_backward(qkv, cu_seqlens, out, lse, seed)
+    ctx.save_for_backward(qkv, cu_seqlens, out, lse, seed, bias[0] if bias else None)
 
 
 def _attention_grad(ctx, dout, *_):
-    dqkv = _attention_backward_op(dout, *ctx.saved_tensors, ctx.max_seqlen, ctx.p, ctx.scale)
-    return dqkv, None, None, None, None
+    qkv, cu_seqlens, out, lse, seed, bias = ctx.saved_tensors
+    bias_grad = bias is not None and ctx.needs_input_grad[5]
+    dqkv, dbias = _attention_backward_op(
+        dout, qkv, cu_seqlens, out, lse, seed, bias, ctx.max_seqlen, ctx.p, ctx.scale, bias_grad
+    )
+    return dqkv, None, None, None, None, dbias if bias_grad else None
 
 
 _attention_op.register_autograd(_attention_grad, setup_context=_attention_setup)
