@@ -24,6 +24,7 @@ bool cpu_has(const char* isa) {
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   if (std::string(isa) == "avx512bf16")
     return avx512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
+  if (std::string(isa) == "avx512vnni") return avx512 && __builtin_cpu_supports("avx512vnni");
   if (std::string(isa) == "avx512") return avx512;
   if (std::string(isa) == "avx2") return avx2;
 #endif
@@ -33,6 +34,7 @@ bool cpu_has(const char* isa) {
 const KernelTable* table_of(const std::string& isa) {
 #if defined(__x86_64__)
   if (isa == "avx512bf16") return &kernels_avx512bf16();
+  if (isa == "avx512vnni") return &kernels_avx512vnni();
   if (isa == "avx512") return &kernels_avx512();
   if (isa == "avx2") return &kernels_avx2();
 #endif
@@ -47,7 +49,7 @@ std::atomic<const KernelTable*> active{nullptr};
 const KernelTable& kernels() {
   const KernelTable* table = active.load();
   if (table == nullptr) {
-    for (const char* isa : {"avx512bf16", "avx512", "avx2", "generic"}) {
+    for (const char* isa : {"avx512bf16", "avx512vnni", "avx512", "avx2", "generic"}) {
       if (cpu_has(isa)) {
         table = table_of(isa);
         break;
@@ -68,7 +70,7 @@ bool set_isa(const std::string& isa) {
 
 std::vector<std::string> runnable_isas() {
   std::vector<std::string> out;
-  for (const char* isa : {"avx512bf16", "avx512", "avx2", "generic"})
+  for (const char* isa : {"avx512bf16", "avx512vnni", "avx512", "avx2", "generic"})
     if (cpu_has(isa) && table_of(isa) != nullptr) out.emplace_back(isa);
   return out;
 }

@@ -85,6 +85,7 @@ struct KernelTable {
 };
 
 const KernelTable& kernels_avx512bf16();
+const KernelTable& kernels_avx512vnni();
 const KernelTable& kernels_avx512();
 const KernelTable& kernels_avx2();
 const KernelTable& kernels_generic();
