@@ -500,7 +500,8 @@ class BertModel(PreTrainedModel):
         if token_type_ids is None:
             token_type_ids = torch.zeros(batch, seqlen, dtype=torch.long, device=device)
         read = ranges.values if ranges is not None else None
-        gaps = attention_mask is not None and self.config.family.relative_attention
+        # dict reads, no call: this runs every forward of every family
+        gaps = attention_mask is not None and "relative_attention_bias" in self._modules["encoder"]._modules
         if gaps:  # read with the packing's sync
             read = rows_with_gaps(attention_mask) if read is None else torch.cat([read, rows_with_gaps(attention_mask)])
         packing, checked = unpad_and_read(attention_mask, batch, seqlen, device, read)

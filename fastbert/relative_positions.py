@@ -18,7 +18,8 @@ RELATIVE_BUCKETS = 32  # transformers' MPNet buckets distances 32 ways whatever 
 MAX_DISTANCE = 128  # beyond which every distance shares its direction's last bucket
 
 
-def relative_buckets(distance: torch.Tensor, num_buckets: int = 32, max_distance: int = 128) -> torch.Tensor:
+def relative_buckets(distance: torch.Tensor, num_buckets: int = RELATIVE_BUCKETS, max_distance: int = MAX_DISTANCE
+                     ) -> torch.Tensor:  # fmt: skip
     """MPNet's bucket of each key - query distance: half the buckets per direction, exact up to a quarter of them,
     log-spaced up to `max_distance`, the last bucket beyond."""
     n = -distance
@@ -38,17 +39,19 @@ def distance_buckets(device: torch.device, num_buckets: int = RELATIVE_BUCKETS, 
     """[2R + 1] bucket indices for the distances -R..R (R = max_distance): cached per device, computed in the graph
     while torch.compile traces (a cache is no guard)."""
     if torch.compiler.is_compiling():
-        distance = torch.arange(-max_distance, max_distance + 1, device=device)
-        return relative_buckets(distance, num_buckets, max_distance)
+        return _buckets(device, num_buckets, max_distance)
     return _cached_buckets(device, num_buckets, max_distance)
+
+
+def _buckets(device: torch.device, num_buckets: int, max_distance: int) -> torch.Tensor:
+    return relative_buckets(torch.arange(-max_distance, max_distance + 1, device=device), num_buckets, max_distance)
 
 
 @functools.cache
 def _cached_buckets(device: torch.device, num_buckets: int, max_distance: int) -> torch.Tensor:
     """A normal tensor even when first asked under inference_mode: a later training forward saves it for backward."""
     with torch.inference_mode(False), torch.no_grad():
-        distance = torch.arange(-max_distance, max_distance + 1, device=device)
-        return relative_buckets(distance, num_buckets, max_distance)
+        return _buckets(device, num_buckets, max_distance)
 
 
 def bias_table(weight: torch.Tensor, num_buckets: int = RELATIVE_BUCKETS, max_distance: int = MAX_DISTANCE

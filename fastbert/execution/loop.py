@@ -44,7 +44,7 @@ def layers(
     heads, head_dim = first.self_attention.num_heads, first.self_attention.head_dim
     p_attn, p_hidden = first.self_attention.dropout_p, first.modules[3].dropout_p
     cu, max_seqlen, tokens = packing.cu_seqlens, packing.max_seqlen, x.shape[0]
-    bias = structure.position_bias()
+    bias = None if structure.relative is None else structure.position_bias()  # MPNet's table, read once a forward
     qkv_shape, ctx_shape = (tokens, 3, heads, head_dim), (tokens, heads * head_dim)
     for qkv_w, qkv_b, o_w, o_b, n1_w, n1_b, eps1, i_w, i_b, act, f_w, f_b, n2_w, n2_b, eps2 in weights:
         qkv = linear(x, qkv_w, qkv_b, None).view(qkv_shape)

@@ -376,18 +376,15 @@ def _forward(
     if total and batch and max_seqlen:
         block_m, block_n, block_d, warps = _blocks(dim, max_seqlen)
         precision, upcast = modes or _dot_modes(qkv)
+        # the table and its R, or a stand-in pointer the kernel never reads (BIAS off); inline: this runs every launch
+        bias_ptr, radius = (bias, (bias.shape[1] - 1) // 2) if bias is not None else (qkv, 0)
         _attn_fwd[_grid(batch, max_seqlen, block_m, heads)](
             qkv, cu_seqlens, out, lse if lse is not None else out, qkv.stride(0), qkv.stride(1), qkv.stride(2),
-            heads, dim, max_seqlen, scale * LOG2E, p, keep, seed, *_bias_args(bias, qkv), DROPOUT=p > 0,
+            heads, dim, max_seqlen, scale * LOG2E, p, keep, seed, bias_ptr, radius, DROPOUT=p > 0,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision, UPCAST=upcast,
             STATS=lse is not None, BIAS=bias is not None, num_warps=warps,
         )  # fmt: skip
     return out
-
-
-def _bias_args(bias: torch.Tensor | None, qkv: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(bias_ptr, radius) of a launch: the table and its R, or a stand-in pointer the kernel never reads (BIAS off)."""
-    return (bias, (bias.shape[1] - 1) // 2) if bias is not None else (qkv, 0)
 
 
 def _backward(
@@ -413,9 +410,10 @@ def _backward(
     if not (total and batch and max_seqlen):
         return dqkv, dbias
     block_m, block_n, block_d, warps = _blocks(dim, max_seqlen)
+    bias_ptr, radius = (bias, (bias.shape[1] - 1) // 2) if bias is not None else (qkv, 0)  # as in _forward
     args = (
         qkv, cu_seqlens, dout, lse, delta, dqkv, qkv.stride(0), qkv.stride(1), qkv.stride(2), heads, dim,
-        max_seqlen, scale * LOG2E, scale, p, keep, seed, *_bias_args(bias, qkv),
+        max_seqlen, scale * LOG2E, scale, p, keep, seed, bias_ptr, radius,
     )  # fmt: skip
     meta = dict(DROPOUT=p > 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision, UPCAST=upcast)
     meta["BIAS"] = bias is not None
