@@ -76,7 +76,7 @@ Embedder = Callable[[list[str]], torch.Tensor]  # sentences -> [N, H] sentence e
 
 
 def read_pairs(path: str) -> tuple[list[str], list[str], np.ndarray]:
-    from fastbert.distill.recipes.minilm_sts import read_sts
+    from fastbert.distill.recipes.sts import read_sts
 
     if not os.path.isfile(path):
         raise SystemExit(f"bench_encode: STS-B dev not found at {path} (pass --stsb PATH)")

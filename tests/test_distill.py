@@ -338,3 +338,62 @@ def test_an_mpnet_teacher_gives_an_mpnet_student(tmp_path):
         a = MPNetModel.from_pretrained(result.student_dir)(ids).last_hidden_state
         b = theirs(input_ids=ids).last_hidden_state
     torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def _mpnet_teacher(directory: str) -> tuple[str, WordPieceTokenizer]:
+    """A tiny MPNet sentence encoder whose vocabulary is not the BERT teacher's (another size, other ids)."""
+    from fastbert import MPNetConfig, MPNetModel
+
+    tok = WordPieceTokenizer.train(corpus(200), vocab_size=90, min_frequency=1)
+    config = MPNetConfig(vocab_size=tok.vocab_size, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=96, max_position_embeddings=66, pad_token_id=tok.pad_id)  # fmt: skip
+    torch.manual_seed(1)
+    MPNetModel(config).save_pretrained(directory)
+    tok.save(directory)
+    return directory, tok
+
+
+def test_a_student_of_another_vocabulary_and_width_learns_the_teachers_similarities(teacher_dir, tmp_path):
+    """all-mpnet-base-v2 -> a MiniLM-initialised student, in small: the teacher labels every text from its own
+    tokenization before training, the student (built from student_init: its layers, width and vocabulary) trains on
+    the in-batch similarity objective, and its held-out loss falls."""
+    from fastbert import MPNetModel
+    from fastbert.distill.losses import mean_pool
+
+    mpnet_dir, mpnet_tok = _mpnet_teacher(str(tmp_path / "mpnet"))
+    texts = corpus(96)
+    cfg = tiny(tmp_path / "run", student_init=teacher_dir, layer_map=[0, 3], cache_teacher=True, max_steps=12, lr=3e-3,
+               objectives=Objectives.sentence_similarity(), checkpoint_every=0, eval_fraction=0.25)  # fmt: skip
+    result = distill(mpnet_dir, texts, cfg)
+    assert type(result.student) is BertModel and result.student.config.hidden_size == 32
+    assert WordPieceTokenizer.from_pretrained(result.student_dir).backend.get_vocab() == (
+        WordPieceTokenizer.from_pretrained(teacher_dir).backend.get_vocab()
+    )
+    assert result.eval_after < result.eval_before
+    cache = TeacherCache(str(tmp_path / "run" / "teacher_cache"), _stored_key(tmp_path / "run"))
+    n_train = len(texts) - 16  # max_eval=16 of them held out (from the end)
+    assert sorted(cache.entries) == list(range(n_train))  # all labelled before the first step
+    enc = mpnet_tok(texts[:3], max_length=128)
+    with torch.no_grad():
+        mine = mean_pool(MPNetModel.from_pretrained(mpnet_dir)(enc["input_ids"], enc["attention_mask"])
+                         .last_hidden_state, enc["attention_mask"])  # fmt: skip
+    torch.testing.assert_close(torch.stack([cache.entries[i]["embedding"] for i in range(3)]), mine, atol=1e-5, rtol=0)
+
+
+def _stored_key(run) -> dict:
+    import json
+
+    with open(os.path.join(run, "teacher_cache", TeacherCache.KEY_FILE), encoding="utf-8") as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("objectives", [Objectives(hidden_mse=1.0), Objectives(cosine=1.0, similarity=1.0)])
+def test_another_vocabulary_refuses_token_level_objectives(teacher_dir, tmp_path, objectives):
+    mpnet_dir, _ = _mpnet_teacher(str(tmp_path / "mpnet"))
+    cfg = tiny(tmp_path / "run", student_init=teacher_dir, layer_map=[0, 3], cache_teacher=True, objectives=objectives)
+    with pytest.raises(ValueError, match="another vocabulary"):
+        distill(mpnet_dir, corpus(32), cfg)
+    similarity = Objectives.sentence_similarity()
+    cfg = tiny(tmp_path / "run2", student_init=teacher_dir, layer_map=[0, 3], objectives=similarity)
+    with pytest.raises(ValueError, match="cache_teacher=True"):
+        distill(mpnet_dir, corpus(32), cfg)

@@ -63,3 +63,20 @@ def test_attention_kl_matches_hand_value():
     assert losses.attention_kl(student, teacher, mask).item() == pytest.approx(math.log(2) / 2, rel=1e-5)
     with pytest.raises(ValueError, match="same number of heads"):
         losses.attention_kl(student, teacher.expand(1, 2, 3, 3), mask)
+
+
+def test_similarity_mse_compares_cosines_between_distinct_sentences_only():
+    teacher = torch.tensor([[1.0, 0.0, 0.0], [1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])  # pair cosines 1, 0, 0
+    student = torch.tensor([[2.0, 0.0], [0.0, 3.0], [0.0, 1.0]])  # pair cosines 0, 0, 1; the diagonal never counts
+    assert losses.similarity_mse(student, teacher).item() == pytest.approx(2 / 3)  # (1 + 0 + 1) / 3, each pair twice
+    assert losses.similarity_mse(teacher[:, :2] * 5, teacher).item() == pytest.approx(0.0, abs=1e-7)  # scale-free
+
+
+def test_similarity_mse_is_blind_to_a_rotation_of_the_student_space():
+    g = torch.Generator().manual_seed(0)
+    student, teacher = torch.randn(6, 4, generator=g), torch.randn(6, 8, generator=g)
+    rotation, _ = torch.linalg.qr(torch.randn(4, 4, generator=g))
+    base = losses.similarity_mse(student, teacher)
+    assert base.item() > 0.05
+    torch.testing.assert_close(losses.similarity_mse(student @ rotation, teacher), base)
+    assert losses.similarity_mse(student[:1], teacher[:1]).item() == 0.0  # one sentence: no pair

@@ -207,7 +207,7 @@ def test_from_pretrained_quantize(tmp_path: Path) -> None:
 def test_minilm_int8_quality_on_stsb_sample(minilm_dir: Path, shared_data: Path) -> None:
     from scipy.stats import spearmanr
 
-    from fastbert.distill.recipes.minilm_sts import embed, read_sts
+    from fastbert.distill.recipes.sts import embed, read_sts
     from fastbert.tokenization import WordPieceTokenizer
 
     a, b, gold = (column[:300] for column in read_sts(str(shared_data / "stsb" / "sts-dev.csv")))

@@ -112,7 +112,7 @@ def test_all_mpnet_base_v2_embeddings_and_stsb(mpnet_dir: Path, shared_data: Pat
     from scipy.stats import spearmanr
 
     from fastbert import ops
-    from fastbert.distill.recipes.minilm_sts import read_sts
+    from fastbert.distill.recipes.sts import read_sts
 
     a, b, gold = (column[:STSB_PAIRS] for column in read_sts(str(shared_data / "stsb" / "sts-dev.csv")))
 

@@ -70,8 +70,6 @@ class TeacherCache:
     KEY_FILE = "key.json"
 
     def __init__(self, directory: str, key: dict, rank: int = 0) -> None:
-        from safetensors.torch import load_file
-
         self.directory, self.rank = directory, rank
         self.key = json.loads(json.dumps(key, sort_keys=True))  # as key.json reads back (tuples as lists...)
         self.rebuilt = ""
@@ -79,6 +77,7 @@ class TeacherCache:
         self.entries: dict[int, dict[str, torch.Tensor]] = {}
         self.pending: dict[int, dict[str, torch.Tensor]] = {}
         self.shards = 0
+        self.read: set[str] = set()  # shard files already loaded
         shards = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
         theirs = self._stored_key()
         if theirs != self.key:
@@ -92,10 +91,18 @@ class TeacherCache:
                     json.dump(self.key, f, indent=1, sort_keys=True)
                 os.replace(tmp, os.path.join(directory, self.KEY_FILE))  # written last: shards under it are its own
             return
-        for name in shards:
-            for key, value in load_file(os.path.join(directory, name)).items():
-                index, field = key.split("/", 1)
-                self.entries.setdefault(int(index), {})[field] = value
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Read the shards in the folder not read yet (another rank's, written since this cache was opened)."""
+        from safetensors.torch import load_file
+
+        for name in sorted(n for n in os.listdir(self.directory) if n.endswith(".safetensors")):
+            if name not in self.read:
+                for key, value in load_file(os.path.join(self.directory, name)).items():
+                    index, field = key.split("/", 1)
+                    self.entries.setdefault(int(index), {})[field] = value
+                self.read.add(name)
 
     def _stored_key(self) -> dict | None:
         """The key the shards in the folder were written under; None if none (or unreadable)."""
@@ -134,4 +141,5 @@ class TeacherCache:
             self.shards += 1
         save_file(tensors, path + ".tmp")
         os.replace(path + ".tmp", path)
+        self.read.add(os.path.basename(path))
         self.pending = {}

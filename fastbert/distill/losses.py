@@ -82,6 +82,18 @@ def embedding_loss(student: torch.Tensor, teacher: torch.Tensor, metric: str = "
     raise ValueError(f"embedding metric must be 'cosine' or 'mse', got {metric!r}")
 
 
+def similarity_mse(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:  # [B, Hs], [B, Ht]
+    """Relational sentence distillation: MSE between the student's and the teacher's in-batch cosine-similarity
+    matrices, over the B * (B - 1) pairs of distinct sentences. Widths may differ and any rotation of the student's
+    space scores the same: only what cosine similarity sees of the teacher is asked for."""
+    b = student.shape[0]
+    if b < 2:
+        return student.sum() * 0.0
+    s, t = F.normalize(student.float(), dim=-1), F.normalize(teacher.float(), dim=-1)
+    off = ~torch.eye(b, dtype=torch.bool, device=s.device)
+    return F.mse_loss((s @ s.T)[off], (t @ t.T)[off])
+
+
 def attention_kl(
     student_probs: torch.Tensor,  # [B, nH, S, S] attention probabilities
     teacher_probs: torch.Tensor,  # [B, nH, S, S]

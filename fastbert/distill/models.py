@@ -98,7 +98,7 @@ class DistillStudent(nn.Module):
     def student_outputs(self, batch: dict[str, torch.Tensor]) -> dict:
         """What the active objectives need from the student, projected to the teacher's width."""
         obj = self.obj
-        want_hidden = bool(obj.hidden_mse) or has_mlm_head(self.student) and bool(obj.cosine or obj.embedding)
+        want_hidden = bool(obj.hidden_mse) or has_mlm_head(self.student) and bool(obj.cosine or obj.uses_embedding)
         out = self.student(
             **encoder_inputs(self.student, batch),
             output_hidden_states=want_hidden,
@@ -109,6 +109,8 @@ class DistillStudent(nn.Module):
         last = out.hidden_states[-1] if want_hidden else out.last_hidden_state
         if obj.cosine or obj.embedding:
             result["last"] = self.project(layers, last)
+        if obj.similarity:  # in the student's own space: cosine similarities need no projection
+            result["sentence"] = mean_pool(last.float(), batch["attention_mask"])
         if obj.hidden_mse:
             result["hidden"] = {k: self.project(k, out.hidden_states[k]) for k in self.layer_map}
         if obj.attention:
@@ -127,7 +129,7 @@ def teacher_targets(
     teacher: PreTrainedModel, batch: dict[str, torch.Tensor], obj: Objectives, layer_map: dict[int, int]
 ) -> dict:
     """What the active objectives need from the teacher, in fp32; hidden/attention keyed by the student's index."""
-    want_hidden = bool(obj.hidden_mse) or has_mlm_head(teacher) and bool(obj.cosine or obj.embedding)
+    want_hidden = bool(obj.hidden_mse) or has_mlm_head(teacher) and bool(obj.cosine or obj.uses_embedding)
     out = teacher(
         **encoder_inputs(teacher, batch),
         output_hidden_states=want_hidden,
@@ -137,11 +139,11 @@ def teacher_targets(
     if obj.uses_logits:
         logits = out.get("logits", out.get("prediction_logits"))
         result["logits"] = logits.float()
-    if obj.cosine or obj.embedding:
+    if obj.cosine or obj.uses_embedding:
         last = (out.hidden_states[-1] if want_hidden else out.last_hidden_state).float()
         if obj.cosine:
             result["last"] = last
-        if obj.embedding:
+        if obj.uses_embedding:
             result["embedding"] = mean_pool(last, batch["attention_mask"])
     if obj.hidden_mse:
         result["hidden"] = {k: out.hidden_states[j].float() for k, j in layer_map.items()}

@@ -8,7 +8,7 @@ import torch
 
 from fastbert.distill import losses
 
-WEIGHTS = ("kl", "mlm", "cosine", "hidden_mse", "logits_mse", "embedding", "attention")
+WEIGHTS = ("kl", "mlm", "cosine", "hidden_mse", "logits_mse", "embedding", "similarity", "attention")
 
 
 @dataclass
@@ -18,8 +18,9 @@ class Objectives:
     kl: soft-target KL on MLM logits at `temperature` (x T^2); mlm: hard MLM cross-entropy on 80/10/10-masked
     inputs; cosine: 1 - cos between last hidden states (DistilBERT); hidden_mse: MSE between mapped hidden states,
     student projected to the teacher's width (TinyBERT); logits_mse: MSE between logits; embedding: mean-pooled
-    sentence embedding vs the teacher's (`embedding_metric` cosine or mse); attention: KL between mapped layers'
-    attention probabilities (MiniLM/TinyBERT; runs the slower attention path that materialises probabilities).
+    sentence embedding vs the teacher's (`embedding_metric` cosine or mse); similarity: MSE between in-batch cosine
+    similarity matrices of those embeddings (any student width or vocabulary, no projection); attention: KL between
+    mapped layers' attention probabilities (MiniLM/TinyBERT; runs the slower attention path that materialises them).
     `layer_map` maps student hidden_states indices (0 = embeddings, k = output of layer k) to the teacher's for
     hidden_mse and attention; default: TinyBERT's block ends (`student.block_end_map`).
     """
@@ -30,6 +31,7 @@ class Objectives:
     hidden_mse: float = 0.0
     logits_mse: float = 0.0
     embedding: float = 0.0
+    similarity: float = 0.0
     attention: float = 0.0
     temperature: float = 2.0
     embedding_metric: str = "cosine"
@@ -44,6 +46,17 @@ class Objectives:
     def sentence_embedding(cls, metric: str = "cosine") -> Objectives:
         """For sentence encoders: match the teacher's mean-pooled embedding."""
         return cls(embedding=1.0, embedding_metric=metric)
+
+    @classmethod
+    def sentence_similarity(cls, weight: float = 10.0) -> Objectives:
+        """For sentence encoders of another width or vocabulary: match the teacher's cosine similarities between the
+        sentences of each batch (the weight brings the squared cosine errors to the scale of a unit loss)."""
+        return cls(similarity=weight)
+
+    @property
+    def pooled_only(self) -> bool:
+        """Every active objective compares pooled sentence embeddings: no token of the two inputs is aligned."""
+        return set(self.weights()) <= {"embedding", "similarity"}
 
     def weights(self) -> dict[str, float]:
         return {name: getattr(self, name) for name in WEIGHTS if getattr(self, name)}
@@ -66,6 +79,11 @@ class Objectives:
     def masks_inputs(self) -> bool:
         """MLM-style objectives see 80/10/10-masked inputs (teacher and student alike, as in DistilBERT)."""
         return bool(self.kl or self.mlm)
+
+    @property
+    def uses_embedding(self) -> bool:
+        """The teacher's mean-pooled sentence embedding is a target."""
+        return bool(self.embedding or self.similarity)
 
     @property
     def uses_hidden(self) -> bool:
@@ -92,6 +110,8 @@ def weighted_losses(
     if obj.embedding:
         pooled = losses.mean_pool(student["last"].float(), mask)
         out["embedding"] = losses.embedding_loss(pooled, teacher["embedding"], obj.embedding_metric)
+    if obj.similarity:
+        out["similarity"] = losses.similarity_mse(student["sentence"], teacher["embedding"])
     if obj.hidden_mse:
         terms = [losses.hidden_mse(student["hidden"][k], teacher["hidden"][k], mask) for k in student["hidden"]]
         out["hidden_mse"] = torch.stack(terms).mean()

@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -54,6 +54,7 @@ class DistillConfig:
     layer_map: list[int] | None = None  # teacher layer copied into each student layer; default uniform
     hidden_size: int | None = None  # narrower student (fresh layers, projections for hidden-state losses)
     student_overrides: dict = field(default_factory=dict)  # e.g. embedding_size, layer_sharing, num_hidden_groups
+    student_init: str | None = None  # checkpoint the student starts from (config, layers, tokenizer); default: teacher
     init: str = "auto"  # auto: copy what fits | copy: everything must be copied | random
     projection: bool | None = None  # None: learned projection iff the student is narrower
     freeze_embeddings: bool = False  # keep the (copied) word embeddings fixed: less optimizer work per step
@@ -124,7 +125,8 @@ def _resolve_resume(cfg: DistillConfig) -> str | None:
 
 
 def build_student(teacher: PreTrainedModel, cfg: DistillConfig) -> tuple[PreTrainedModel, list[int]]:
-    """The student model (MLM head iff a logits objective is on) initialised from the teacher's chosen layers."""
+    """The student model (MLM head iff a logits objective is on) initialised from the chosen layers of `teacher` (the
+    model the student starts from: the teacher, or `student_init`'s)."""
     t_cfg = teacher.config
     layers = cfg.num_layers if cfg.num_layers is not None else max(1, t_cfg.num_hidden_layers // 2)
     layer_map = list(cfg.layer_map) if cfg.layer_map is not None else uniform_layer_map(t_cfg.num_hidden_layers, layers)
@@ -202,13 +204,21 @@ def _to_device(tree, device: torch.device):
     return {k: _to_device(v, device) for k, v in tree.items()} if isinstance(tree, dict) else tree
 
 
-def _check(cfg: DistillConfig, teacher: PreTrainedModel, tokenizer: WordPieceTokenizer) -> None:
+def _check(
+    cfg: DistillConfig, teacher: PreTrainedModel, tokenizer: WordPieceTokenizer, student_tok: WordPieceTokenizer
+) -> None:
     obj = cfg.objectives
     obj.validate()
     if tokenizer.vocab_size != teacher.config.vocab_size:
         raise ValueError(
             f"tokenizer vocabulary ({tokenizer.vocab_size}) != teacher vocabulary ({teacher.config.vocab_size}): "
             "distillation needs the teacher's own WordPiece vocabulary"
+        )
+    if not same_inputs(tokenizer, student_tok) and not (obj.pooled_only and cfg.cache_teacher):
+        raise ValueError(
+            f"the student ({cfg.student_init}) has another vocabulary than the teacher: no token of their inputs "
+            "lines up, so only pooled objectives (embedding, similarity) can compare them, with cache_teacher=True "
+            "(the teacher's targets are computed from its own tokenization before training)"
         )
     if obj.uses_logits and not has_mlm_head(teacher):
         raise ValueError(
@@ -224,6 +234,49 @@ def _check(cfg: DistillConfig, teacher: PreTrainedModel, tokenizer: WordPieceTok
     for name in ("precision", "teacher_precision"):
         if getattr(cfg, name) not in PRECISION_CHOICES:
             raise ValueError(f"{name} must be one of {PRECISION_CHOICES}, got {getattr(cfg, name)!r}")
+
+
+def same_inputs(a: WordPieceTokenizer, b: WordPieceTokenizer) -> bool:
+    """Both tokenizers turn a text into the same ids (same vocabulary, same special tokens)."""
+    return a is b or a.backend.get_vocab() == b.backend.get_vocab() and (a.pad_id, a.cls_id) == (b.pad_id, b.cls_id)
+
+
+@torch.no_grad()
+def label(
+    teacher: PreTrainedModel,
+    ids: list[list[int]],
+    rows: Sequence[int],
+    pad_id: int,
+    obj: Objectives,
+    device: torch.device,
+    desc: str,
+    show: bool,
+    batch_size: int = 64,
+) -> Iterator[tuple[list[int], torch.Tensor]]:
+    """The teacher's pooled embeddings of `rows` of `ids`, yielded as (rows, [n, H] fp32) in length-sorted batches
+    (little padding), with a progress bar: every target of a pooled-only run is computed before its first step."""
+    order = sorted(rows, key=lambda i: len(ids[i]))
+    bar = train_loop.progress(len(order), desc, show)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        batch = _to_device(collate([ids[i] for i in chunk], pad_id), device)
+        yield chunk, teacher_targets(teacher, batch, obj, {})["embedding"].cpu()
+        bar.update(len(chunk))
+    bar.close()
+
+
+def _label_corpus(cache: TeacherCache, teacher, ids: list[list[int]], pad_id: int, obj: Objectives, env) -> None:
+    """Fill the cache with every training text's targets (each rank labels its share; shards flushed as it goes, so a
+    killed run keeps what it labelled)."""
+    rows = [i for i in range(env.rank, len(ids), env.world_size) if i not in cache.entries]
+    for n, (chunk, embeddings) in enumerate(label(teacher, ids, rows, pad_id, obj, env.device, "teacher", env.is_main)):
+        cache.put(chunk, [{"embedding": e} for e in embeddings])
+        if n % 50 == 49:
+            cache.flush()
+    cache.flush()
+    if env.distributed:
+        dist.barrier()
+    cache.refresh()
 
 
 def _loop_config(cfg: DistillConfig, resume_path: str | None) -> LoopConfig:
@@ -279,7 +332,7 @@ def _cache_key(teacher: str | None, ids: list[list[int]], teacher_precision: str
     for row in ids:
         digest.update(len(row).to_bytes(4, "little"))
         digest.update(array("q", row).tobytes())
-    targets = {"last": bool(obj.cosine), "embedding": bool(obj.embedding)}
+    targets = {"last": bool(obj.cosine), "embedding": obj.uses_embedding}
     targets["hidden"] = {str(k): v for k, v in hidden_map.items()} if obj.hidden_mse else {}
     return {
         "format": 1,
@@ -294,6 +347,7 @@ def _identity(cfg: DistillConfig, teacher: object, corpus: object, tokenizer: ob
     """The options that define a distillation run, which a resumed run must share (`fastbert.train` checks)."""
     fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_IDENTITY}
     sources = {"teacher": teacher, "corpus": corpus, "tokenizer": tokenizer, "eval_corpus": eval_corpus}
+    sources["student_init"] = cfg.student_init
     return {"command": "distill", **fields, **{k: _source_identity(v) for k, v in sources.items()}}
 
 
@@ -333,7 +387,10 @@ def distill(
         tokenizer = teacher
     if not isinstance(tokenizer, WordPieceTokenizer):
         tokenizer = WordPieceTokenizer.from_pretrained(tokenizer)
-    _check(cfg, teacher_model, tokenizer)
+    source, student_tok = teacher_model, tokenizer  # what the student starts from, and its tokenizer
+    if cfg.student_init is not None:
+        source, student_tok = load_teacher(cfg.student_init), WordPieceTokenizer.from_pretrained(cfg.student_init)
+    _check(cfg, teacher_model, tokenizer, student_tok)
     obj = cfg.objectives
     texts = read_corpus(corpus)
     eval_texts = read_corpus(eval_corpus) if eval_corpus is not None else None
@@ -345,7 +402,8 @@ def distill(
     torch.manual_seed(cfg.seed)
     teacher_model.requires_grad_(False)
     teacher_model = teacher_model.to(env.device).eval()
-    student, init_map = build_student(teacher_model, cfg)  # copied from the full-precision teacher
+    student, init_map = build_student(source, cfg)  # copied from the full-precision teacher (or student_init)
+    del source
     if cfg.teacher_precision != "fp32":
         teacher_model = teacher_model.to(PRECISIONS[cfg.teacher_precision])
     s_layers, t_layers = student.config.num_hidden_layers, teacher_model.config.num_hidden_layers
@@ -358,38 +416,54 @@ def distill(
         (student.bert if hasattr(student, "bert") else student).embeddings.word_embeddings.requires_grad_(False)
     if getattr(student, "pooler", None) is not None:
         student.pooler.requires_grad_(False)  # no objective reaches it; frozen, it stays the teacher's (and DDP-safe)
-    ids = tokenize_corpus(texts, tokenizer, cfg.max_length)
-    eval_ids = tokenize_corpus(eval_texts, tokenizer, cfg.max_length)
-    cache = None
+    ids = tokenize_corpus(texts, student_tok, cfg.max_length)
+    eval_ids = tokenize_corpus(eval_texts, student_tok, cfg.max_length)
+    same = same_inputs(tokenizer, student_tok)
+    teacher_ids = ids if same else tokenize_corpus(texts, tokenizer, cfg.max_length)
+    cache, eval_targets = None, None
     if cfg.cache_teacher:
-        key = _cache_key(identity["teacher"], ids, cfg.teacher_precision, obj, hidden_map)
+        key = _cache_key(identity["teacher"], teacher_ids, cfg.teacher_precision, obj, hidden_map)
         cache = TeacherCache(os.path.join(cfg.output_dir, "teacher_cache"), key, env.rank)
         if cache.rebuilt and env.is_main:
             print(cache.rebuilt, flush=True)
+        if env.distributed:  # rank 0 has emptied another run's shards before any rank writes its own
+            dist.barrier()
+        if obj.pooled_only:  # small targets: all of them first, from the teacher's own tokenization
+            _label_corpus(cache, teacher_model, teacher_ids, tokenizer.pad_id, obj, env)
+            eval_teacher_ids = tokenize_corpus(eval_texts, tokenizer, cfg.max_length)
+            eval_targets = torch.empty(len(eval_ids), teacher_model.config.hidden_size)
+            for chunk, embeddings in label(teacher_model, eval_teacher_ids, range(len(eval_ids)), tokenizer.pad_id,
+                                           obj, env.device, "teacher (held-out)", False):  # fmt: skip
+                eval_targets[chunk] = embeddings
 
     def targets(batch: dict[str, torch.Tensor]) -> dict:
-        """The teacher's targets; training batches (they carry corpus indices) go through the cache if there is one."""
+        """The teacher's targets; training batches (they carry corpus indices) go through the cache if there is one,
+        held-out ones (eval_index) through the targets computed before training if there are."""
+        if "eval_index" in batch:
+            return {"embedding": eval_targets[batch["eval_index"].cpu()].to(batch["input_ids"].device)}
         if cache is not None and "index" in batch:
             return _cached_targets(cache, batch["index"].tolist(), batch, teacher_model, obj, hidden_map)
         return teacher_targets(teacher_model, batch, obj, hidden_map)
 
     module = DistillStudent(student, projections, obj, hidden_map, targets).to(env.device)
     masker = (
-        MLMMasker.from_tokenizer(tokenizer, whole_word=cfg.whole_word, probability=cfg.mlm_probability)
+        MLMMasker.from_tokenizer(student_tok, whole_word=cfg.whole_word, probability=cfg.mlm_probability)
         if obj.masks_inputs
         else None
     )
 
     def make_batch(rows: list[int]) -> dict[str, torch.Tensor]:
         """Corpus rows padded (and masked from the RNG, which checkpoints restore per rank), with their indices."""
-        return {**collate([ids[i] for i in rows], tokenizer.pad_id, masker), "index": torch.tensor(rows)}
+        return {**collate([ids[i] for i in rows], student_tok.pad_id, masker), "index": torch.tensor(rows)}
 
     def evaluate(model: nn.Module) -> dict[str, float]:
         """Mean held-out loss, each eval batch masked from its own fixed seed so every evaluation sees one input."""
         total = 0.0
         for start in range(0, len(eval_ids), cfg.batch_size):
             gen = torch.Generator().manual_seed(cfg.seed + start)
-            batch = collate(eval_ids[start : start + cfg.batch_size], tokenizer.pad_id, masker, gen)
+            batch = collate(eval_ids[start : start + cfg.batch_size], student_tok.pad_id, masker, gen)
+            if eval_targets is not None:
+                batch["eval_index"] = torch.arange(start, start + len(batch["input_ids"]))
             total += float(model(**{k: v.to(env.device) for k, v in batch.items()}).loss) * len(batch["input_ids"])
         return {"eval_loss": total / len(eval_ids)}
 
@@ -425,7 +499,7 @@ def distill(
         cache.flush()
     student_dir = os.path.join(cfg.output_dir, "student")
     if env.is_main:
-        tokenizer.save(student_dir)
+        student_tok.save(student_dir)
         with open(os.path.join(cfg.output_dir, "distill_config.json"), "w", encoding="utf-8") as f:
             json.dump(_jsonable(cfg, init_map, hidden_map), f, indent=2)
     if env.distributed:

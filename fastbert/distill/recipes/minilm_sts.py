@@ -13,10 +13,8 @@ copied start, which has the student's shape; speed is measured on it too: it doe
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
-import re
 import statistics
 import time
 
@@ -26,71 +24,10 @@ import fastbert
 from fastbert import BertModel
 from fastbert.backends import int8
 from fastbert.distill import DistillConfig, Objectives, distill, init_from_teacher
-from fastbert.distill.losses import mean_pool
+from fastbert.distill.recipes.sts import build_corpus, sts_spearman
 from fastbert.distill.student import student_config
 from fastbert.tokenization import WordPieceTokenizer
 from fastbert.train import PRECISION_CHOICES
-
-
-def _detokenise(text: str) -> str:
-    text = text.replace("<unk>", "").replace(" @-@ ", "-").replace(" @,@ ", ",").replace(" @.@ ", ".")
-    text = re.sub(r" ([,.;:!?)'%])", r"\1", text)
-    return re.sub(r"\s+", " ", text.replace("( ", "(")).strip()
-
-
-def wikitext_sentences(path: str, min_words: int = 4) -> list[str]:
-    """Sentences of a WikiText file: headings dropped, paragraphs split at ' . ', light detokenisation."""
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line or line.startswith("="):
-                continue
-            for part in line.split(" . "):
-                sentence = _detokenise(part.rstrip(" .") + " .")
-                if len(sentence.split()) >= min_words:
-                    out.append(sentence)
-    return out
-
-
-def read_sts(path: str) -> tuple[list[str], list[str], list[float]]:
-    """STS Benchmark rows: genre, file, year, id, score, sentence1, sentence2 (tab-separated)."""
-    a, b, scores = [], [], []
-    with open(path, encoding="utf-8") as f:
-        for row in csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE):
-            if len(row) >= 7:
-                a.append(row[5])
-                b.append(row[6])
-                scores.append(float(row[4]))
-    return a, b, scores
-
-
-def build_corpus(data: str) -> list[str]:
-    """Unique sentences: STS-B train (both sides) then WikiText-2 valid + test, in a fixed shuffled order."""
-    a, b, _ = read_sts(os.path.join(data, "stsb", "sts-train.csv"))
-    wiki = [s for name in ("valid.txt", "test.txt") for s in wikitext_sentences(os.path.join(data, "wikitext-2", name))]
-    unique = list(dict.fromkeys(a + b + wiki))
-    order = torch.randperm(len(unique), generator=torch.Generator().manual_seed(0)).tolist()
-    return [unique[i] for i in order]
-
-
-@torch.no_grad()
-def embed(model: BertModel, tokenizer: WordPieceTokenizer, texts: list[str], batch: int = 64) -> torch.Tensor:
-    """Mean-pooled embeddings [N, H]."""
-    out = []
-    for i in range(0, len(texts), batch):
-        enc = tokenizer(texts[i : i + batch], max_length=128)
-        out.append(mean_pool(model(**enc).last_hidden_state, enc["attention_mask"]))
-    return torch.cat(out)
-
-
-def sts_spearman(model: BertModel, tokenizer: WordPieceTokenizer, path: str) -> float:
-    """Spearman correlation (x100) between cosine similarities and gold scores."""
-    from scipy.stats import spearmanr
-
-    a, b, gold = read_sts(path)
-    cos = torch.cosine_similarity(embed(model, tokenizer, a), embed(model, tokenizer, b)).numpy()
-    return 100.0 * float(spearmanr(cos, gold).statistic)
 
 
 @torch.no_grad()
