@@ -353,17 +353,20 @@ def _mpnet_teacher(directory: str) -> tuple[str, WordPieceTokenizer]:
     return directory, tok
 
 
-def test_a_student_of_another_vocabulary_and_width_learns_the_teachers_similarities(teacher_dir, tmp_path):
+@pytest.mark.parametrize("anchor", [0.0, 1.0])
+def test_a_student_of_another_vocabulary_and_width_learns_the_teachers_similarities(teacher_dir, tmp_path, anchor):
     """all-mpnet-base-v2 -> a MiniLM-initialised student, in small: the teacher labels every text from its own
-    tokenization before training, the student (built from student_init: its layers, width and vocabulary) trains on
-    the in-batch similarity objective, and its held-out loss falls."""
+    tokenization before training (and the model the student starts from labels it from the student's, for the
+    anchor), the student (built from student_init: its layers, width and vocabulary) trains on the in-batch
+    similarity objective, and its held-out loss falls."""
     from fastbert import MPNetModel
     from fastbert.distill.losses import mean_pool
 
     mpnet_dir, mpnet_tok = _mpnet_teacher(str(tmp_path / "mpnet"))
     texts = corpus(96)
+    objectives = Objectives.sentence_similarity(anchor=anchor)
     cfg = tiny(tmp_path / "run", student_init=teacher_dir, layer_map=[0, 3], cache_teacher=True, max_steps=12, lr=3e-3,
-               objectives=Objectives.sentence_similarity(), checkpoint_every=0, eval_fraction=0.25)  # fmt: skip
+               objectives=objectives, checkpoint_every=0, eval_fraction=0.25)  # fmt: skip
     result = distill(mpnet_dir, texts, cfg)
     assert type(result.student) is BertModel and result.student.config.hidden_size == 32
     assert WordPieceTokenizer.from_pretrained(result.student_dir).backend.get_vocab() == (
@@ -375,9 +378,19 @@ def test_a_student_of_another_vocabulary_and_width_learns_the_teachers_similarit
     assert sorted(cache.entries) == list(range(n_train))  # all labelled before the first step
     enc = mpnet_tok(texts[:3], max_length=128)
     with torch.no_grad():
-        mine = mean_pool(MPNetModel.from_pretrained(mpnet_dir)(enc["input_ids"], enc["attention_mask"])
-                         .last_hidden_state, enc["attention_mask"])  # fmt: skip
+        out = MPNetModel.from_pretrained(mpnet_dir)(enc["input_ids"], attention_mask=enc["attention_mask"])
+        mine = mean_pool(out.last_hidden_state, enc["attention_mask"])
     torch.testing.assert_close(torch.stack([cache.entries[i]["embedding"] for i in range(3)]), mine, atol=1e-5, rtol=0)
+    assert ("anchor" in cache.entries[0]) == bool(anchor)
+    if anchor:
+        enc = WordPieceTokenizer.from_pretrained(teacher_dir)(texts[:3], max_length=128)
+        with torch.no_grad():
+            model = BertForMaskedLM.from_pretrained(teacher_dir)
+            out = model(enc["input_ids"], attention_mask=enc["attention_mask"], output_hidden_states=True)
+        start = mean_pool(out.hidden_states[-1], enc["attention_mask"])
+        torch.testing.assert_close(
+            torch.stack([cache.entries[i]["anchor"] for i in range(3)]), start, atol=1e-5, rtol=0
+        )
 
 
 def _stored_key(run) -> dict:
@@ -397,3 +410,20 @@ def test_another_vocabulary_refuses_token_level_objectives(teacher_dir, tmp_path
     cfg = tiny(tmp_path / "run2", student_init=teacher_dir, layer_map=[0, 3], objectives=similarity)
     with pytest.raises(ValueError, match="cache_teacher=True"):
         distill(mpnet_dir, corpus(32), cfg)
+    anchored = Objectives.sentence_similarity(anchor=1.0)
+    with pytest.raises(ValueError, match="anchor objective .* needs student_init"):
+        distill(mpnet_dir, corpus(32), tiny(tmp_path / "run3", cache_teacher=True, objectives=anchored))
+
+
+def test_cli_distils_across_vocabularies(teacher_dir, tmp_path):
+    from fastbert.cli import main
+
+    mpnet_dir, _ = _mpnet_teacher(str(tmp_path / "mpnet"))
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n".join(corpus(48)) + "\n")
+    out = tmp_path / "run"
+    argv = ["distill", mpnet_dir, str(text), "--output", str(out), "--student-init", teacher_dir, "--layer-map", "0"]
+    argv += ["3", "--preset", "similarity", "--cache-teacher", "--max-steps", "2", "--batch-size", "8"]
+    assert main(argv) == 0
+    student = BertModel.from_pretrained(out / "student")
+    assert student.config.num_hidden_layers == 2 and student.config.hidden_size == 32

@@ -13,7 +13,11 @@ from fastbert.errors import ranged
 from fastbert.train import PRECISION_CHOICES
 from fastbert.train.options import add_compile_arguments
 
-PRESETS = {"distilbert": Objectives.distilbert, "sentence": Objectives.sentence_embedding}
+PRESETS = {
+    "distilbert": Objectives.distilbert,
+    "sentence": Objectives.sentence_embedding,
+    "similarity": Objectives.sentence_similarity,
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,6 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", help="tokenizer.json/vocab.txt or folder (default: the teacher's)")
     p.add_argument("--eval-corpus", help="held-out text file (default: the last 2%% of the corpus)")
     s = p.add_argument_group("student")
+    init_help = "checkpoint the student starts from (its layers, width, tokenizer); another vocabulary than the "
+    init_help += "teacher's takes pooled objectives (--preset similarity) and --cache-teacher"
+    s.add_argument("--student-init", help=init_help)
     s.add_argument("--layers", type=ranged(int, 1), help="student depth (default: half the teacher's)")
     s.add_argument("--layer-map", type=ranged(int, 0), nargs="+", help="teacher layer copied into each student layer")
     s.add_argument("--hidden-size", type=ranged(int, 1), help="narrower student width")
@@ -94,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         num_layers=args.layers if args.layers is not None else (len(args.layer_map) if args.layer_map else None),
         layer_map=args.layer_map,
         hidden_size=args.hidden_size,
+        student_init=args.student_init,
         student_overrides=overrides,
         init=args.init,
         projection=args.projection,

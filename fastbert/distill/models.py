@@ -109,7 +109,7 @@ class DistillStudent(nn.Module):
         last = out.hidden_states[-1] if want_hidden else out.last_hidden_state
         if obj.cosine or obj.embedding:
             result["last"] = self.project(layers, last)
-        if obj.similarity:  # in the student's own space: cosine similarities need no projection
+        if obj.similarity or obj.anchor:  # in the student's own space: no projection
             result["sentence"] = mean_pool(last.float(), batch["attention_mask"])
         if obj.hidden_mse:
             result["hidden"] = {k: self.project(k, out.hidden_states[k]) for k in self.layer_map}

@@ -8,7 +8,7 @@ import torch
 
 from fastbert.distill import losses
 
-WEIGHTS = ("kl", "mlm", "cosine", "hidden_mse", "logits_mse", "embedding", "similarity", "attention")
+WEIGHTS = ("kl", "mlm", "cosine", "hidden_mse", "logits_mse", "embedding", "similarity", "anchor", "attention")
 
 
 @dataclass
@@ -19,7 +19,9 @@ class Objectives:
     inputs; cosine: 1 - cos between last hidden states (DistilBERT); hidden_mse: MSE between mapped hidden states,
     student projected to the teacher's width (TinyBERT); logits_mse: MSE between logits; embedding: mean-pooled
     sentence embedding vs the teacher's (`embedding_metric` cosine or mse); similarity: MSE between in-batch cosine
-    similarity matrices of those embeddings (any student width or vocabulary, no projection); attention: KL between
+    similarity matrices of those embeddings (any student width or vocabulary, no projection); anchor: 1 - cos between
+    the student's pooled embedding and that of the whole model it started from (`student_init`), which keeps that
+    model's space while the other objectives pull toward the teacher; attention: KL between
     mapped layers' attention probabilities (MiniLM/TinyBERT; runs the slower attention path that materialises them).
     `layer_map` maps student hidden_states indices (0 = embeddings, k = output of layer k) to the teacher's for
     hidden_mse and attention; default: TinyBERT's block ends (`student.block_end_map`).
@@ -32,6 +34,7 @@ class Objectives:
     logits_mse: float = 0.0
     embedding: float = 0.0
     similarity: float = 0.0
+    anchor: float = 0.0
     attention: float = 0.0
     temperature: float = 2.0
     embedding_metric: str = "cosine"
@@ -48,15 +51,16 @@ class Objectives:
         return cls(embedding=1.0, embedding_metric=metric)
 
     @classmethod
-    def sentence_similarity(cls, weight: float = 10.0) -> Objectives:
+    def sentence_similarity(cls, weight: float = 10.0, anchor: float = 0.0) -> Objectives:
         """For sentence encoders of another width or vocabulary: match the teacher's cosine similarities between the
-        sentences of each batch (the weight brings the squared cosine errors to the scale of a unit loss)."""
-        return cls(similarity=weight)
+        sentences of each batch (the weight brings the squared cosine errors to the scale of a unit loss), optionally
+        anchored to the space of the model the student starts from."""
+        return cls(similarity=weight, anchor=anchor)
 
     @property
     def pooled_only(self) -> bool:
         """Every active objective compares pooled sentence embeddings: no token of the two inputs is aligned."""
-        return set(self.weights()) <= {"embedding", "similarity"}
+        return set(self.weights()) <= {"embedding", "similarity", "anchor"}
 
     def weights(self) -> dict[str, float]:
         return {name: getattr(self, name) for name in WEIGHTS if getattr(self, name)}
@@ -112,6 +116,8 @@ def weighted_losses(
         out["embedding"] = losses.embedding_loss(pooled, teacher["embedding"], obj.embedding_metric)
     if obj.similarity:
         out["similarity"] = losses.similarity_mse(student["sentence"], teacher["embedding"])
+    if obj.anchor:
+        out["anchor"] = losses.embedding_loss(student["sentence"], teacher["anchor"], "cosine")
     if obj.hidden_mse:
         terms = [losses.hidden_mse(student["hidden"][k], teacher["hidden"][k], mask) for k in student["hidden"]]
         out["hidden_mse"] = torch.stack(terms).mean()

@@ -188,8 +188,9 @@ def _cached_targets(cache: TeacherCache, indices, batch, teacher, obj, layer_map
         return out
 
     t: dict = {}
-    if "embedding" in found[0]:
-        t["embedding"] = torch.stack([e["embedding"] for e in found])
+    for name in ("embedding", "anchor"):
+        if name in found[0]:
+            t[name] = torch.stack([e[name] for e in found])
     if "last" in found[0]:
         t["last"] = padded("last")
     if obj.hidden_mse:
@@ -220,6 +221,11 @@ def _check(
             "lines up, so only pooled objectives (embedding, similarity) can compare them, with cache_teacher=True "
             "(the teacher's targets are computed from its own tokenization before training)"
         )
+    if obj.anchor and not (cfg.student_init and obj.pooled_only and cfg.cache_teacher):
+        raise ValueError(
+            "the anchor objective keeps the space of the model the student starts from: it needs student_init, "
+            "pooled objectives only and cache_teacher=True (its targets are computed before training)"
+        )
     if obj.uses_logits and not has_mlm_head(teacher):
         raise ValueError(
             "objectives kl/mlm/logits_mse need a teacher with an MLM head (BertForMaskedLM or BertForPreTraining); "
@@ -241,42 +247,53 @@ def same_inputs(a: WordPieceTokenizer, b: WordPieceTokenizer) -> bool:
     return a is b or a.backend.get_vocab() == b.backend.get_vocab() and (a.pad_id, a.cls_id) == (b.pad_id, b.cls_id)
 
 
+POOLED = Objectives(embedding=1.0)
+Labeller = tuple[PreTrainedModel, list[list[int]], int]  # a model, the corpus tokenised for it, its pad id
+
+
 @torch.no_grad()
 def label(
-    teacher: PreTrainedModel,
-    ids: list[list[int]],
-    rows: Sequence[int],
-    pad_id: int,
-    obj: Objectives,
-    device: torch.device,
-    desc: str,
-    show: bool,
-    batch_size: int = 64,
-) -> Iterator[tuple[list[int], torch.Tensor]]:
-    """The teacher's pooled embeddings of `rows` of `ids`, yielded as (rows, [n, H] fp32) in length-sorted batches
-    (little padding), with a progress bar: every target of a pooled-only run is computed before its first step."""
-    order = sorted(rows, key=lambda i: len(ids[i]))
+    labellers: dict[str, Labeller], rows: Sequence[int], device: torch.device, desc: str, show: bool, batch: int = 64
+) -> Iterator[tuple[list[int], dict[str, torch.Tensor]]]:
+    """Each labeller's mean-pooled embeddings of `rows`, yielded as (rows, {name: [n, H] fp32}) in batches sorted by
+    the first one's lengths (little padding), with a progress bar: pooled-only runs compute every target up front."""
+    first = next(iter(labellers.values()))[1]
+    order = sorted(rows, key=lambda i: len(first[i]))
     bar = train_loop.progress(len(order), desc, show)
-    for start in range(0, len(order), batch_size):
-        chunk = order[start : start + batch_size]
-        batch = _to_device(collate([ids[i] for i in chunk], pad_id), device)
-        yield chunk, teacher_targets(teacher, batch, obj, {})["embedding"].cpu()
+    for start in range(0, len(order), batch):
+        chunk = order[start : start + batch]
+        out = {}
+        for name, (model, ids, pad_id) in labellers.items():
+            inputs = _to_device(collate([ids[i] for i in chunk], pad_id), device)
+            out[name] = teacher_targets(model, inputs, POOLED, {})["embedding"].cpu()
+        yield chunk, out
         bar.update(len(chunk))
     bar.close()
 
 
-def _label_corpus(cache: TeacherCache, teacher, ids: list[list[int]], pad_id: int, obj: Objectives, env) -> None:
+def _label_corpus(cache: TeacherCache, labellers: dict[str, Labeller], env: DistEnv) -> None:
     """Fill the cache with every training text's targets (each rank labels its share; shards flushed as it goes, so a
     killed run keeps what it labelled)."""
-    rows = [i for i in range(env.rank, len(ids), env.world_size) if i not in cache.entries]
-    for n, (chunk, embeddings) in enumerate(label(teacher, ids, rows, pad_id, obj, env.device, "teacher", env.is_main)):
-        cache.put(chunk, [{"embedding": e} for e in embeddings])
-        if n % 50 == 49:
+    n = len(next(iter(labellers.values()))[1])
+    rows = [i for i in range(env.rank, n, env.world_size) if i not in cache.entries]
+    for k, (chunk, found) in enumerate(label(labellers, rows, env.device, "teacher", env.is_main)):
+        cache.put(chunk, [{name: value[row] for name, value in found.items()} for row in range(len(chunk))])
+        if k % 50 == 49:
             cache.flush()
     cache.flush()
     if env.distributed:
         dist.barrier()
     cache.refresh()
+
+
+def _held_out_targets(labellers: dict[str, Labeller], device: torch.device) -> dict[str, torch.Tensor]:
+    """Every held-out text's pooled targets, {name: [N, H]} in input order."""
+    n = len(next(iter(labellers.values()))[1])
+    out: dict[str, torch.Tensor] = {}
+    for chunk, found in label(labellers, range(n), device, "teacher (held-out)", False):
+        for name, value in found.items():
+            out.setdefault(name, torch.empty(n, value.shape[1]))[chunk] = value
+    return out
 
 
 def _loop_config(cfg: DistillConfig, resume_path: str | None) -> LoopConfig:
@@ -325,21 +342,28 @@ def _source_identity(source: object) -> str | None:
     return str(source)
 
 
-def _cache_key(teacher: str | None, ids: list[list[int]], teacher_precision: str, obj: Objectives, hidden_map) -> dict:
-    """What the teacher cache's targets depend on: the teacher by content, the tokenised training inputs (corpus,
-    tokenizer, max_length and held-out split in one digest), the teacher's precision and which targets it holds."""
+def _digest(ids: list[list[int]]) -> str:
     digest = hashlib.sha256()
     for row in ids:
         digest.update(len(row).to_bytes(4, "little"))
         digest.update(array("q", row).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _cache_key(
+    teacher: str | None, ids: list[list[int]], teacher_precision: str, obj: Objectives, hidden_map, anchor=None
+) -> dict:
+    """What the teacher cache's targets depend on: the teacher by content, the tokenised training inputs (corpus,
+    tokenizer, max_length and held-out split in one digest), the teacher's precision and which targets it holds."""
     targets = {"last": bool(obj.cosine), "embedding": obj.uses_embedding}
     targets["hidden"] = {str(k): v for k, v in hidden_map.items()} if obj.hidden_mse else {}
     return {
         "format": 1,
         "teacher": teacher,
-        "inputs": digest.hexdigest()[:16],
+        "inputs": _digest(ids),
         "teacher_precision": teacher_precision,
         "targets": targets,
+        **({"anchor": anchor} if anchor else {}),  # the model the student starts from, on the student's inputs
     }
 
 
@@ -403,6 +427,7 @@ def distill(
     teacher_model.requires_grad_(False)
     teacher_model = teacher_model.to(env.device).eval()
     student, init_map = build_student(source, cfg)  # copied from the full-precision teacher (or student_init)
+    anchor_model = source.to(env.device).eval().requires_grad_(False) if obj.anchor else None
     del source
     if cfg.teacher_precision != "fp32":
         teacher_model = teacher_model.to(PRECISIONS[cfg.teacher_precision])
@@ -422,25 +447,30 @@ def distill(
     teacher_ids = ids if same else tokenize_corpus(texts, tokenizer, cfg.max_length)
     cache, eval_targets = None, None
     if cfg.cache_teacher:
-        key = _cache_key(identity["teacher"], teacher_ids, cfg.teacher_precision, obj, hidden_map)
+        anchor = {"model": identity["student_init"], "inputs": _digest(ids)} if obj.anchor else None
+        key = _cache_key(identity["teacher"], teacher_ids, cfg.teacher_precision, obj, hidden_map, anchor)
         cache = TeacherCache(os.path.join(cfg.output_dir, "teacher_cache"), key, env.rank)
         if cache.rebuilt and env.is_main:
             print(cache.rebuilt, flush=True)
         if env.distributed:  # rank 0 has emptied another run's shards before any rank writes its own
             dist.barrier()
-        if obj.pooled_only:  # small targets: all of them first, from the teacher's own tokenization
-            _label_corpus(cache, teacher_model, teacher_ids, tokenizer.pad_id, obj, env)
-            eval_teacher_ids = tokenize_corpus(eval_texts, tokenizer, cfg.max_length)
-            eval_targets = torch.empty(len(eval_ids), teacher_model.config.hidden_size)
-            for chunk, embeddings in label(teacher_model, eval_teacher_ids, range(len(eval_ids)), tokenizer.pad_id,
-                                           obj, env.device, "teacher (held-out)", False):  # fmt: skip
-                eval_targets[chunk] = embeddings
+        if obj.pooled_only:  # small targets: all of them first, the teacher's from its own tokenization
+            labellers = {"embedding": (teacher_model, teacher_ids, tokenizer.pad_id)}
+            held_out = {"embedding": (teacher_model, tokenize_corpus(eval_texts, tokenizer, cfg.max_length),
+                                      tokenizer.pad_id)}  # fmt: skip
+            if obj.anchor:  # the model the student starts from, on the student's inputs
+                labellers["anchor"] = (anchor_model, ids, student_tok.pad_id)
+                held_out["anchor"] = (anchor_model, eval_ids, student_tok.pad_id)
+            _label_corpus(cache, labellers, env)
+            eval_targets = _held_out_targets(held_out, env.device)
+    del anchor_model
 
     def targets(batch: dict[str, torch.Tensor]) -> dict:
         """The teacher's targets; training batches (they carry corpus indices) go through the cache if there is one,
         held-out ones (eval_index) through the targets computed before training if there are."""
         if "eval_index" in batch:
-            return {"embedding": eval_targets[batch["eval_index"].cpu()].to(batch["input_ids"].device)}
+            rows = batch["eval_index"].cpu()
+            return {name: value[rows].to(batch["input_ids"].device) for name, value in eval_targets.items()}
         if cache is not None and "index" in batch:
             return _cached_targets(cache, batch["index"].tolist(), batch, teacher_model, obj, hidden_map)
         return teacher_targets(teacher_model, batch, obj, hidden_map)

@@ -2,11 +2,13 @@
 from three layers of all-MiniLM-L6-v2 (width 384, BERT vocabulary), on STS-B train sentences and WikiText-2.
 
 The teacher labels every text once from its own tokenization (on fastbert's fast path, cached: a killed run keeps
-what it labelled); the student learns the teacher's cosine similarities between the sentences of each batch (the
-similarity objective: any width, any vocabulary, no projection). Then both are scored on STS-B dev (mean pooling,
-cosine, Spearman x100; the student in fp32 and int8), the student's agreement with its teacher is measured (Spearman
-between their cosines on the dev pairs), and all-MiniLM-L6-v2 and the student are timed on the encode workload (every
-STS-B dev sentence, batches of 32 sorted by length, tokenisation included; fastbert fp32, passes interleaved).
+what it labelled), and so does all-MiniLM-L6-v2 from the student's; the student learns the teacher's cosine
+similarities between the sentences of each batch (the similarity objective: any width, any vocabulary, no projection)
+while staying close to all-MiniLM-L6-v2's embeddings (the anchor objective: the space it started in). Then both are
+scored on STS-B dev (mean pooling, cosine, Spearman x100; the student in fp32 and int8), the student's agreement with
+its teacher is measured (Spearman between their cosines on the dev pairs), and all-MiniLM-L6-v2 and the student are
+timed on the encode workload (every STS-B dev sentence, batches of 32 sorted by length, tokenisation included;
+fastbert fp32, passes interleaved).
 
     python -m fastbert.distill.recipes.mpnet_sts --output runs/mpnet-l3
 
@@ -89,7 +91,7 @@ def plot(results: dict, history: list[dict], png: str) -> None:
     right.plot([r["step"] for r in train], [r["loss"] for r in train], alpha=0.5, label="train (batch)")
     right.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o--", label="held-out")
     right.set_xlabel("optimizer step")
-    right.set_ylabel("similarity loss (10 x MSE of cosines)")
+    right.set_ylabel("10 x MSE of cosines + anchor (1 - cos)")
     right.set_yscale("log")
     right.legend()
     fig.suptitle("all-mpnet-base-v2 -> 3-layer BERT student")
@@ -104,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--teacher", default=None, help="all-mpnet-base-v2 folder (default: the registry's, joined once)")
     p.add_argument("--student-init", default=None, help="checkpoint the student starts from (all-MiniLM-L6-v2)")
     p.add_argument("--layers", type=int, nargs="+", default=[0, 3, 5], help="student_init layers copied")
+    p.add_argument("--anchor", type=float, default=1.0, help="weight of the anchor to --student-init's embeddings")
     p.add_argument("--epochs", type=float, default=2.0)
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--max-minutes", type=float, default=None, help="budget of training (labelling excluded)")
@@ -134,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         student_init=init_dir,
         num_layers=len(args.layers),
         layer_map=args.layers,
-        objectives=Objectives.sentence_similarity(),
+        objectives=Objectives.sentence_similarity(anchor=args.anchor),
         max_length=args.max_length,
         batch_size=args.batch_size,
         epochs=args.epochs,
