@@ -320,15 +320,9 @@ def test_an_mpnet_teacher_gives_an_mpnet_student(tmp_path):
     """A family without token types (MPNet): neither teacher nor student is passed any, and the student transformers
     loads computes what fastbert's does, relative position bias included."""
     transformers = pytest.importorskip("transformers")
-    from fastbert import MPNetConfig, MPNetForMaskedLM, MPNetModel
+    from fastbert import MPNetForMaskedLM, MPNetModel
 
-    teacher_dir = str(tmp_path / "teacher")
-    tok = WordPieceTokenizer.train(corpus(200), vocab_size=64, min_frequency=1)
-    config = MPNetConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
-                         intermediate_size=64, max_position_embeddings=66, pad_token_id=tok.pad_id)  # fmt: skip
-    torch.manual_seed(0)
-    MPNetForMaskedLM(config).save_pretrained(teacher_dir)
-    tok.save(teacher_dir)
+    teacher_dir, tok = _mpnet(str(tmp_path / "teacher"), MPNetForMaskedLM, vocab_size=64, hidden=32, layers=4, seed=0)
     cfg = tiny(tmp_path / "run", max_steps=2, checkpoint_every=0, objectives=Objectives(kl=1.0, hidden_mse=1.0))
     result = distill(teacher_dir, corpus(24), cfg)
     assert type(result.student) is MPNetForMaskedLM and result.student.config.num_hidden_layers == 2
@@ -340,15 +334,16 @@ def test_an_mpnet_teacher_gives_an_mpnet_student(tmp_path):
     torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
-def _mpnet_teacher(directory: str) -> tuple[str, WordPieceTokenizer]:
-    """A tiny MPNet sentence encoder whose vocabulary is not the BERT teacher's (another size, other ids)."""
+def _mpnet(directory: str, cls=None, vocab_size: int = 90, hidden: int = 48, layers: int = 2, seed: int = 1):
+    """A tiny MPNet (an encoder by default) and its own WordPiece vocabulary (by default not the BERT teacher's:
+    another size, other ids), saved to `directory`; returns (directory, tokenizer)."""
     from fastbert import MPNetConfig, MPNetModel
 
-    tok = WordPieceTokenizer.train(corpus(200), vocab_size=90, min_frequency=1)
-    config = MPNetConfig(vocab_size=tok.vocab_size, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
-                         intermediate_size=96, max_position_embeddings=66, pad_token_id=tok.pad_id)  # fmt: skip
-    torch.manual_seed(1)
-    MPNetModel(config).save_pretrained(directory)
+    tok = WordPieceTokenizer.train(corpus(200), vocab_size=vocab_size, min_frequency=1)
+    config = MPNetConfig(vocab_size=tok.vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                         intermediate_size=2 * hidden, max_position_embeddings=66, pad_token_id=tok.pad_id)  # fmt: skip
+    torch.manual_seed(seed)
+    (cls or MPNetModel)(config).save_pretrained(directory)
     tok.save(directory)
     return directory, tok
 
@@ -362,7 +357,7 @@ def test_a_student_of_another_vocabulary_and_width_learns_the_teachers_similarit
     from fastbert import MPNetModel
     from fastbert.distill.losses import mean_pool
 
-    mpnet_dir, mpnet_tok = _mpnet_teacher(str(tmp_path / "mpnet"))
+    mpnet_dir, mpnet_tok = _mpnet(str(tmp_path / "mpnet"))
     texts = corpus(96)
     objectives = Objectives.sentence_similarity(anchor=anchor)
     cfg = tiny(tmp_path / "run", student_init=teacher_dir, layer_map=[0, 3], cache_teacher=True, max_steps=12, lr=3e-3,
@@ -402,7 +397,7 @@ def _stored_key(run) -> dict:
 
 @pytest.mark.parametrize("objectives", [Objectives(hidden_mse=1.0), Objectives(cosine=1.0, similarity=1.0)])
 def test_another_vocabulary_refuses_token_level_objectives(teacher_dir, tmp_path, objectives):
-    mpnet_dir, _ = _mpnet_teacher(str(tmp_path / "mpnet"))
+    mpnet_dir, _ = _mpnet(str(tmp_path / "mpnet"))
     cfg = tiny(tmp_path / "run", student_init=teacher_dir, layer_map=[0, 3], cache_teacher=True, objectives=objectives)
     with pytest.raises(ValueError, match="another vocabulary"):
         distill(mpnet_dir, corpus(32), cfg)
@@ -418,7 +413,7 @@ def test_another_vocabulary_refuses_token_level_objectives(teacher_dir, tmp_path
 def test_cli_distils_across_vocabularies(teacher_dir, tmp_path):
     from fastbert.cli import main
 
-    mpnet_dir, _ = _mpnet_teacher(str(tmp_path / "mpnet"))
+    mpnet_dir, _ = _mpnet(str(tmp_path / "mpnet"))
     text = tmp_path / "corpus.txt"
     text.write_text("\n".join(corpus(48)) + "\n")
     out = tmp_path / "run"
