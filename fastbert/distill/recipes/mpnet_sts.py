@@ -10,7 +10,7 @@ its teacher is measured (Spearman between their cosines on the dev pairs), and a
 timed on the encode workload (every STS-B dev sentence, batches of 32 sorted by length, tokenisation included;
 fastbert fp32, passes interleaved).
 
-    python -m fastbert.distill.recipes.mpnet_sts --output runs/mpnet-l3
+    python -m fastbert.distill.recipes.mpnet_sts --teacher path/to/all-mpnet-base-v2 --output runs/mpnet-l3
 
 The student folder (<output>/student) loads in transformers (BertModel) and sentence-transformers (mean pooling,
 normalisation) unchanged. Writes <output>/results.json; with --docs, the plot and results JSON under that folder.
@@ -33,16 +33,6 @@ from fastbert.distill import DistillConfig, Objectives, distill
 from fastbert.distill.recipes.sts import build_corpus, copy_pipeline, encode, encode_speed, read_sts
 from fastbert.tokenization import WordPieceTokenizer
 from fastbert.train import PRECISION_CHOICES
-
-
-def default_teacher() -> str:
-    """all-mpnet-base-v2 from the registry's split-zip packages (joined once into fastbert's cache by the repository's
-    benchmarks.checkpoints); run from the repository root, or pass --teacher."""
-    try:
-        from benchmarks import checkpoints
-    except ImportError as exc:
-        raise SystemExit("pass --teacher DIR (a sentence-transformers folder of all-mpnet-base-v2)") from exc
-    return str(checkpoints.mpnet_dir())
 
 
 def default_student_init() -> str:
@@ -103,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output", default="runs/mpnet-l3")
     p.add_argument("--data", default="../shared/data")
-    p.add_argument("--teacher", default=None, help="all-mpnet-base-v2 folder (default: the registry's, joined once)")
+    p.add_argument("--teacher", required=True, help="the sentence-transformers folder of all-mpnet-base-v2")
     p.add_argument("--student-init", default=None, help="checkpoint the student starts from (all-MiniLM-L6-v2)")
     p.add_argument("--layers", type=int, nargs="+", default=[0, 3, 5], help="student_init layers copied")
     p.add_argument("--anchor", type=float, default=1.0, help="weight of the anchor to --student-init's embeddings")
@@ -129,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     wall0 = time.perf_counter()
     if args.threads:
         torch.set_num_threads(args.threads)
-    teacher_dir = args.teacher or default_teacher()
+    teacher_dir = args.teacher
     init_dir = args.student_init or default_student_init()
     corpus = build_corpus(args.data)[: args.max_sentences]
     config = DistillConfig(
