@@ -71,7 +71,8 @@ def transformers_model(hf: nn.Module, attn: str, device: torch.device) -> nn.Mod
     weights."""
     config = type(hf.config).from_dict(hf.config.to_dict())
     config._attn_implementation = attn
-    model = type(hf)(config, add_pooling_layer=hf.pooler is not None)
+    pooling = {"add_pooling_layer": hf.pooler is not None} if hasattr(hf, "pooler") else {}  # DeBERTa has none
+    model = type(hf)(config, **pooling)
     model.load_state_dict(hf.state_dict())
     return model.to(device).eval()
 
@@ -227,6 +228,8 @@ def build_systems(
 def _build(name: str, hf: nn.Module, device: torch.device, dtype: torch.dtype, workdir: str) -> System:
     if name in ("transformers eager", "transformers sdpa"):
         run, mode = hf_runner(transformers_model(hf, name.split()[1], device), device, dtype)
+        if name == "transformers sdpa" and not type(hf)._supports_sdpa:
+            mode += f"; {type(hf).__name__} has no SDPA attention: its own"
         return System(name, mode, run)
     if name == "transformers sdpa + compile":
         model = transformers_model(hf, "sdpa", device)

@@ -69,6 +69,11 @@ BERT_BASE = dict(BASE, vocab_size=30522, max_position_embeddings=512, type_vocab
                  pad_token_id=0)  # fmt: skip  (bert-base-uncased)
 ROBERTA_BASE = dict(BASE, vocab_size=50265, max_position_embeddings=514, type_vocab_size=1, layer_norm_eps=1e-5,
                     pad_token_id=1, bos_token_id=0, eos_token_id=2)  # fmt: skip  (positions start at pad_token_id + 1)
+# microsoft/deberta-v3-base's config.json (relative positions only: 256 log buckets, shared keys, normalised rows)
+DEBERTA_V3_BASE = dict(BASE, vocab_size=128100, max_position_embeddings=512, type_vocab_size=0, layer_norm_eps=1e-7,
+                       pad_token_id=0, relative_attention=True, max_relative_positions=-1, position_buckets=256,
+                       norm_rel_ebd="layer_norm", share_att_key=True, pos_att_type="p2c|c2p",
+                       position_biased_input=False)  # fmt: skip
 PADDED_POSITIONS = ("roberta", "xlm-roberta", "camembert")  # model types whose position ids start at pad_token_id + 1
 
 
@@ -144,6 +149,7 @@ def suite_for(device: torch.device, kind: str) -> Suite:
         "roberta-base": (headline,),
         "minilm": (headline, Shape(1, 128, False), Shape(32, 128, True), Shape(8, 512, True)),
         "minilm-l3": (headline,),
+        "deberta-v3-base": (Shape(8, 512, True),),  # with --models deberta-v3-base: issue 37's shape
     }
     # torch.compile rows only where their compile time keeps the model suite near 12 minutes on 2 cores (make bench)
     compiled = {"bert-base": (), "roberta-base": (), "minilm": (headline,), "minilm-l3": ()}
@@ -166,6 +172,8 @@ def model_config(name: str) -> Any:
     if name in ("roberta-base", "tiny-roberta"):
         tiny = {**TINY, "max_position_embeddings": 130} if name == "tiny-roberta" else {}
         return transformers.RobertaConfig(**{**ROBERTA_BASE, **tiny}, attn_implementation="eager")
+    if name == "deberta-v3-base":
+        return transformers.DebertaV2Config(**DEBERTA_V3_BASE, attn_implementation="eager")
     tiny = {**TINY, "max_position_embeddings": 128} if name == "tiny" else {}
     return transformers.BertConfig(**{**BERT_BASE, **tiny}, attn_implementation="eager")
 
@@ -186,7 +194,8 @@ def load_model(name: str) -> nn.Module:
             model.encoder.layer = nn.ModuleList(model.encoder.layer[i] for i in STUDENT_LAYERS)
             model.config.num_hidden_layers = len(STUDENT_LAYERS)
         return model.eval()
-    family = transformers.RobertaModel if config.model_type == "roberta" else transformers.BertModel
+    family = {"roberta": transformers.RobertaModel, "deberta-v2": transformers.DebertaV2Model}.get(
+        config.model_type, transformers.BertModel)  # fmt: skip
     return family(config).eval()
 
 
@@ -201,7 +210,7 @@ def input_problem(config: Any, ids: torch.Tensor, mask: torch.Tensor, types: tor
                 f"the model has {config.max_position_embeddings}")  # fmt: skip
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size):
         return f"token ids in [{int(ids.min())}, {int(ids.max())}], the vocabulary has {config.vocab_size}"
-    if types.numel() and int(types.max()) >= config.type_vocab_size:
+    if types.numel() and config.type_vocab_size and int(types.max()) >= config.type_vocab_size:  # 0: no table, unread
         return f"token type {int(types.max())}, the model has {config.type_vocab_size}"
     return None
 
@@ -582,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
     size.add_argument("--tiny", action="store_const", const="tiny", dest="suite", help="a tiny model (smoke test)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--models", nargs="+", help="subset of the suite's models (bert-base, roberta-base, minilm, "
-                        "minilm-l3)")  # fmt: skip
+                        "minilm-l3), or deberta-v3-base (8 x 512 ragged)")  # fmt: skip
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), help="subset of the suite's dtypes")
     parser.add_argument("--systems", nargs="+", help="subset of the suite's systems (quote names with spaces)")
     parser.add_argument("--rounds", type=int, help="timed calls per system and shape (default 5; 20 on a GPU)")

@@ -308,6 +308,8 @@ class PreTrainedModel(nn.Module):
         state = self._adapt_prefix(to_fastbert_keys(_normalise_keys(state), self.config, self.head_kind))
         state = {k: v for k, v in state.items() if not k.endswith(IGNORED_KEYS)}
         own = self.state_dict()
+        dropped = self.config.family.ignored_keys  # DeBERTa-v3's unused position table, an RTD head's extras
+        state = {k: v for k, v in state.items() if k in own or not any(part in k for part in dropped)}
         unique = self.unique_state_dict()
         aliases = set(own) - set(unique)  # other names of shared/tied tensors
         prefix = self.base_model_prefix + "."
@@ -407,6 +409,7 @@ class PreTrainedModel(nn.Module):
         hf_config = hf_model.config.to_dict()
         family = family_of(hf_config.get("model_type", "bert"))
         keep = _hf_fields() | {hf for hf, _ in family.config_names} | set(family.extra_fields) | {"model_type"}
+        keep |= set(family.config_defaults)
         keep |= {name for name, _ in OFF_ONLY_FIELDS if hf_config.get(name)}  # switched on: BertConfig refuses it
         config = BertConfig.from_dict({k: v for k, v in hf_config.items() if k in keep})
         _check_family(cls, config)

@@ -58,7 +58,6 @@ _SIZES = (  # positive integers
     "num_attention_heads",
     "intermediate_size",
     "max_position_embeddings",
-    "type_vocab_size",
     "num_hidden_groups",
 )
 MAX_LABELS = 1 << 20  # num_labels builds a label map entry per label at once: more is a typo or a hostile file
@@ -142,6 +141,9 @@ class BertConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        least = 0 if self.family.disentangled else 1  # DeBERTa's 0: no token-type table
+        if not _is_int(self.type_vocab_size) or self.type_vocab_size < least:
+            raise ValueError(f"type_vocab_size must be a positive integer, got {self.type_vocab_size!r}")
         if self.embedding_size is not None and (not _is_int(self.embedding_size) or self.embedding_size < 1):
             raise ValueError(f"embedding_size must be a positive integer or null, got {self.embedding_size!r}")
         for name in _PROBABILITIES:
@@ -194,12 +196,58 @@ class BertConfig:
                     f"relative_attention_num_buckets must be an integer >= {RELATIVE_BUCKETS} (MPNet buckets distances "
                     f"{RELATIVE_BUCKETS} ways whatever the table's size), got {buckets!r}"
                 )
+        if self.family.disentangled:
+            self._validate_disentangled()
         for name, what in OFF_ONLY_FIELDS:
             if getattr(self, name, None):
                 raise _not_implemented(name, getattr(self, name), what, "switched off (false, 0, null or empty)")
         if self.position_embedding_type != "absolute":
             raise _not_implemented("position_embedding_type", self.position_embedding_type, "other position "
                                    "embeddings than absolute ones", "'absolute'")  # fmt: skip
+
+    def _validate_disentangled(self) -> None:
+        """DeBERTa-v2/v3's fields: what fastbert computes of them, the rest refused by name."""
+        if isinstance(self.pos_att_type, str):  # transformers' "p2c|c2p" spelling
+            self.pos_att_type = [x.strip() for x in self.pos_att_type.lower().split("|")]
+        kinds = self.pos_att_type or []
+        if not isinstance(kinds, list) or any(k not in ("c2p", "p2c") for k in kinds):
+            raise ValueError(f"pos_att_type must be a list of 'c2p' and 'p2c', got {self.pos_att_type!r}")
+        for name in ("position_buckets", "max_relative_positions"):
+            if not _is_int(getattr(self, name)):
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        if self.position_buckets > 0 and self.position_buckets < 2:
+            raise ValueError(f"position_buckets must be >= 2 or <= 0 (none), got {self.position_buckets}")
+        if self.pooler_hidden_act not in ACTIVATIONS:
+            raise ValueError(f"pooler_hidden_act must be one of {ACTIVATIONS}, got {self.pooler_hidden_act!r}")
+        refused = (
+            ("conv_kernel_size", getattr(self, "conv_kernel_size", 0) or 0, 0, "DeBERTa-v2's convolution layer", "0"),
+            ("embedding_size", self.embedding_size, self.hidden_size, "an embedding projection before the LayerNorm "
+             "(DeBERTa's embed_proj)", "equal to hidden_size"),
+            ("attention_head_size", getattr(self, "attention_head_size", None), self.head_dim, "heads of another "
+             "width than hidden_size / num_attention_heads", "equal to hidden_size / num_attention_heads"),
+            ("pooler_hidden_size", getattr(self, "pooler_hidden_size", None), self.hidden_size, "a pooler of another "
+             "width", "equal to hidden_size"),
+        )  # fmt: skip
+        for name, value, allowed, what, runs in refused:
+            if value is not None and value != allowed:
+                raise _not_implemented(name, value, what, runs)
+
+    @property
+    def absolute_positions(self) -> bool:
+        """Whether position embeddings are added to the words (not for DeBERTa-v3: position_biased_input false)."""
+        return bool(getattr(self, "position_biased_input", True))
+
+    @property
+    def token_types(self) -> bool:
+        """Whether the embeddings add a token-type row (the family has them and type_vocab_size > 0)."""
+        return self.family.token_types and self.type_vocab_size > 0
+
+    @property
+    def disentangled_kinds(self) -> tuple[str, ...]:
+        """DeBERTa's relative terms the attention adds ("c2p", "p2c"); empty without relative attention."""
+        if not self.family.disentangled or not self.relative_attention:
+            return ()
+        return tuple(k for k in ("c2p", "p2c") if k in (self.pos_att_type or []))
 
     def parameter_count(self) -> int:
         """The parameters a model of this config holds (the bare encoder, a pooler, an MLM transform and a
@@ -267,6 +315,9 @@ class BertConfig:
                 out.pop(name)
         for name in family.config_absent:
             out.pop(name, None)
+        for name in family.native_fields:  # DeBERTa's embedding_size unset: transformers reads it as hidden_size
+            if out.get(name) is None:
+                out.pop(name, None)
         for hf_name, name in family.config_names:
             out[hf_name] = out.pop(name)
         return out
@@ -343,3 +394,4 @@ DistilBertConfig = CONFIG_CLASSES["distilbert"] = _config_class("distilbert", "D
 AlbertConfig = CONFIG_CLASSES["albert"] = _config_class("albert", "Albert")
 ElectraConfig = CONFIG_CLASSES["electra"] = _config_class("electra", "Electra")
 MPNetConfig = CONFIG_CLASSES["mpnet"] = _config_class("mpnet", "MPNet")
+DebertaV2Config = CONFIG_CLASSES["deberta-v2"] = _config_class("deberta-v2", "DebertaV2")

@@ -34,6 +34,10 @@ class Family:
     padded_positions: bool = False  # RoBERTa: position = cumsum(id != pad) * (id != pad) + pad
     position_pad: int | None = None  # the pad id positions count from where the family fixes it (MPNet: 1)
     relative_attention: bool = False  # MPNet: a learned bias per head and relative-distance bucket on every score
+    disentangled: bool = False  # DeBERTa-v2/v3: content-to-position and position-to-content scores (config says which)
+    context_pooler: bool = False  # DeBERTa: no pooler in the bare model; the sentence heads pool through `pooler.dense`
+    modern_mlm_keys: Pairs = ()  # DeBERTa-v2 with legacy=False: its lm_predictions head's names, in place of "mlm"'s
+    ignored_keys: tuple[str, ...] = ()  # checkpoint key prefixes dropped where the model has no place for them
     token_types: bool = True  # False: no token_type_embeddings (DistilBERT)
     pooler: bool = True  # the bare model has a pooler
     always_project: bool = False  # an E -> H projection even when E == H (ALBERT's embedding_hidden_mapping_in)
@@ -189,6 +193,49 @@ FAMILIES: dict[str, Family] = {
             heads=(*FAMILY_HEADS, "choice"),
         ),
         Family(
+            "deberta-v2",
+            "DebertaV2",
+            "deberta",
+            config_defaults={
+                "vocab_size": 128100,
+                "hidden_size": 1536,
+                "num_hidden_layers": 24,
+                "num_attention_heads": 24,
+                "intermediate_size": 6144,
+                "type_vocab_size": 0,
+                "layer_norm_eps": 1e-7,
+                "relative_attention": False,
+                "max_relative_positions": -1,
+                "position_buckets": -1,
+                "pos_att_type": None,
+                "share_att_key": False,
+                "norm_rel_ebd": "none",
+                "position_biased_input": True,
+                "pooler_dropout": 0,
+                "pooler_hidden_act": "gelu",
+                "legacy": True,
+            },
+            config_absent=("position_embedding_type", "classifier_dropout"),
+            native_fields=("embedding_size",),
+            extra_fields=("pooler_hidden_size", "cls_dropout", "conv_kernel_size", "attention_head_size"),
+            disentangled=True,
+            pooler=False,
+            context_pooler=True,
+            keys=(("query_proj", "query"), ("key_proj", "key"), ("value_proj", "value")),
+            head_keys={
+                "sequence": (("pooler", "bert.pooler"),),
+                "choice": (("pooler", "bert.pooler"),),
+            },
+            modern_mlm_keys=(
+                ("lm_predictions.lm_head.dense", "cls.predictions.transform.dense"),
+                ("lm_predictions.lm_head.LayerNorm", "cls.predictions.transform.LayerNorm"),
+                ("lm_predictions.lm_head.bias", "cls.predictions.bias"),
+            ),
+            ignored_keys=("embeddings.position_embeddings.", "mask_predictions."),
+            dropouts={"sequence": "cls_dropout", "choice": "cls_dropout"},
+            heads=(*FAMILY_HEADS, "choice"),
+        ),
+        Family(
             "electra",
             "Electra",
             "electra",
@@ -213,7 +260,6 @@ FAMILIES: dict[str, Family] = {
 
 # Encoders people ask for that fastbert does not run yet, with what they need beyond the families above
 NOT_YET = {
-    "deberta-v2": "DeBERTa-v2/v3: disentangled relative attention (content-to-position, position-to-content)",
     "deberta": "DeBERTa: disentangled relative attention",
     "modernbert": "ModernBERT: rotary positions, GeGLU, pre-norm without biases, sliding-window layers",
     "new": "GTE (new): rotary positions, gated feed-forward",
@@ -272,7 +318,10 @@ def _layer_number(config: Any, to_hf: bool) -> Callable[[int], int]:
 
 def _rename_state(state: Mapping[str, Any], config: Any, head: str, to_hf: bool) -> dict[str, Any]:
     family = family_of(config.model_type)
-    pairs = ((family.prefix, "bert"), *family.keys, *family.head_keys.get(head, ()))
+    head_pairs = family.head_keys.get(head, ())
+    if head in ("mlm", "pretraining") and family.modern_mlm_keys and getattr(config, "legacy", True) is False:
+        head_pairs = family.modern_mlm_keys
+    pairs = ((family.prefix, "bert"), *family.keys, *head_pairs)
     rename = _renamer(pairs, to_hf, _layer_number(config, to_hf))
     return {rename(k): v for k, v in state.items()}
 

@@ -262,7 +262,7 @@ class BertForNextSentencePrediction(PreTrainedModel):
 def _classifier_dropout(config: BertConfig, head: str = "") -> float:
     """The head's dropout: the family's own field (DistilBERT's seq_classif_dropout, qa_dropout) or BERT's rule."""
     own = config.family.dropouts.get(head)
-    if own is not None:
+    if own is not None and getattr(config, own, None) is not None:  # DeBERTa's cls_dropout may be unset
         return getattr(config, own)
     if head == "qa":  # BERT's QA head has none
         return 0.0
@@ -300,7 +300,7 @@ class BertForSequenceClassification(PreTrainedModel):
         super().__init__(config)
         self.num_labels = config.num_labels
         if config.family.classifier_act is None:
-            self.bert = BertModel(config)
+            self.bert = BertModel(config, context_pooler=True)
             self.dropout = nn.Dropout(_classifier_dropout(config, "sequence"))
             self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         else:
@@ -410,8 +410,8 @@ class BertForMultipleChoice(PreTrainedModel):
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__(config)
-        self.bert = BertModel(config)
-        self.dropout = nn.Dropout(_classifier_dropout(config))
+        self.bert = BertModel(config, context_pooler=True)
+        self.dropout = nn.Dropout(_classifier_dropout(config, "choice"))
         self.classifier = nn.Linear(config.hidden_size, 1)
         self.post_init()
 

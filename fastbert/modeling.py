@@ -10,13 +10,15 @@ embedding and repadded once at the output.
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastbert import execution, ops, reference, weight_stamp
+from fastbert import execution, ops, reference, relative_positions, weight_stamp
 from fastbert.checkpoint import PreTrainedModel
 from fastbert.config import BertConfig
 from fastbert.execution import CudaGraphs, Inputs
@@ -44,8 +46,11 @@ class BertEmbeddings(nn.Module):
         self.word_embeddings = nn.Embedding(config.vocab_size, dim, padding_idx=config.pad_token_id)
         # RoBERTa's row pad_token_id (MPNet's row 1) is never read for a real token; transformers starts it at zero
         pad_position = position_pad(config) if family.padded_positions else None
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, dim, padding_idx=pad_position)
-        if family.token_types:
+        if config.absolute_positions:
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings, dim, padding_idx=pad_position)
+        else:  # DeBERTa-v3: relative positions only; every token reads this zero row (position id 0)
+            self.register_buffer("no_positions", torch.zeros(1, dim), persistent=False)
+        if config.token_types:
             self.token_type_embeddings = nn.Embedding(config.type_vocab_size, dim)
         else:
             self.register_buffer("no_token_types", torch.zeros(1, dim), persistent=False)
@@ -58,9 +63,13 @@ class BertEmbeddings(nn.Module):
         """Whether every table, the LayerNorm and the projection are plain (fastbert.execution.structure.plain), so
         the fused op reading their tensors computes what they would."""
         m = self._modules
-        return (plain(m["word_embeddings"], nn.Embedding) and plain(m["position_embeddings"], nn.Embedding)
+        return (plain(m["word_embeddings"], nn.Embedding) and plain(m.get("position_embeddings"), nn.Embedding)
                 and plain(m.get("token_type_embeddings"), nn.Embedding) and plain(m["LayerNorm"], nn.LayerNorm)
                 and plain(m.get("projection"), nn.Linear))  # fmt: skip
+
+    def position_table(self) -> torch.Tensor:
+        """[max_position_embeddings, E], or one zero row where positions are relative only (DeBERTa-v3)."""
+        return self.position_embeddings.weight if hasattr(self, "position_embeddings") else self.no_positions
 
     def type_table(self) -> torch.Tensor:
         """[type_vocab_size, E], or one zero row where the family has no token types."""
@@ -83,7 +92,8 @@ class BertEmbeddings(nn.Module):
         if not self.fused():
             words = inputs_embeds if inputs_embeds is not None else self.word_embeddings(input_ids)
             types = self.token_type_embeddings(token_type_ids) if hasattr(self, "token_type_embeddings") else 0
-            x = self.LayerNorm(words + self.position_embeddings(position_ids) + types)
+            positions = self.position_embeddings(position_ids) if hasattr(self, "position_embeddings") else 0
+            x = self.LayerNorm(words + positions + types)
             x = F.dropout(x, self.dropout_p, self.training)
             return self.projection(x) if self.projection is not None else x
         x = ops.embedding_layernorm(
@@ -91,7 +101,7 @@ class BertEmbeddings(nn.Module):
             token_type_ids,
             position_ids,
             self.word_embeddings.weight,
-            self.position_embeddings.weight,
+            self.position_table(),
             self.type_table(),
             self.LayerNorm.weight,
             self.LayerNorm.bias,
@@ -121,7 +131,10 @@ def position_pad(config: BertConfig) -> int:
 def family_positions(
     config: BertConfig, input_ids: torch.Tensor | None, seqlen: int, device: torch.device
 ) -> torch.Tensor:
-    """Default position ids [B or 1, S]: 0..S-1, or RoBERTa's (counted over non-pad ids, offset by the pad id)."""
+    """Default position ids [B or 1, S]: 0..S-1, or RoBERTa's (counted over non-pad ids, offset by the pad id); all 0
+    (the zero row) without absolute positions."""
+    if not config.absolute_positions:
+        return torch.zeros(1, seqlen, dtype=torch.long, device=device)
     if not config.family.padded_positions:
         return torch.arange(seqlen, device=device).unsqueeze(0)
     pad = position_pad(config)
@@ -176,13 +189,8 @@ class BertSelfAttention(nn.Module):
                                torch.cat((q["bias"], k["bias"], v["bias"])))  # fmt: skip
         return self._fused[1], self._fused[2]
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        packing: Packing,
-        output_attentions: bool = False,
-        position_bias: torch.Tensor | None = None,  # [nH, 2R + 1] fp32 (BertEncoder.position_bias)
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [T, H] -> [T, H], probs [B, nH, S, S] or None
+    def project(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, 3, nH, D]
+        """Q, K and V of every token: one GEMM, or each projection's own forward where one is hooked or wrapped."""
         m = self._modules
         if plain(m["query"], nn.Linear) and plain(m["key"], nn.Linear) and plain(m["value"], nn.Linear):
             weight, bias = self.qkv_weight()
@@ -190,7 +198,16 @@ class BertSelfAttention(nn.Module):
         else:  # a hooked or wrapped projection (LoRA) runs its own forward
             qkv = torch.stack([m["query"](x), m["key"](x), m["value"](x)], dim=1)
             self._fused = None  # a wrapper may edit the weights behind torch's back (peft's merge: .data +=)
-        qkv = qkv.view(x.shape[0], 3, self.num_heads, self.head_dim)
+        return qkv.view(x.shape[0], 3, self.num_heads, self.head_dim)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        packing: Packing,
+        output_attentions: bool = False,
+        position_bias: torch.Tensor | None = None,  # [nH, 2R + 1] fp32 (BertEncoder.relative_terms)
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [T, H] -> [T, H], probs [B, nH, S, S] or None
+        qkv = self.project(x)
         if output_attentions:
             ctx, probs = reference.attention_with_probs(
                 qkv, packing.cu_seqlens, packing.max_seqlen, self.dropout_p, self.training, None, position_bias
@@ -198,6 +215,72 @@ class BertSelfAttention(nn.Module):
         else:
             cu, longest = packing.cu_seqlens, packing.max_seqlen
             ctx = ops.attention(qkv, cu, longest, self.dropout_p, self.training, None, position_bias)
+            probs = None
+        return ctx.reshape(x.shape[0], self.num_heads * self.head_dim), probs
+
+
+class DisentangledRows(NamedTuple):
+    """DeBERTa's relative embedding rows a batch reaches (normalised where the config says) and each distance's row."""
+
+    rows: torch.Tensor  # [W, H]
+    columns: torch.Tensor  # [2R + 1] int32: the row of key - query distance d at d + R (R = max_seqlen - 1)
+
+
+class DisentangledSelfAttention(BertSelfAttention):
+    """DeBERTa-v2/v3's attention: score = (q_i . k_j + q_i . Kr[c] + k_j . Qr[c]) / sqrt(3 D), c the bucket of i - j.
+
+    Kr and Qr are this layer's projections of the relative embedding rows (its own pos_key_proj / pos_query_proj, or
+    the key / query projections with share_att_key). Per token, the scores against the W rows a batch reaches are two
+    small batched GEMMs ([2, nH, T, W], the scale folded into Kr and Qr); the attention kernels gather them by
+    distance inside their tile loops.
+    """
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__(config)
+        self.kinds = config.disentangled_kinds
+        self.scale = 1.0 / math.sqrt(self.head_dim * (1 + len(config.pos_att_type or [])))
+        self.share_att_key = bool(config.share_att_key)
+        self.pos_dropout_p = config.hidden_dropout_prob
+        if not self.share_att_key:
+            hidden = config.hidden_size
+            if "c2p" in self.kinds:
+                self.pos_key_proj = nn.Linear(hidden, hidden)
+            if "p2c" in self.kinds:
+                self.pos_query_proj = nn.Linear(hidden, hidden)
+
+    def position_projections(self, rows: torch.Tensor) -> torch.Tensor:  # [W, H] -> [2, nH, D, W]
+        """Kr (which queries meet) and Qr (which keys meet) of the rows, scaled; zeros for a term the config leaves
+        out."""
+        m = self._modules
+        sides = []
+        for kind, own, shared in (("c2p", "pos_key_proj", "key"), ("p2c", "pos_query_proj", "query")):
+            if kind in self.kinds:
+                sides.append(m[shared if self.share_att_key else own](rows))
+            else:
+                sides.append(rows.new_zeros(rows.shape[0], self.num_heads * self.head_dim))
+        both = torch.stack(sides).view(2, rows.shape[0], self.num_heads, self.head_dim)
+        return both.permute(0, 2, 3, 1) * self.scale
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        packing: Packing,
+        output_attentions: bool = False,
+        positions: DisentangledRows | None = None,  # BertEncoder.relative_terms; None without relative attention
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [T, H] -> [T, H], probs [B, nH, S, S] or None
+        qkv = self.project(x)
+        scores = columns = None
+        if positions is not None:
+            rows = F.dropout(positions.rows, self.pos_dropout_p, self.training)
+            scores = torch.matmul(qkv[:, :2].permute(1, 2, 0, 3), self.position_projections(rows))  # [2, nH, T, W]
+            columns = positions.columns
+        cu, longest = packing.cu_seqlens, packing.max_seqlen
+        if output_attentions:
+            ctx, probs = reference.attention_with_probs(
+                qkv, cu, longest, self.dropout_p, self.training, self.scale, None, scores, columns
+            )
+        else:
+            ctx = ops.attention(qkv, cu, longest, self.dropout_p, self.training, self.scale, None, scores, columns)
             probs = None
         return ctx.reshape(x.shape[0], self.num_heads * self.head_dim), probs
 
@@ -228,7 +311,7 @@ class BertSelfOutput(nn.Module):
 class BertAttention(nn.Module):
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
-        self.self = BertSelfAttention(config)
+        self.self = (DisentangledSelfAttention if config.family.disentangled else BertSelfAttention)(config)
         self.output = BertSelfOutput(config)
 
     def forward(
@@ -306,7 +389,8 @@ def build_layers(config: BertConfig) -> nn.ModuleList:
 
 
 class BertEncoder(nn.Module):
-    """The layers; with MPNet's relative attention, the [buckets, nH] bias table every layer's attention adds."""
+    """The layers; with MPNet's relative attention, the [buckets, nH] bias table every layer's attention adds; with
+    DeBERTa's, the relative embedding (and its LayerNorm) every layer projects."""
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
@@ -314,17 +398,37 @@ class BertEncoder(nn.Module):
         if config.family.relative_attention:
             buckets = config.relative_attention_num_buckets
             self.relative_attention_bias = nn.Embedding(buckets, config.num_attention_heads)
+        if config.family.disentangled and config.relative_attention:
+            self.position_buckets, self.max_relative_positions = config.position_buckets, config.max_relative_positions
+            if self.max_relative_positions < 1:
+                self.max_relative_positions = config.max_position_embeddings
+            span = relative_positions.deberta_span(self.position_buckets, self.max_relative_positions)
+            self.rel_embeddings = nn.Embedding(2 * span, config.hidden_size)
+            if "layer_norm" in [x.strip() for x in str(config.norm_rel_ebd).lower().split("|")]:
+                self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def position_bias(self) -> torch.Tensor | None:
         """The [nH, 2R + 1] fp32 table by key - query distance the attention kernels read (None without one)."""
         table = self._modules.get("relative_attention_bias")
         return None if table is None else relative_bias(table)
 
+    def relative_terms(self, max_seqlen: int) -> torch.Tensor | DisentangledRows | None:
+        """What every layer's attention adds for relative positions: MPNet's table, DeBERTa's rows, or None."""
+        table = self._modules.get("rel_embeddings")
+        if table is None:
+            return self.position_bias()
+        first, width, columns = relative_positions.deberta_rows(
+            max_seqlen, self.position_buckets, self.max_relative_positions, table.weight.device
+        )
+        rows = table(torch.arange(first, first + width, device=table.weight.device))
+        norm = self._modules.get("LayerNorm")
+        return DisentangledRows(norm(rows) if norm is not None else rows, columns)
+
     def forward(
         self, x: torch.Tensor, packing: Packing, output_hidden_states: bool = False, output_attentions: bool = False
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         hidden, attentions = [x] if output_hidden_states else [], []
-        bias = self.position_bias()
+        bias = self.relative_terms(packing.max_seqlen)
         for layer in self.layer:
             x, probs = layer(x, packing, output_attentions, bias)
             if output_hidden_states:
@@ -346,15 +450,22 @@ FORWARDS = execution.Forwards(
 
 
 class BertPooler(nn.Module):
+    """The first token through dense -> tanh; DeBERTa's context pooler: dropout -> dense -> pooler_hidden_act."""
+
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        context = config.family.context_pooler
+        self.act = ACT_OF_CONFIG[config.pooler_hidden_act] if context else None  # None: tanh
+        self.dropout_p = config.pooler_dropout if context else 0.0
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [B, S, H] -> [B, H]
-        first = hidden_states[:, 0]
+        first = F.dropout(hidden_states[:, 0], self.dropout_p, self.training) if self.dropout_p else hidden_states[:, 0]
         if not plain(self.dense, nn.Linear):
-            return torch.tanh(self.dense(first))
-        return torch.tanh(ops.linear(first, self.dense.weight, self.dense.bias))
+            x = self.dense(first)
+        else:
+            x = ops.linear(first, self.dense.weight, self.dense.bias)
+        return torch.tanh(x) if self.act is None else reference.activation(x, self.act)
 
 
 def _weights_loaded(model: BertModel, incompatible_keys: object) -> None:
@@ -373,12 +484,15 @@ class BertModel(PreTrainedModel):
     Built from a RobertaConfig, DistilBertConfig, ... it is that family's model (fastbert.families says how).
     """
 
-    def __init__(self, config: BertConfig, add_pooling_layer: bool = True) -> None:
+    def __init__(self, config: BertConfig, add_pooling_layer: bool = True, context_pooler: bool = False) -> None:
+        """`context_pooler`: the sentence heads' pooler of a family whose bare model has none (DeBERTa)."""
         super().__init__(config)
         self.plans = execution.Plans(type(self).__name__, FORWARDS, execution.EXECUTORS)  # how forwards run, per mode
         self.embeddings = BertEmbeddings(config)
         self.encoder = BertEncoder(config)
-        self.pooler = BertPooler(config) if add_pooling_layer and config.family.pooler else None
+        family = config.family
+        pools = family.pooler or (context_pooler and family.context_pooler)
+        self.pooler = BertPooler(config) if add_pooling_layer and pools else None
         self.cuda_graphs = None
         self.register_load_state_dict_post_hook(_weights_loaded)  # into inference tensors, no version is bumped
         self.post_init()
@@ -480,6 +594,10 @@ class BertModel(PreTrainedModel):
         return_dict: bool,
         packed_output: bool,
     ) -> BaseModelOutputWithPooling | tuple:
+        if not self.config.absolute_positions:  # DeBERTa-v3 reads none, as transformers' model ignores them
+            position_ids = None
+        if not self.config.token_types and self.config.family.token_types:  # no table (type_vocab_size 0): unread
+            token_type_ids = None
         batch, seqlen, ranges = check_inputs(
             self.config,
             input_ids,
@@ -501,7 +619,8 @@ class BertModel(PreTrainedModel):
             token_type_ids = torch.zeros(batch, seqlen, dtype=torch.long, device=device)
         read = ranges.values if ranges is not None else None
         # dict reads, no call: this runs every forward of every family
-        gaps = attention_mask is not None and "relative_attention_bias" in self._modules["encoder"]._modules
+        encoder = self._modules["encoder"]._modules
+        gaps = attention_mask is not None and ("relative_attention_bias" in encoder or "rel_embeddings" in encoder)
         if gaps:  # read with the packing's sync
             read = rows_with_gaps(attention_mask) if read is None else torch.cat([read, rows_with_gaps(attention_mask)])
         packing, checked = unpad_and_read(attention_mask, batch, seqlen, device, read)

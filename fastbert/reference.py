@@ -174,12 +174,35 @@ def _to_padded(
     return padded, mask, flat
 
 
-def _biased_mask(
-    table: torch.Tensor, heads: int, mask: torch.Tensor | None, seqlen: int, dtype: torch.dtype
-) -> torch.Tensor:  # [B or 1, nH, S, S] in `dtype`
-    """The position bias as an additive mask, -inf at the keys `mask` leaves out."""
-    relative_positions.table_radius(table, heads)
-    bias = relative_positions.dense_bias(table, seqlen).unsqueeze(0).to(dtype)
+def _position_terms(
+    qkv: torch.Tensor,  # [T, 3, nH, D]
+    cu_seqlens: torch.Tensor,  # [B + 1] int32
+    max_seqlen: int,
+    flat: torch.Tensor | None,  # [T] padded slot of each token, or None
+    table: torch.Tensor | None,  # [nH, 2R + 1] fp32
+    scores: torch.Tensor | None,  # [2, nH, T, W]
+    columns: torch.Tensor | None,  # [2R + 1] int32
+) -> torch.Tensor | None:  # [B or 1, nH, S, S] fp32
+    """The relative-position terms every score gains (MPNet's table, DeBERTa's disentangled scores), spelled out."""
+    total, _, heads, _ = qkv.shape
+    bias = None
+    if table is not None:
+        relative_positions.table_radius(table, heads)
+        bias = relative_positions.dense_bias(table, max_seqlen).unsqueeze(0)
+    if (scores is None) != (columns is None):
+        raise ValueError("position_scores and position_columns come together")
+    if scores is not None:
+        relative_positions.check_scores(scores, columns, heads, total)
+        batch = cu_seqlens.numel() - 1
+        wide = scores.to(torch.promote_types(scores.dtype, torch.float32))
+        terms = relative_positions.dense_scores(wide, columns, flat, batch, max_seqlen)
+        bias = terms if bias is None else bias + terms
+    return bias
+
+
+def _biased_mask(bias: torch.Tensor, mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The position terms as an additive mask in `dtype`, -inf at the keys `mask` leaves out."""
+    bias = bias.to(dtype)
     return bias if mask is None else bias.masked_fill(~mask, float("-inf"))
 
 
@@ -191,10 +214,13 @@ def attention(
     training: bool = False,
     scale: float | None = None,
     position_bias: torch.Tensor | None = None,  # [nH, 2R + 1] fp32
+    position_scores: torch.Tensor | None = None,  # [2, nH, T, W]
+    position_columns: torch.Tensor | None = None,  # [2R + 1] int32
     upcast: bool = False,
 ) -> torch.Tensor:  # [T, nH, D]
     """softmax(q k^T * scale + bias) v within each sequence (bidirectional), fp32 softmax; the bias of query i and
-    key j is position_bias[h, clamp(j - i, -R, R) + R] (spelled out as [nH, S, S] here, the reference's form)."""
+    key j is position_bias[h, clamp(j - i, -R, R) + R] plus position_scores[0, h, i, c] + position_scores[1, h, j, c],
+    c = position_columns[clamp(j - i, -R, R) + R] (spelled out as [B, nH, S, S] here, the reference's form)."""
     total, _, heads, dim = qkv.shape
     if total == 0:
         return qkv.new_zeros(0, heads, dim)
@@ -202,8 +228,9 @@ def attention(
     q, k, v = padded.unbind(0)
     p = dropout_p if training else 0.0
     scale = scale if scale is not None else 1.0 / math.sqrt(dim)
-    if position_bias is not None:
-        mask = _biased_mask(position_bias, heads, mask, max_seqlen, q.dtype)
+    bias = _position_terms(qkv, cu_seqlens, max_seqlen, flat, position_bias, position_scores, position_columns)
+    if bias is not None:
+        mask = _biased_mask(bias, mask, q.dtype)
     with no_autocast(qkv.device):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=scale)  # [B, nH, S, D]
     out = out.transpose(1, 2).reshape(-1, heads, dim)
@@ -219,6 +246,8 @@ def attention_with_probs(
     training: bool = False,
     scale: float | None = None,
     position_bias: torch.Tensor | None = None,  # [nH, 2R + 1] fp32
+    position_scores: torch.Tensor | None = None,  # [2, nH, T, W]
+    position_columns: torch.Tensor | None = None,  # [2R + 1] int32
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, nH, D], [B, nH, S, S]
     """The slow path that materialises the probabilities (`output_attentions`, attention distillation)."""
     total, _, heads, dim = qkv.shape
@@ -230,9 +259,9 @@ def attention_with_probs(
     scale = scale if scale is not None else 1.0 / math.sqrt(dim)
     with no_autocast(qkv.device):
         scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-        if position_bias is not None:
-            relative_positions.table_radius(position_bias, heads)
-            scores = scores + relative_positions.dense_bias(position_bias, max_seqlen)
+        bias = _position_terms(qkv, cu_seqlens, max_seqlen, flat, position_bias, position_scores, position_columns)
+        if bias is not None:
+            scores = scores + bias
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1)

@@ -85,7 +85,7 @@ def check_inputs(
     family = config.family
     # RoBERTa counts positions from pad_token_id + 1, so its longest sequence is that much shorter
     offset = config.pad_token_id + 1 if family.padded_positions and position_ids is None else 0
-    if seqlen + offset > config.max_position_embeddings:
+    if config.absolute_positions and seqlen + offset > config.max_position_embeddings:
         raise ValueError(
             f"sequence length {seqlen} is longer than max_position_embeddings={config.max_position_embeddings}"
             + (f" - {offset} ({family.model_type} positions start at pad_token_id + 1)" if offset else "")
@@ -146,7 +146,7 @@ def _range_check(
     checks: list[tuple[str, torch.Tensor]] = []
     if input_ids is not None:
         checks.append(("input_ids", input_ids))
-    if token_type_ids is not None:
+    if token_type_ids is not None and config.token_types:  # without a table (type_vocab_size 0) they are not read
         checks.append(("token_type_ids", token_type_ids))
     if position_ids is not None:
         checks.append(("position_ids", position_ids))

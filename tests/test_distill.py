@@ -334,6 +334,33 @@ def test_an_mpnet_teacher_gives_an_mpnet_student(tmp_path):
     torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
+def test_a_deberta_v3_teacher_gives_a_deberta_student(tmp_path):
+    """DeBERTa-v3's layout (no position table, no token types, disentangled attention): the student keeps the
+    relative embedding and transformers computes what fastbert does from the student's directory."""
+    transformers = pytest.importorskip("transformers")
+    from fastbert import DebertaV2Config, DebertaV2ForMaskedLM, DebertaV2Model
+
+    tok = WordPieceTokenizer.train(corpus(200), vocab_size=64, min_frequency=1)
+    config = DebertaV2Config(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                             intermediate_size=64, max_position_embeddings=66, pad_token_id=tok.pad_id,
+                             relative_attention=True, position_buckets=8, max_relative_positions=16,
+                             pos_att_type="p2c|c2p", norm_rel_ebd="layer_norm", share_att_key=True,
+                             position_biased_input=False, type_vocab_size=0)  # fmt: skip
+    torch.manual_seed(0)
+    teacher_dir = str(tmp_path / "teacher")
+    DebertaV2ForMaskedLM(config).save_pretrained(teacher_dir)
+    tok.save(teacher_dir)
+    cfg = tiny(tmp_path / "run", max_steps=2, checkpoint_every=0, objectives=Objectives(kl=1.0, hidden_mse=1.0))
+    result = distill(teacher_dir, corpus(24), cfg)
+    assert type(result.student) is DebertaV2ForMaskedLM and result.student.config.num_hidden_layers == 2
+    theirs = transformers.DebertaV2Model.from_pretrained(result.student_dir).eval()
+    ids = torch.tensor([tok.encode_ids(["the cat sat on a mat and a dog ran far away"])[0][:12], list(range(5, 17))])
+    with torch.no_grad():
+        a = DebertaV2Model.from_pretrained(result.student_dir)(ids).last_hidden_state
+        b = theirs(input_ids=ids).last_hidden_state
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
 def _mpnet(directory: str, cls=None, vocab_size: int = 90, hidden: int = 48, layers: int = 2, seed: int = 1):
     """A tiny MPNet (an encoder by default) and its own WordPiece vocabulary (by default not the BERT teacher's:
     another size, other ids), saved to `directory`; returns (directory, tokenizer)."""

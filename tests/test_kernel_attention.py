@@ -215,7 +215,7 @@ def test_attention_position_bias_under_torch_compile() -> None:
     torch.library.opcheck(lib.triton_attention.default, (x, cu, longest, 0.0, 0.25, table), test_utils=checks)
     out, lse, seed = lib.triton_attention(x, cu, longest, 0.0, 0.25, table)
     for bias_grad in (True, False):
-        args = (torch.randn_like(out), x, cu, out, lse, seed, table, longest, 0.0, 0.25, bias_grad)
+        args = (torch.randn_like(out), x, cu, out, lse, seed, table, None, None, longest, 0.0, 0.25, bias_grad, False)
         torch.library.opcheck(lib.triton_attention_backward.default, args, test_utils=checks[:2])
 
 

@@ -8,6 +8,8 @@
 #include <atomic>
 #include <optional>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "../bind_utils.h"
@@ -204,8 +206,41 @@ at::Tensor bias_residual_layernorm(const at::Tensor& x, const at::Tensor& bias, 
   return out;
 }
 
+// The kernels gather position_scores' key-side terms 16 rows at a time with int32 element offsets.
+constexpr int64_t kMaxScoresStride = (int64_t(1) << 31) / 16;
+
+// position_scores [2, nH, T, W] (fp32, or qkv's dtype) and position_columns [2R + 1] int32 with every column in
+// [0, W), laid out as the kernels read them: W contiguous, stride(0) >= 1 (see attention.inc's bf16 gathers).
+std::pair<at::Tensor, at::Tensor> position_scores_of(const at::Tensor& scores_in, const at::Tensor& columns_in,
+                                                     const at::Tensor& qkv) {
+  check_device(scores_in, kCpu, "position_scores");
+  check_device(columns_in, kCpu, "position_columns");
+  TORCH_CHECK_TYPE(scores_in.scalar_type() == at::kFloat || scores_in.scalar_type() == qkv.scalar_type(),
+                   "position_scores must be float32 or qkv's dtype (", qkv.scalar_type(), "), got ",
+                   scores_in.scalar_type());
+  const int64_t total = qkv.size(0), heads = qkv.size(2);
+  TORCH_CHECK_VALUE(scores_in.dim() == 4 && scores_in.size(0) == 2 && scores_in.size(1) == heads &&
+                        scores_in.size(2) == total && scores_in.size(3) > 0,
+                    "position_scores must be [2, nH = ", heads, ", T = ", total, ", W > 0], got ", scores_in.sizes());
+  TORCH_CHECK_TYPE(columns_in.scalar_type() == at::kInt && columns_in.dim() == 1 && columns_in.numel() % 2 == 1,
+                   "position_columns must be [2R + 1] int32, got ", columns_in.scalar_type(), " ", columns_in.sizes());
+  const int64_t width = scores_in.size(3);
+  at::Tensor columns = columns_in.contiguous();
+  const int32_t* c = columns.data_ptr<int32_t>();
+  for (int64_t i = 0; i < columns.numel(); ++i)
+    TORCH_CHECK_INDEX(c[i] >= 0 && c[i] < width, "position_columns[", i, "] = ", c[i], " is outside [0, W = ", width,
+                      ")");
+  at::Tensor scores = scores_in;
+  if (scores.stride(3) != 1 || scores.stride(0) == 0 || scores.stride(2) >= kMaxScoresStride)
+    scores = scores.contiguous();
+  TORCH_CHECK_VALUE(scores.stride(2) < kMaxScoresStride, "position_scores rows must be shorter than ",
+                    kMaxScoresStride, " (the kernels gather with int32 offsets), got W = ", width);
+  return {scores, columns};
+}
+
 at::Tensor attention(const at::Tensor& qkv_in, const at::Tensor& cu_seqlens, int64_t max_seqlen, double scale,
-                     const std::optional<at::Tensor>& position_bias, const std::optional<at::Tensor>& out_opt) {
+                     const std::optional<at::Tensor>& position_bias, const std::optional<at::Tensor>& position_scores,
+                     const std::optional<at::Tensor>& position_columns, const std::optional<at::Tensor>& out_opt) {
   check_device(qkv_in, kCpu, "qkv");
   check_device(cu_seqlens, kCpu, "cu_seqlens");
   const DType dtype = dtype_of(qkv_in, "qkv");
@@ -234,11 +269,25 @@ at::Tensor attention(const at::Tensor& qkv_in, const at::Tensor& cu_seqlens, int
                       "position_bias must be [nH = ", heads, ", 2R + 1], got ", bias.sizes());
     bias = bias.contiguous();
   }
+  TORCH_CHECK_VALUE(position_scores.has_value() == position_columns.has_value(),
+                    "position_scores and position_columns come together");
+  at::Tensor scores, columns;
+  if (position_scores.has_value())
+    std::tie(scores, columns) = position_scores_of(*position_scores, *position_columns, qkv_in);
   at::Tensor out = output(out_opt, {total, heads, dim}, qkv_in);
   if (total == 0 || heads == 0 || dim == 0) return out;
   at::Tensor qkv = qkv_in.stride(3) == 1 ? qkv_in : qkv_in.contiguous();
   AttentionArgs a{};
   if (bias.defined()) a.bias = bias.data_ptr<float>(), a.bias_radius = (bias.size(1) - 1) / 2;
+  if (scores.defined()) {
+    a.scores = scores.data_ptr();
+    a.scores_bf16 = scores.scalar_type() == at::kBFloat16;
+    a.scores_stride_side = scores.stride(0);
+    a.scores_stride_head = scores.stride(1);
+    a.scores_stride_t = scores.stride(2);
+    a.columns = columns.data_ptr<int32_t>();
+    a.columns_radius = (columns.numel() - 1) / 2;
+  }
   a.qkv = qkv.data_ptr();
   a.stride_t = qkv.stride(0);
   a.stride_which = qkv.stride(1);
@@ -385,7 +434,8 @@ at::Tensor encoder_layers(const at::Tensor& x_in, const at::Tensor& cu_seqlens, 
                       ": biases must have 3H, H and H (FFN out) elements for H = ", hidden, ", got ", w[2].numel(),
                       ", ", w[5].numel(), ", ", w[13].numel());
     const at::Tensor qkv = stack_gemm(x, w, std::nullopt).view({tokens, 3, heads, hidden / heads});
-    const at::Tensor ctx = attention(qkv, cu_seqlens, max_seqlen, scale, position_bias, std::nullopt).view({tokens, hidden});
+    const at::Tensor ctx = attention(qkv, cu_seqlens, max_seqlen, scale, position_bias, std::nullopt, std::nullopt,
+                                     std::nullopt).view({tokens, hidden});
     const at::Tensor h = stack_gemm(ctx, w + 3, std::nullopt, x, w[6], w[7], eps[2 * layer]);
     x = stack_gemm(stack_gemm(h, w + 8, act), w + 11, std::nullopt, h, w[14], w[15], eps[2 * layer + 1]);
   }
@@ -412,7 +462,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("attention", &attention, "varlen attention over packed qkv [T, 3, nH, D] -> [T, nH, D]", py::arg("qkv"),
         py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("scale"), py::arg("position_bias") = py::none(),
-        py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
+        py::arg("position_scores") = py::none(), py::arg("position_columns") = py::none(), py::arg("out") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
   m.def("int8_linear", &int8_linear,
         "act(x @ W^T + bias) or LayerNorm(x @ W^T + bias + residual), W int8 per channel, x int8 per row",
         py::arg("x"), py::arg("packed"), py::arg("w_scale"), py::arg("bias") = py::none(), py::arg("act") = py::none(),

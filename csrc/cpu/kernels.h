@@ -51,6 +51,13 @@ struct AttentionArgs {
   float scale;
   const float* bias;          // [nH, 2R + 1] contiguous: added to the score at distance clamp(j - i, -R, R) + R; or null
   int64_t bias_radius;        // R
+  // DeBERTa's disentangled terms, or null: query i and key j (packed rows) add scores[0, h, i, c] + scores[1, h, j, c]
+  // with c = columns[clamp(j - i, -R, R) + R]
+  const void* scores;         // [2, nH, T, W] fp32 or bf16 (scores_bf16), last dim contiguous, stride(0) >= 1
+  bool scores_bf16;
+  int64_t scores_stride_side, scores_stride_head, scores_stride_t;  // element strides of the first three dims
+  const int32_t* columns;     // [2R + 1], each in [0, W)
+  int64_t columns_radius;     // R
   void* out;                  // [T, nH, D] contiguous
 };
 

@@ -153,12 +153,19 @@ ATTENTION = Op(
     (Param("qkv", "Tensor", shape="[T, 3, nH, D] packed tokens"),
      Param("cu_seqlens", "Tensor", shape="[B + 1] int32"), Param("max_seqlen", "SymInt"), *DROPOUT,
      Param("scale", "float?", None),
-     Param("position_bias", "Tensor?", None, shape="[nH, 2R + 1] fp32, by key - query distance clamped to [-R, R]")),
+     Param("position_bias", "Tensor?", None, shape="[nH, 2R + 1] fp32, by key - query distance clamped to [-R, R]"),
+     Param("position_scores", "Tensor?", None, shape="[2, nH, T, W] (qkv's dtype or fp32): per token, its scaled "
+           "query-side and key-side scores against W relative-position rows"),
+     Param("position_columns", "Tensor?", None, shape="[2R + 1] int32: the row of position_scores of each key - query "
+           "distance clamped to [-R, R]")),
     "[T, nH, D]",
     "Varlen bidirectional attention over packed QKV: softmax(q k^T * scale + bias) v within each sequence, fp32 "
     "softmax; a fully masked (empty) sequence gives no rows, never NaN. `position_bias` adds, for query i and key j "
     "of one sequence, position_bias[h, clamp(j - i, -R, R) + R] (MPNet's and T5's relative buckets, folded into a "
-    "table by distance): kernels read it in the tile loop, never as an [S, S] tensor.",
+    "table by distance). `position_scores` with `position_columns` adds position_scores[0, h, i, c] + "
+    "position_scores[1, h, j, c], c = position_columns[clamp(j - i, -R, R) + R] (DeBERTa's disentangled "
+    "content-to-position and position-to-content terms; i, j packed token indices). Kernels read both in the tile "
+    "loop, never as an [S, S] tensor.",
     _attention_output,
 )  # fmt: skip
 LINEAR = Op(

@@ -87,8 +87,10 @@ def describe() -> str | None:
     cpu, reason = load("_native_cpu")
     if cpu is None:
         return f"CPU kernels unavailable ({reason})"
-    return (f"CPU kernels for {', '.join(cpu.runnable_isas())} run here; using {cpu.isa()}; GEMM row panels sized to "
-            f"half of a {cpu.l2_cache_bytes() >> 10} KiB L2")
+    return (
+        f"CPU kernels for {', '.join(cpu.runnable_isas())} run here; using {cpu.isa()}; GEMM row panels sized to "
+        f"half of a {cpu.l2_cache_bytes() >> 10} KiB L2"
+    )
 
 
 def unavailable_reason() -> str | None:
@@ -151,6 +153,9 @@ def _layout_refusal(op: str, call: dict[str, Any], big: tuple[torch.Tensor, ...]
         return "residual broadcasts against x (torch only)"
     if any(t.dtype != big[0].dtype for t in big):
         return f"mixed dtypes {sorted({str(t.dtype) for t in big})} (torch only)"
+    scores = call.get("position_scores") if op == "attention" else None
+    if scores is not None and scores.dtype not in (torch.float32, big[0].dtype):
+        return f"position_scores must be float32 or qkv's dtype, got {scores.dtype} with {big[0].dtype} qkv"
     if device.type == "cpu" and big[0].dtype not in CPU_DTYPES:
         return f"CPU kernels take float32/bfloat16, not {big[0].dtype}"
     if device.type == "cuda" and op != "bias_act" and big[0].shape[-1] > (limit := load("_native_cuda")[0].MAX_ROW):
@@ -248,12 +253,16 @@ def attention(
     training: bool = False,
     scale: float | None = None,
     position_bias: torch.Tensor | None = None,  # [nH, 2R + 1] fp32
+    position_scores: torch.Tensor | None = None,  # [2, nH, T, W]
+    position_columns: torch.Tensor | None = None,  # [2R + 1] int32
 ) -> torch.Tensor:  # [T, nH, D]
     """Varlen bidirectional attention over packed QKV (CPU only), exact fp32 softmax, with MPNet's relative position
-    bias read from its table by distance."""
+    bias read from its table by distance and DeBERTa's disentangled position scores gathered through their columns."""
     _no_dropout(dropout_p, training)
     scale = 1.0 / math.sqrt(qkv.shape[-1]) if scale is None else float(scale)
-    return _kernels(qkv.device).attention(qkv, cu_seqlens, int(max_seqlen), scale, position_bias)
+    return _kernels(qkv.device).attention(
+        qkv, cu_seqlens, int(max_seqlen), scale, position_bias, position_scores, position_columns
+    )
 
 
 def _limit(op: str) -> LimitCheck:

@@ -53,6 +53,13 @@ def _attention_limit(call: dict[str, Any], forced: bool) -> str | None:
     bias = call.get("position_bias")
     if bias is not None and not bias.is_contiguous():  # the kernels index the table as [nH, 2R + 1] row-major
         return "a non-contiguous position_bias table"
+    scores, columns = call.get("position_scores"), call.get("position_columns")
+    if scores is not None and scores.dim() == 4 and scores.stride(3) != 1 and scores.shape[3] > 1:
+        return "position_scores without a unit stride on W"  # the kernels take any other strides
+    if scores is not None and scores.dim() == 4 and scores.shape[3] > kernels.limits.MAX_POSITION_COLUMNS:
+        return f"position_scores with W = {scores.shape[3]} > {kernels.limits.MAX_POSITION_COLUMNS} columns"
+    if columns is not None and not columns.is_contiguous():
+        return "a non-contiguous position_columns"
     return None
 
 

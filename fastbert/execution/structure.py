@@ -175,6 +175,8 @@ class Structure:
     def _static_refusal(self) -> str | None:
         """Why this structure cannot run fused whatever the call, from the modules' types (checked every forward)."""
         e, forwards = self.embeddings, self.forwards
+        if "rel_embeddings" in self.encoder._modules or not hasattr(e, "position_embeddings"):
+            return "DeBERTa's disentangled attention runs in the modules' forwards (no executor computes its scores)"
         if None in self.tables:
             return f"the embeddings ({type(e).__name__}) are not built as fastbert's BertEmbeddings"
         if type(e).forward is not forwards.embeddings:

@@ -17,9 +17,22 @@ adding a tile wholly beyond it to an end bin, then writes the row to its own slo
 buffer that torch sums over the programs afterwards (W = min(R, max_seqlen - 1): no pair is farther apart; the bins
 past it get 0). Costs: that buffer (12.6 MB at B = 128, S = 512, nH = 12, R = 128), next_power_of_2(2W + 1) fp32
 registers a program, and the dQ launch at 8 warps (the skew's registers).
+Disentangled position scores (DeBERTa-v2/v3: `position_scores` [2, nH, T, W] in qkv's dtype or fp32, unit stride on W,
+any other strides; `position_columns` [2R + 1] int32 contiguous; both on qkv's device): the score of query i and key
+j of one sequence gains position_scores[0, h, i, c] + position_scores[1, h, j, c], c = position_columns[clamp(j - i,
+-R, R) + R], gathered in the tile loop (a SCORES constexpr). Columns are clamped into [0, W - 1], so a bad column
+never reads or writes outside position_scores (an out-of-range value is the caller's error; checking it would sync).
+Their gradient (where position_scores requires grad) is deterministic though it uses atomic adds: the dQ program owns
+its query rows (side 0), the dK/dV program its key rows (side 1), so no two programs add to one element; per tile a
+program ranks the tile's diagonals by column (one column per diagonal; by counting, [BLOCK_T, BLOCK_T] compares),
+sums each row's entries per column (_SKEW ranks at a time) and adds the sums to its rows of an fp32 [2, nH, T, W]
+buffer, one address per row and column in an add and a barrier after each, so every element takes its adds in a fixed
+order. Costs: that buffer (zeroed, then cast to position_scores' dtype), the ranking, gathers and atomic adds per
+tile, and both backward kernels at 8 warps.
 Dropout on the probabilities: Philox keep-mask from (seed + bh << 32, row * max_seqlen + col), regenerated in both
 backward kernels, so max_seqlen <= 46340. Backward is deterministic: one kernel owns dK/dV per key block, another
-dQ per query block (no atomics); the log-sum-exp per query row is the only softmax state saved.
+dQ per query block (no atomics but the position scores' ordered adds); the log-sum-exp per query row is the only
+softmax state saved.
 """
 
 from __future__ import annotations
@@ -33,11 +46,11 @@ import triton.language as tl
 
 from . import _common as C
 from ._device import dot, dropout_keep
-from .limits import MAX_HEAD_DIM, MAX_SEQLEN_DROPOUT, fp32_dot_precision
+from .limits import MAX_HEAD_DIM, MAX_POSITION_COLUMNS, MAX_SEQLEN_DROPOUT, fp32_dot_precision
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # the kernels' copy (a jit function reads module globals only as constexprs)
-_SKEW = tl.constexpr(32)  # diagonals skewed at once by the bias gradient (a [BLOCK_M, 32] tile; BLOCK_T >= 32)
+_SKEW = tl.constexpr(32)  # diagonals skewed at once by the position gradients (a [BLOCK_M, 32] tile; BLOCK_T >= 32)
 
 
 @triton.jit
@@ -104,6 +117,59 @@ def _distance_sums(ds, m0, n0, radius, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
 
 
 @triton.jit
+def _column(columns_ptr, radius, dist, width):
+    """position_columns[clamp(dist, -R, R) + R], clamped into [0, W - 1] (int32, `dist`'s shape)."""
+    dist = tl.minimum(tl.maximum(dist, -radius), radius)
+    return tl.minimum(tl.maximum(tl.load(columns_ptr + radius + dist), 0), width - 1)
+
+
+@triton.jit
+def _scores_tile(scores_ptr, columns_ptr, h, qtok, ktok, rows, cols, valid, radius, width, stride_side, stride_head,
+                 stride_tok):  # fmt: skip
+    """position_scores[0, h, i, c] + position_scores[1, h, j, c] (c = the column of j - i) of rows i (tokens `qtok`),
+    cols j (tokens `ktok`) of one sequence, in log2 units: [BLOCK_M, BLOCK_N] fp32, 0 off `valid`."""
+    c = _column(columns_ptr, radius, cols[None, :] - rows[:, None], width)
+    head = scores_ptr + h.to(tl.int64) * stride_head + c
+    q_side = tl.load(head + qtok[:, None] * stride_tok, mask=valid, other=0.0)
+    k_side = tl.load(head + stride_side + ktok[None, :] * stride_tok, mask=valid, other=0.0)
+    return (q_side.to(tl.float32) + k_side.to(tl.float32)) * _LOG2E
+
+
+@triton.jit
+def _add_by_column(x, first, out_rows, amask, columns_ptr, radius, width, DOWN: tl.constexpr, BLOCK_A: tl.constexpr,
+                   BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
+    """Adds x [BLOCK_A, BLOCK_B] fp32 (0 off the sequence) to fp32 rows `out_rows` [BLOCK_A] (pointers to W-wide
+    rows; `amask` the live ones) by position column: entry (a, b) lies on diagonal t = b - a + BLOCK_A - 1, whose key -
+    query distance is first + t (first - t when DOWN), so one column per diagonal. The diagonals are ranked by column
+    (by counting, no sort); _SKEW ranks at a time, each row's entries on those diagonals are gathered in rank order and
+    summed per column (a running sum's difference across each run of one column), then added with one atomic add per
+    row and column and a barrier after each: an element's adds come in a fixed order (deterministic)."""
+    t = tl.arange(0, BLOCK_T)
+    col = _column(columns_ptr, radius, first - t if DOWN else first + t, width)
+    key = col * BLOCK_T + t  # distinct; W <= MAX_POSITION_COLUMNS: no overflow
+    rank = tl.zeros((BLOCK_T,), dtype=tl.int32)  # each diagonal's place, counted _SKEW diagonals at a time
+    for k in tl.static_range(0, BLOCK_T, _SKEW):
+        tk = k + tl.arange(0, _SKEW)
+        key_k = _column(columns_ptr, radius, first - tk if DOWN else first + tk, width) * BLOCK_T + tk
+        rank += tl.sum((key_k[None, :] < key[:, None]).to(tl.int32), axis=1)
+    a = tl.arange(0, BLOCK_A)
+    for k in tl.static_range(0, BLOCK_T, _SKEW):
+        at = rank[None, :] == (k + tl.arange(0, _SKEW))[:, None]  # [_SKEW, BLOCK_T]: the diagonal of each rank
+        diag = tl.sum(tl.where(at, t[None, :], 0), axis=1)
+        c = tl.sum(tl.where(at, col[None, :], 0), axis=1)  # [_SKEW], non-decreasing
+        run = tl.sum((c[None, :] < c[:, None]).to(tl.int32), axis=1)  # where c's run starts in the chunk
+        last = tl.sum((c[None, :] <= c[:, None]).to(tl.int32), axis=1) == tl.arange(1, _SKEW + 1)  # ... and ends
+        b = diag[None, :] - (BLOCK_A - 1) + a[:, None]  # [BLOCK_A, _SKEW]: each row's entry on those diagonals
+        on = (b >= 0) & (b < BLOCK_B)
+        running = tl.cumsum(tl.where(on, tl.gather(x, tl.where(on, b, 0), axis=1), 0.0), axis=1)
+        before = tl.gather(running, tl.broadcast_to(tl.maximum(run - 1, 0)[None, :], (BLOCK_A, _SKEW)), axis=1)
+        sums = running - tl.where((run > 0)[None, :], before, 0.0)
+        live = last[None, :] & amask[:, None] & (sums != 0.0)  # a zero sum adds nothing
+        tl.atomic_add(out_rows[:, None] + c[None, :], sums, mask=live, sem="relaxed")
+        tl.debug_barrier()
+
+
+@triton.jit
 def _rng_seed(seed, b, h, H):
     """One Philox key per (sequence, head): the base seed in the low word, the program's bh in the high word."""
     return seed.to(tl.int64) + ((b.to(tl.int64) * H + h) << 32)
@@ -132,6 +198,13 @@ def _attn_fwd(
     seed,
     bias_ptr,  # [nH, 2R + 1] fp32 contiguous position bias (BIAS; else unused)
     radius,  # R
+    scores_ptr,  # [2, nH, T, W] at (stride_side, stride_head, stride_tok, 1): position scores (SCORES; else unused)
+    columns_ptr,  # [2R' + 1] int32 contiguous: the column of each clamped key - query distance (SCORES)
+    score_radius,  # R'
+    width,  # W
+    stride_side,
+    stride_head,
+    stride_tok,
     DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -140,6 +213,7 @@ def _attn_fwd(
     UPCAST: tl.constexpr,
     STATS: tl.constexpr = True,  # store the log-sum-exp for a backward; inference leaves it out (lse_ptr unused)
     BIAS: tl.constexpr = False,  # add position_bias[h, clamp(j - i, -R, R) + R] to the scores
+    SCORES: tl.constexpr = False,  # add position_scores[0, h, i, c] + position_scores[1, h, j, c] to the scores
 ):
     b, h, m0 = _program(max_seqlen, BLOCK_M)
     start, length = _seq_bounds(cu_ptr, b)
@@ -149,7 +223,8 @@ def _attn_fwd(
     rmask = rows < length
     d = tl.arange(0, BLOCK_D)
     base = qkv_ptr + h * stride_h
-    q = _load_rows(base, (start + rows).to(tl.int64), rmask, d, D, stride_t)
+    tok = (start + rows).to(tl.int64)
+    q = _load_rows(base, tok, rmask, d, D, stride_t)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
@@ -163,6 +238,9 @@ def _attn_fwd(
         s = dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N] fp32, log2 units
         if BIAS:
             s += _bias_tile(bias_ptr, h, radius, rows, cols)
+        if SCORES:
+            s += _scores_tile(scores_ptr, columns_ptr, h, tok, ctok, rows, cols, rmask[:, None] & cmask[None, :],
+                              score_radius, width, stride_side, stride_head, stride_tok)  # fmt: skip
         s = tl.where(cmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: key 0 is valid in every launched program
         alpha = tl.exp2(m_i - m_new)
@@ -174,7 +252,6 @@ def _attn_fwd(
         acc = acc * alpha[:, None] + dot(pr.to(v.dtype), v, PRECISION, UPCAST)
         m_i = m_new
     out = acc / l_i[:, None]
-    tok = (start + rows).to(tl.int64)
     o_ptr = out_ptr + tok[:, None] * (H * D) + h * D + d[None, :]
     tl.store(o_ptr, out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (d < D)[None, :])
     if STATS:
@@ -183,15 +260,20 @@ def _attn_fwd(
 
 @triton.jit
 def _probs_and_dscores(
-    q, k, v, do, lse, delta, rmask, cmask, rows, cols, key_seed, max_seqlen, qk_scale, p, keep_scale, bias_ptr, h,
-    radius, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BIAS: tl.constexpr,
+    q, k, v, do, lse, delta, rmask, cmask, rows, cols, tok, ctok, key_seed, max_seqlen, qk_scale, p, keep_scale,
+    bias_ptr, h, radius, scores_ptr, columns_ptr, score_radius, width, stride_side, stride_head, stride_tok,
+    DROPOUT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BIAS: tl.constexpr, SCORES: tl.constexpr,
 ):  # fmt: skip
     """For one [BLOCK_M, BLOCK_N] block: (dropped probs P*Z/(1-p), dS = P * (dP - delta)), both fp32, 0 off mask. dS is
-    the gradient of the score in natural units (q.k * scale + bias): dQ, dK take it times the scale, the bias as is."""
+    the gradient of the score in natural units (q.k * scale + bias + position scores): dQ, dK take it times the scale,
+    the bias and the position scores as is."""
     s = dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
     if BIAS:
         s += _bias_tile(bias_ptr, h, radius, rows, cols)
     valid = rmask[:, None] & cmask[None, :]
+    if SCORES:
+        s += _scores_tile(scores_ptr, columns_ptr, h, tok, ctok, rows, cols, valid, score_radius, width, stride_side,
+                          stride_head, stride_tok)  # fmt: skip
     pr = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)
     dp = dot(do, tl.trans(v), PRECISION, UPCAST)
     dropped = pr
@@ -202,7 +284,7 @@ def _probs_and_dscores(
     return dropped, pr * (dp - delta[:, None])
 
 
-@triton.jit(do_not_specialize=["seed", "max_seqlen"])
+@triton.jit(do_not_specialize=["seed", "max_seqlen", "total"])
 def _attn_bwd_dkdv(
     qkv_ptr,  # [T, 3, nH, D] at (stride_t, stride_3, stride_h, 1)
     cu_ptr,  # [B + 1] int32
@@ -223,6 +305,15 @@ def _attn_bwd_dkdv(
     seed,
     bias_ptr,  # [nH, 2R + 1] fp32 contiguous (BIAS; else unused)
     radius,  # R
+    scores_ptr,  # [2, nH, T, W] at (stride_side, stride_head, stride_tok, 1) (SCORES; else unused)
+    columns_ptr,  # [2R' + 1] int32 contiguous (SCORES)
+    score_radius,  # R'
+    width,  # W
+    stride_side,
+    stride_head,
+    stride_tok,
+    total,  # T
+    dscores_ptr,  # [2, nH, T, W] fp32 contiguous zeros: this kernel adds its side's gradient (SCORES_GRAD)
     DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -230,6 +321,9 @@ def _attn_bwd_dkdv(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     BIAS: tl.constexpr = False,
+    SCORES: tl.constexpr = False,
+    SCORES_GRAD: tl.constexpr = False,  # add the key side's gradient (side 1) to dscores_ptr
+    BLOCK_T: tl.constexpr = 1,  # next_power_of_2(BLOCK_M + BLOCK_N - 1): the diagonals of a tile (SCORES_GRAD)
 ):
     b, h, n0 = _program(max_seqlen, BLOCK_N)
     start, length = _seq_bounds(cu_ptr, b)
@@ -245,6 +339,8 @@ def _attn_bwd_dkdv(
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     key_seed = _rng_seed(seed, b, h, H)
+    if SCORES_GRAD:
+        key_rows = dscores_ptr + ((H + h).to(tl.int64) * total + ctok) * width  # [BLOCK_N]: side 1
     for m0 in range(0, length, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         rmask = rows < length
@@ -254,18 +350,22 @@ def _attn_bwd_dkdv(
         lse = tl.load(lse_ptr + tok * H + h, mask=rmask, other=0.0)
         delta = tl.load(delta_ptr + tok * H + h, mask=rmask, other=0.0)
         dropped, ds = _probs_and_dscores(
-            q, k, v, do, lse, delta, rmask, cmask, rows, cols, key_seed, max_seqlen, qk_scale, p, keep_scale, bias_ptr,
-            h, radius, DROPOUT, PRECISION, UPCAST, BIAS,
+            q, k, v, do, lse, delta, rmask, cmask, rows, cols, tok, ctok, key_seed, max_seqlen, qk_scale, p,
+            keep_scale, bias_ptr, h, radius, scores_ptr, columns_ptr, score_radius, width, stride_side, stride_head,
+            stride_tok, DROPOUT, PRECISION, UPCAST, BIAS, SCORES,
         )  # fmt: skip
         dv += dot(tl.trans(dropped.to(do.dtype)), do, PRECISION, UPCAST)
         dk += dot(tl.trans(ds.to(q.dtype)), q, PRECISION, UPCAST)
+        if SCORES_GRAD:  # key n0 + a, query m0 + b: diagonal t = b - a + BLOCK_N - 1 is at n0 - m0 + BLOCK_N - 1 - t
+            _add_by_column(tl.trans(ds), n0 - m0 + BLOCK_N - 1, key_rows, cmask, columns_ptr, score_radius, width, True,
+                           BLOCK_N, BLOCK_M, BLOCK_T)  # fmt: skip
     out = dqkv_ptr + ctok[:, None] * (3 * H * D) + h * D + d[None, :]
     mask = cmask[:, None] & (d < D)[None, :]
     tl.store(out + H * D, (dk * sm_scale).to(dqkv_ptr.dtype.element_ty), mask=mask)
     tl.store(out + 2 * H * D, dv.to(dqkv_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["seed", "max_seqlen"])
+@triton.jit(do_not_specialize=["seed", "max_seqlen", "total"])
 def _attn_bwd_dq(
     qkv_ptr,  # [T, 3, nH, D] at (stride_t, stride_3, stride_h, 1)
     cu_ptr,  # [B + 1] int32
@@ -286,6 +386,15 @@ def _attn_bwd_dq(
     seed,
     bias_ptr,  # [nH, 2R + 1] fp32 contiguous (BIAS; else unused)
     radius,  # R
+    scores_ptr,  # [2, nH, T, W] at (stride_side, stride_head, stride_tok, 1) (SCORES; else unused)
+    columns_ptr,  # [2R' + 1] int32 contiguous (SCORES)
+    score_radius,  # R'
+    width,  # W
+    stride_side,
+    stride_head,
+    stride_tok,
+    total,  # T
+    dscores_ptr,  # [2, nH, T, W] fp32 contiguous zeros: this kernel adds its side's gradient (SCORES_GRAD)
     dbias_ptr,  # [grid x, nH, 2W + 1] fp32 zeros: this program's distance-bin sums of dS go to its row (BIAS_GRAD)
     grad_radius,  # W = min(R, max_seqlen - 1)
     DROPOUT: tl.constexpr,
@@ -296,7 +405,9 @@ def _attn_bwd_dq(
     UPCAST: tl.constexpr,
     BIAS: tl.constexpr = False,
     BIAS_GRAD: tl.constexpr = False,
-    BLOCK_T: tl.constexpr = 1,  # next_power_of_2(BLOCK_M + BLOCK_N - 1): the diagonals of a tile (BIAS_GRAD)
+    SCORES: tl.constexpr = False,
+    SCORES_GRAD: tl.constexpr = False,  # add the query side's gradient (side 0) to dscores_ptr
+    BLOCK_T: tl.constexpr = 1,  # next_power_of_2(BLOCK_M + BLOCK_N - 1): a tile's diagonals (BIAS_GRAD, SCORES_GRAD)
     BLOCK_W: tl.constexpr = 1,  # next_power_of_2(2W + 1): the distance bins (BIAS_GRAD)
 ):
     b, h, m0 = _program(max_seqlen, BLOCK_M)
@@ -316,6 +427,8 @@ def _attn_bwd_dq(
     if BIAS_GRAD:
         dbias = tl.zeros((BLOCK_W,), dtype=tl.float32)
     key_seed = _rng_seed(seed, b, h, H)
+    if SCORES_GRAD:
+        query_rows = dscores_ptr + (h.to(tl.int64) * total + tok) * width  # [BLOCK_M]: side 0
     for n0 in range(0, length, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         cmask = cols < length
@@ -323,12 +436,16 @@ def _attn_bwd_dq(
         k = _load_rows(base + stride_3, ctok, cmask, d, D, stride_t)
         v = _load_rows(base + 2 * stride_3, ctok, cmask, d, D, stride_t)
         _, ds = _probs_and_dscores(
-            q, k, v, do, lse, delta, rmask, cmask, rows, cols, key_seed, max_seqlen, qk_scale, p, keep_scale, bias_ptr,
-            h, radius, DROPOUT, PRECISION, UPCAST, BIAS,
+            q, k, v, do, lse, delta, rmask, cmask, rows, cols, tok, ctok, key_seed, max_seqlen, qk_scale, p,
+            keep_scale, bias_ptr, h, radius, scores_ptr, columns_ptr, score_radius, width, stride_side, stride_head,
+            stride_tok, DROPOUT, PRECISION, UPCAST, BIAS, SCORES,
         )  # fmt: skip
         dq += dot(ds.to(k.dtype), k, PRECISION, UPCAST)
         if BIAS_GRAD:
             dbias += _distance_sums(ds, m0, n0, grad_radius, BLOCK_M, BLOCK_N, BLOCK_T, BLOCK_W)
+        if SCORES_GRAD:
+            _add_by_column(ds, n0 - m0 - (BLOCK_M - 1), query_rows, rmask, columns_ptr, score_radius, width, False,
+                           BLOCK_M, BLOCK_N, BLOCK_T)  # fmt: skip
     out = dqkv_ptr + tok[:, None] * (3 * H * D) + h * D + d[None, :]
     tl.store(out, (dq * sm_scale).to(dqkv_ptr.dtype.element_ty), mask=rmask[:, None] & (d < D)[None, :])
     if BIAS_GRAD:
@@ -368,6 +485,8 @@ def _forward(
     keep: float = 1.0,  # the dropout keep scale (C.keep_scale(p))
     modes: tuple[str, bool] | None = None,  # _dot_modes(qkv), when the caller has them
     bias: torch.Tensor | None = None,  # [nH, 2R + 1] fp32 contiguous position bias (checked by _check)
+    scores: torch.Tensor | None = None,  # [2, nH, T, W] position scores, unit stride on W (checked by _check)
+    columns: torch.Tensor | None = None,  # [2R + 1] int32 contiguous (with scores)
 ) -> torch.Tensor:  # [T, nH, D]
     """One launch of the forward kernel: the training forward (lse, dropout) and the inference launcher share it."""
     total, _, heads, dim = qkv.shape
@@ -376,15 +495,21 @@ def _forward(
     if total and batch and max_seqlen:
         block_m, block_n, block_d, warps = _blocks(dim, max_seqlen)
         precision, upcast = modes or _dot_modes(qkv)
-        # the table and its R, or a stand-in pointer the kernel never reads (BIAS off); inline: this runs every launch
+        # the tables and their R, or stand-ins the kernel never reads (BIAS, SCORES off); inline: this runs every launch
         bias_ptr, radius = (bias, (bias.shape[1] - 1) // 2) if bias is not None else (qkv, 0)
+        score_args = _score_args(scores, columns) if scores is not None else (qkv, qkv, 0, 1, 0, 0, 0)
         _attn_fwd[_grid(batch, max_seqlen, block_m, heads)](
             qkv, cu_seqlens, out, lse if lse is not None else out, qkv.stride(0), qkv.stride(1), qkv.stride(2),
-            heads, dim, max_seqlen, scale * LOG2E, p, keep, seed, bias_ptr, radius, DROPOUT=p > 0,
+            heads, dim, max_seqlen, scale * LOG2E, p, keep, seed, bias_ptr, radius, *score_args, DROPOUT=p > 0,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision, UPCAST=upcast,
-            STATS=lse is not None, BIAS=bias is not None, num_warps=warps,
+            STATS=lse is not None, BIAS=bias is not None, SCORES=scores is not None, num_warps=warps,
         )  # fmt: skip
     return out
+
+
+def _score_args(scores: torch.Tensor, columns: torch.Tensor) -> tuple:
+    """The kernels' position-score arguments: (scores, columns, R, W, the side, head and token strides)."""
+    return (scores, columns, (columns.numel() - 1) // 2, scores.shape[3], *scores.stride()[:3])
 
 
 def _backward(
@@ -394,11 +519,15 @@ def _backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     bias: torch.Tensor | None,
+    scores: torch.Tensor | None,
+    columns: torch.Tensor | None,
     args: tuple,  # FlashAttention's ctx.args: (max_seqlen, p, keep, seed, scale, precision, upcast)
     bias_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(dqkv, d position_bias or None unless `bias_grad`): the dK/dV kernel, then the dQ kernel, which also writes the
-    bias gradient's per-program partial rows, summed here (deterministic)."""
+    scores_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(dqkv, d position_bias or None unless `bias_grad`, d position_scores or None unless `scores_grad`): the dK/dV
+    kernel, then the dQ kernel. The dQ kernel writes the bias gradient's per-program partial rows, summed here; each
+    kernel adds its side of the scores gradient to an fp32 buffer, cast to the scores' dtype here (deterministic)."""
     max_seqlen, p, keep, seed, scale, precision, upcast = args
     total, _, heads, dim = qkv.shape
     dout = dout.contiguous()
@@ -406,17 +535,25 @@ def _backward(
     dqkv = torch.empty(total, 3, heads, dim, dtype=qkv.dtype, device=qkv.device)
     bias_grad = bias_grad and bias is not None
     dbias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if bias_grad else None
+    scores_grad = scores_grad and scores is not None
+    dscores = torch.zeros(scores.shape, dtype=torch.float32, device=scores.device) if scores_grad else None
     batch = cu_seqlens.numel() - 1
     if not (total and batch and max_seqlen):
-        return dqkv, dbias
+        return dqkv, dbias, dscores if dscores is None else dscores.to(scores.dtype)
     block_m, block_n, block_d, warps = _blocks(dim, max_seqlen)
     bias_ptr, radius = (bias, (bias.shape[1] - 1) // 2) if bias is not None else (qkv, 0)  # as in _forward
+    score_args = _score_args(scores, columns) if scores is not None else (qkv, qkv, 0, 1, 0, 0, 0)
     args = (
         qkv, cu_seqlens, dout, lse, delta, dqkv, qkv.stride(0), qkv.stride(1), qkv.stride(2), heads, dim,
-        max_seqlen, scale * LOG2E, scale, p, keep, seed, bias_ptr, radius,
+        max_seqlen, scale * LOG2E, scale, p, keep, seed, bias_ptr, radius, *score_args, total,
+        dscores if scores_grad else qkv,
     )  # fmt: skip
     meta = dict(DROPOUT=p > 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision, UPCAST=upcast)
-    meta["BIAS"] = bias is not None
+    meta["BIAS"], meta["SCORES"] = bias is not None, scores is not None
+    diagonals = C.next_power_of_2(block_m + block_n - 1)  # BLOCK_T of the position gradients
+    if scores_grad:  # the column sums' registers: 8 warps whatever D
+        meta.update(SCORES_GRAD=True, BLOCK_T=diagonals)
+        warps = 8
     _attn_bwd_dkdv[_grid(batch, max_seqlen, block_n, heads)](*args, **meta, num_warps=warps)
     grid = _grid(batch, max_seqlen, block_m, heads)
     if bias_grad:  # no pair is farther apart than max_seqlen - 1: the bins past it get no gradient
@@ -424,37 +561,39 @@ def _backward(
         width = min(radius, max_seqlen - 1)
         partial = torch.zeros(grid[0], heads, 2 * width + 1, dtype=torch.float32, device=qkv.device)
         # 8 warps whatever D: with the skew's registers 4 spill at D = 64 (ptxas for sm_90: 156 bytes a thread in fp16)
-        _attn_bwd_dq[grid](
-            *args, partial, width, **meta, BIAS_GRAD=True, BLOCK_T=C.next_power_of_2(block_m + block_n - 1),
-            BLOCK_W=C.next_power_of_2(2 * width + 1), num_warps=8,
-        )  # fmt: skip
+        meta.update(BIAS_GRAD=True, BLOCK_T=diagonals, BLOCK_W=C.next_power_of_2(2 * width + 1))
+        _attn_bwd_dq[grid](*args, partial, width, **meta, num_warps=8)
         dbias[:, radius - width : radius + width + 1] = partial.sum(0)
     else:
         _attn_bwd_dq[grid](*args, dqkv, 0, **meta, num_warps=warps)
-    return dqkv, dbias
+    return dqkv, dbias, dscores if dscores is None else dscores.to(scores.dtype)
 
 
 class FlashAttention(torch.autograd.Function):
-    """Saves qkv, the output, the fp32 log-sum-exp and the bias table; probabilities are recomputed blockwise in
-    backward."""
+    """Saves qkv, the output, the fp32 log-sum-exp, the bias table and the position scores; probabilities are
+    recomputed blockwise in backward."""
 
     @staticmethod
-    def forward(ctx, qkv, cu_seqlens, max_seqlen: int, p: float, scale: float, position_bias=None):
+    def forward(ctx, qkv, cu_seqlens, max_seqlen: int, p: float, scale: float, position_bias=None,
+                position_scores=None, position_columns=None):  # fmt: skip
         if qkv.stride(-1) != 1:
             qkv = qkv.contiguous()
         lse = torch.empty(qkv.shape[0], qkv.shape[2], dtype=torch.float32, device=qkv.device)
         seed = C.dropout_seed() if p > 0 else 0
         modes, keep = _dot_modes(qkv), C.keep_scale(p)
-        out = _forward(qkv, cu_seqlens, max_seqlen, scale, lse, p, seed, keep, modes, position_bias)
-        ctx.save_for_backward(qkv, cu_seqlens, out, lse, position_bias)
+        out = _forward(qkv, cu_seqlens, max_seqlen, scale, lse, p, seed, keep, modes, position_bias, position_scores,
+                       position_columns)  # fmt: skip
+        ctx.save_for_backward(qkv, cu_seqlens, out, lse, position_bias, position_scores, position_columns)
         ctx.args = (max_seqlen, p, keep, seed, scale, *modes)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        qkv, cu_seqlens, out, lse, bias = ctx.saved_tensors
-        dqkv, dbias = _backward(dout, qkv, cu_seqlens, out, lse, bias, ctx.args, ctx.needs_input_grad[5])
-        return dqkv, None, None, None, None, dbias
+        qkv, cu_seqlens, out, lse, bias, scores, columns = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        dqkv, dbias, dscores = _backward(dout, qkv, cu_seqlens, out, lse, bias, scores, columns, ctx.args, needs[5],
+                                         needs[6])  # fmt: skip
+        return dqkv, None, None, None, None, dbias, dscores, None
 
 
 def attention(
@@ -465,18 +604,25 @@ def attention(
     training: bool = False,
     scale: float | None = None,
     position_bias: torch.Tensor | None = None,
+    position_scores: torch.Tensor | None = None,
+    position_columns: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen bidirectional attention over packed QKV `[T, 3, nH, D]` -> `[T, nH, D]`, plus a relative position bias
-    `[nH, 2R + 1]` when given; differentiable in qkv and the bias."""
-    p, scale = _check(qkv, cu_seqlens, max_seqlen, dropout_p, training, scale, position_bias)
+    `[nH, 2R + 1]` and disentangled position scores `[2, nH, T, W]` (by `position_columns`) when given;
+    differentiable in qkv, the bias and the scores."""
+    p, scale = _check(qkv, cu_seqlens, max_seqlen, dropout_p, training, scale, position_bias, position_scores,
+                      position_columns)  # fmt: skip
     if torch.compiler.is_compiling():
-        return _attention_op(qkv, cu_seqlens, int(max_seqlen), p, scale, position_bias)[0]
-    return C.apply(FlashAttention, qkv, cu_seqlens, int(max_seqlen), p, scale, position_bias)
+        return _attention_op(qkv, cu_seqlens, int(max_seqlen), p, scale, position_bias, position_scores,
+                             position_columns)[0]  # fmt: skip
+    return C.apply(FlashAttention, qkv, cu_seqlens, int(max_seqlen), p, scale, position_bias, position_scores,
+                   position_columns)  # fmt: skip
 
 
 def _check(
     qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, dropout_p: float, training: bool,
-    scale: float | None, position_bias: torch.Tensor | None = None,
+    scale: float | None, position_bias: torch.Tensor | None = None, position_scores: torch.Tensor | None = None,
+    position_columns: torch.Tensor | None = None,
 ) -> tuple[float, float]:  # fmt: skip
     """The call's limits; (dropout probability in effect, softmax scale)."""
     if qkv.dim() != 4 or qkv.shape[1] != 3:
@@ -491,6 +637,8 @@ def _check(
         raise ValueError(f"attention dropout needs max_seqlen <= {MAX_SEQLEN_DROPOUT}, got {max_seqlen}")
     if position_bias is not None:
         _check_table(position_bias, qkv)
+    if position_scores is not None or position_columns is not None:
+        _check_scores(position_scores, position_columns, qkv)
     return p, float(scale if scale is not None else 1.0 / math.sqrt(qkv.shape[-1]))
 
 
@@ -508,6 +656,30 @@ def _check_table(table: torch.Tensor, qkv: torch.Tensor) -> None:
         raise ValueError("position_bias must be contiguous")
 
 
+def _check_scores(scores: torch.Tensor | None, columns: torch.Tensor | None, qkv: torch.Tensor) -> None:
+    """position_scores: [2, nH, T, W] (0 < W <= MAX_POSITION_COLUMNS) in fp32 or qkv's dtype with a unit stride on W;
+    position_columns: [2R + 1] int32 contiguous; both on qkv's device (relative_positions.check_scores' rule and the
+    kernels' own)."""
+    if scores is None or columns is None:
+        raise ValueError("position_scores and position_columns come together")
+    tokens, _, heads, _ = qkv.shape
+    if scores.dim() != 4 or scores.shape[:3] != (2, heads, tokens) or scores.shape[3] < 1:
+        raise ValueError(f"position_scores must be [2, nH = {heads}, T = {tokens}, W > 0], got {tuple(scores.shape)}")
+    if scores.shape[3] > MAX_POSITION_COLUMNS:
+        raise ValueError(f"position_scores has W = {scores.shape[3]} > {MAX_POSITION_COLUMNS} columns")
+    if scores.dtype not in (qkv.dtype, torch.float32):
+        raise ValueError(f"position_scores must be float32 or qkv's dtype ({qkv.dtype}), got {scores.dtype}")
+    if columns.dim() != 1 or columns.numel() % 2 != 1 or columns.dtype != torch.int32:
+        raise ValueError(f"position_columns must be [2R + 1] int32, got {tuple(columns.shape)} {columns.dtype}")
+    for name, t in (("position_scores", scores), ("position_columns", columns)):
+        if t.device != qkv.device:
+            raise ValueError(f"{name} is on {t.device}, qkv on {qkv.device}")
+    if scores.stride(3) != 1 and scores.shape[3] > 1:
+        raise ValueError("position_scores needs a unit stride on W")
+    if not columns.is_contiguous():
+        raise ValueError("position_columns must be contiguous")
+
+
 def attention_inference(
     qkv: torch.Tensor,
     cu_seqlens: torch.Tensor,
@@ -516,31 +688,38 @@ def attention_inference(
     training: bool = False,
     scale: float | None = None,
     position_bias: torch.Tensor | None = None,
+    position_scores: torch.Tensor | None = None,
+    position_columns: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Varlen attention `[T, 3, nH, D]` -> `[T, nH, D]` (plus the position bias when given), forward kernel only: no
-    autograd Function, no log-sum-exp written, dropout ignored (inference), launch blocks from the cached rule."""
+    """Varlen attention `[T, 3, nH, D]` -> `[T, nH, D]` (plus the position bias and scores when given), forward kernel
+    only: no autograd Function, no log-sum-exp written, dropout ignored (inference), launch blocks from the cached
+    rule."""
     if torch.compiler.is_compiling():  # a Triton launch in a traced graph goes through the custom op
-        return attention(qkv, cu_seqlens, max_seqlen, scale=scale, position_bias=position_bias)
-    _, scale = _check(qkv, cu_seqlens, max_seqlen, 0.0, False, scale, position_bias)
+        return attention(qkv, cu_seqlens, max_seqlen, scale=scale, position_bias=position_bias,
+                         position_scores=position_scores, position_columns=position_columns)  # fmt: skip
+    _, scale = _check(qkv, cu_seqlens, max_seqlen, 0.0, False, scale, position_bias, position_scores, position_columns)
     qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
-    return _forward(qkv, cu_seqlens, max_seqlen, scale, bias=position_bias)
+    return _forward(qkv, cu_seqlens, max_seqlen, scale, bias=position_bias, scores=position_scores,
+                    columns=position_columns)  # fmt: skip
 
 
 # torch.compile: the kernels as custom ops. The forward op returns what the backward op needs besides the inputs
 # (the output, the fp32 log-sum-exp, the dropout seed); the backward op is registered as its gradient and returns the
-# bias gradient as well (an empty fp32 tensor where none is asked for: an op's outputs are tensors).
+# bias and scores gradients as well (an empty fp32 tensor where one is not asked for: an op's outputs are tensors).
 @torch.library.custom_op("fastbert::triton_attention", mutates_args=())
 def _attention_op(
     qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, p: float, scale: float,
-    position_bias: torch.Tensor | None = None,
+    position_bias: torch.Tensor | None = None, position_scores: torch.Tensor | None = None,
+    position_columns: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     ctx = C.Saved()
-    out = FlashAttention.forward(ctx, qkv, cu_seqlens, max_seqlen, p, scale, position_bias)
+    out = FlashAttention.forward(ctx, qkv, cu_seqlens, max_seqlen, p, scale, position_bias, position_scores,
+                                 position_columns)  # fmt: skip
     return out, ctx.saved_tensors[3], C.seed_tensor(ctx.args[3])
 
 
 @_attention_op.register_fake
-def _(qkv, cu_seqlens, max_seqlen, p, scale, position_bias=None):
+def _(qkv, cu_seqlens, max_seqlen, p, scale, position_bias=None, position_scores=None, position_columns=None):
     total, _, heads, dim = qkv.shape
     return (qkv.new_empty(total, heads, dim), qkv.new_empty(total, heads, dtype=torch.float32),
             torch.empty(1, dtype=torch.int64))  # fmt: skip
@@ -549,34 +728,42 @@ def _(qkv, cu_seqlens, max_seqlen, p, scale, position_bias=None):
 @torch.library.custom_op("fastbert::triton_attention_backward", mutates_args=())
 def _attention_backward_op(
     dout: torch.Tensor, qkv: torch.Tensor, cu_seqlens: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    seed: torch.Tensor, position_bias: torch.Tensor | None, max_seqlen: int, p: float, scale: float, bias_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    seed: torch.Tensor, position_bias: torch.Tensor | None, position_scores: torch.Tensor | None,
+    position_columns: torch.Tensor | None, max_seqlen: int, p: float, scale: float, bias_grad: bool, scores_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
     args = (max_seqlen, p, C.keep_scale(p), int(seed.item()), scale, *_dot_modes(qkv))
-    dqkv, dbias = _backward(dout, qkv, cu_seqlens, out, lse, position_bias, args, bias_grad)
-    return dqkv, dbias if dbias is not None else qkv.new_empty(0, dtype=torch.float32)
+    dqkv, dbias, dscores = _backward(dout, qkv, cu_seqlens, out, lse, position_bias, position_scores,
+                                     position_columns, args, bias_grad, scores_grad)  # fmt: skip
+    dbias = dbias if dbias is not None else qkv.new_empty(0, dtype=torch.float32)
+    return dqkv, dbias, dscores if dscores is not None else qkv.new_empty(0, dtype=torch.float32)
 
 
 @_attention_backward_op.register_fake
-def _(dout, qkv, cu_seqlens, out, lse, seed, position_bias, max_seqlen, p, scale, bias_grad):
-    if bias_grad and position_bias is not None:
-        return qkv.new_empty(qkv.shape), position_bias.new_empty(position_bias.shape)
-    return qkv.new_empty(qkv.shape), qkv.new_empty(0, dtype=torch.float32)
+def _(dout, qkv, cu_seqlens, out, lse, seed, position_bias, position_scores, position_columns, max_seqlen, p, scale,
+      bias_grad, scores_grad):  # fmt: skip
+    give_bias, give_scores = bias_grad and position_bias is not None, scores_grad and position_scores is not None
+    dbias = position_bias.new_empty(position_bias.shape) if give_bias else qkv.new_empty(0, dtype=torch.float32)
+    dscores = position_scores.new_empty(position_scores.shape) if give_scores else qkv.new_empty(0, dtype=torch.float32)
+    return qkv.new_empty(qkv.shape), dbias, dscores
 
 
 def _attention_setup(ctx, inputs, output) -> None:
-    qkv, cu_seqlens, ctx.max_seqlen, ctx.p, ctx.scale, *bias = inputs
+    qkv, cu_seqlens, ctx.max_seqlen, ctx.p, ctx.scale, *positions = inputs
+    bias, scores, columns = (*positions, None, None, None)[:3]  # trailing defaults may be left out
     out, lse, seed = output
-    ctx.save_for_backward(qkv, cu_seqlens, out, lse, seed, bias[0] if bias else None)
+    ctx.save_for_backward(qkv, cu_seqlens, out, lse, seed, bias, scores, columns)
 
 
 def _attention_grad(ctx, dout, *_):
-    qkv, cu_seqlens, out, lse, seed, bias = ctx.saved_tensors
+    qkv, cu_seqlens, out, lse, seed, bias, scores, columns = ctx.saved_tensors
     bias_grad = bias is not None and ctx.needs_input_grad[5]
-    dqkv, dbias = _attention_backward_op(
-        dout, qkv, cu_seqlens, out, lse, seed, bias, ctx.max_seqlen, ctx.p, ctx.scale, bias_grad
-    )
-    return dqkv, None, None, None, None, dbias if bias_grad else None
+    scores_grad = scores is not None and ctx.needs_input_grad[6]
+    dqkv, dbias, dscores = _attention_backward_op(
+        dout, qkv, cu_seqlens, out, lse, seed, bias, scores, columns, ctx.max_seqlen, ctx.p, ctx.scale, bias_grad,
+        scores_grad,
+    )  # fmt: skip
+    return dqkv, None, None, None, None, dbias if bias_grad else None, dscores if scores_grad else None, None
 
 
 _attention_op.register_autograd(_attention_grad, setup_context=_attention_setup)

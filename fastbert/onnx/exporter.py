@@ -183,14 +183,14 @@ def _check_symbolic(path: str, model: nn.Module) -> None:
 
 def expected_fusions(model: PreTrainedModel) -> dict[str, int]:
     """Fused-node counts a fully optimized export must show: one embedding (none for RoBERTa's), per layer 1 Attention
-    (none with MPNet's relative position bias: onnxruntime's BERT fusion has no pattern for a bias added to the
-    scores), 2 SkipLN, 1 GELU."""
+    (none with MPNet's or DeBERTa's relative positions: onnxruntime's BERT fusion has no pattern for terms added to
+    the scores), 2 SkipLN, 1 GELU."""
     config = model.config
     layers = config.num_hidden_layers
     gelu = {"gelu": "BiasGelu", "gelu_new": "FastGelu", "gelu_pytorch_tanh": "FastGelu"}.get(config.hidden_act)
     has_mlm = head_name(model) in ("BertForMaskedLM", "BertForPreTraining")
     embedding = 0 if config.family.padded_positions else 1  # RoBERTa's positions are not a pattern onnxruntime fuses
-    attention = 0 if config.family.relative_attention else layers
+    attention = 0 if config.family.relative_attention or config.disentangled_kinds else layers
     counts = {"EmbedLayerNormalization": embedding, "Attention": attention, "SkipLayerNormalization": 2 * layers}
     if gelu:
         counts[gelu] = layers + int(has_mlm)  # the MLM transform's dense + GELU fuses too

@@ -20,7 +20,7 @@ from fastbert import outputs, reference, relative_positions
 from fastbert.auto import BY_NAME
 from fastbert.checkpoint import PreTrainedModel
 from fastbert.heads import HEADS, ClassificationHead
-from fastbert.modeling import ACT_OF_CONFIG, BertLayer, BertModel, position_pad
+from fastbert.modeling import ACT_OF_CONFIG, BertLayer, BertModel, DisentangledSelfAttention, position_pad
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,8 @@ class ReferenceGraph(nn.Module):
         else:
             positions = self.position_ids[:, : input_ids.size(1)]
         x = F.embedding(input_ids, emb.word_embeddings.weight) + F.embedding(token_type_ids, emb.type_table())
-        x = x + F.embedding(positions, emb.position_embeddings.weight)
+        if self.bert.config.absolute_positions:
+            x = x + F.embedding(positions, emb.position_embeddings.weight)
         x = _layer_norm(x, emb.LayerNorm)
         if emb.projection is not None:
             x = _linear(x, emb.projection)
@@ -152,21 +153,55 @@ class ReferenceGraph(nn.Module):
         table = self.bert.encoder.position_bias()  # MPNet: [nH, 2R + 1] by distance -> [1, nH, S, S]
         if table is not None:
             additive = additive + relative_positions.dense_bias(table, input_ids.size(1)).unsqueeze(0).to(dtype)
+        rows, index = self._disentangled(input_ids.size(1))
         for layer in self.bert.encoder.layer:
-            x = self._layer(layer, x, additive)
+            x = self._layer(layer, x, additive, rows, index)
         x = x * attention_mask.unsqueeze(-1).to(dtype)  # fastbert's repad: zeros at padded positions
         pooler = self.bert.pooler
-        return x, (torch.tanh(_linear(x[:, 0], pooler.dense)) if pooler is not None else None)
+        if pooler is None:
+            return x, None
+        first = _linear(x[:, 0], pooler.dense)
+        return x, torch.tanh(first) if pooler.act is None else reference.activation(first, pooler.act)
+
+    def _disentangled(self, seqlen: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """DeBERTa: the whole relative embedding (normalised) and the [S, S] row of each (query, key), read from a
+        constant by distance (the sequence length is a dynamic axis); (None, None) for other families."""
+        encoder = self.bert.encoder
+        table = encoder._modules.get("rel_embeddings")
+        if table is None:
+            return None, None
+        norm = encoder._modules.get("LayerNorm")
+        rows = _layer_norm(table.weight, norm) if norm is not None else table.weight
+        radius, by_distance = relative_positions.deberta_row_table(encoder.position_buckets,
+                                                                   encoder.max_relative_positions)  # fmt: skip
+        pos = torch.arange(seqlen, device=rows.device)
+        distance = (pos[None, :] - pos[:, None]).clamp(-radius, radius) + radius  # key - query
+        return rows, by_distance.to(rows.device)[distance]
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, H] -> [B, nH, S, D]
         return x.view(x.size()[:-1] + (self.num_heads, self.head_dim)).permute(0, 2, 1, 3)
 
-    def _layer(self, layer: BertLayer, x: torch.Tensor, additive: torch.Tensor) -> torch.Tensor:  # [B, S, H]
+    def _layer(
+        self,
+        layer: BertLayer,
+        x: torch.Tensor,  # [B, S, H]
+        additive: torch.Tensor,  # [B, 1 or nH, S, S]
+        rows: torch.Tensor | None = None,  # [2 span, H] DeBERTa's relative embedding
+        index: torch.Tensor | None = None,  # [S, S] its row of each (query, key)
+    ) -> torch.Tensor:  # [B, S, H]
         attn = layer.attention.self
         q = self._split_heads(_linear(x, attn.query))
         k = self._split_heads(_linear(x, attn.key))
         v = self._split_heads(_linear(x, attn.value))
-        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_dim)
+        if isinstance(attn, DisentangledSelfAttention):
+            scores = torch.matmul(q, k.transpose(-1, -2)) * attn.scale
+            if rows is not None:
+                position_keys, position_queries = attn.position_projections(rows)  # [nH, D, 2 span] each, scaled
+                at = index.expand(q.size(0), self.num_heads, -1, -1)
+                scores = scores + torch.matmul(q, position_keys).gather(-1, at)
+                scores = scores + torch.matmul(k, position_queries).gather(-1, at.transpose(-1, -2)).transpose(-1, -2)
+        else:
+            scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_dim)
         probs = torch.softmax(scores + additive, dim=-1)
         ctx = torch.matmul(probs, v).permute(0, 2, 1, 3).contiguous()
         ctx = ctx.view(ctx.size()[:-2] + (self.num_heads * self.head_dim,))

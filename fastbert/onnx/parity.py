@@ -40,7 +40,7 @@ def make_inputs(
     gen = torch.Generator().manual_seed(seed)
     shape = (batch, seqlen) if choices is None else (batch, choices, seqlen)
     ids = torch.randint(0, config.vocab_size, shape, generator=gen)
-    types = torch.randint(0, config.type_vocab_size, shape, generator=gen)
+    types = torch.randint(0, max(config.type_vocab_size, 1), shape, generator=gen)  # type_vocab_size 0: zeros
     lengths = torch.randint(1, max(seqlen, 2), (batch, 1), generator=gen) if batch > 1 else torch.full((1, 1), seqlen)
     positions = torch.arange(seqlen).expand(batch, seqlen).clone()
     if batch > 1:

@@ -106,7 +106,7 @@ class Session:
         if ranges is not None:
             ranges.read_and_check()
         mask = torch.ones_like(ids) if mask is None else mask
-        types = torch.zeros_like(ids) if types is None else types
+        types = torch.zeros_like(ids) if types is None or not self.config.token_types else types  # no table: unread
         return {
             name: t.detach().cpu().numpy().astype(self.input_types[name], copy=False)
             for name, t in zip(INPUTS, (ids, mask, types), strict=True)
