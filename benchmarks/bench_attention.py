@@ -5,7 +5,8 @@ tokens. No GPU claims there: on CPU `fastbert.ops` picks the native or torch pat
 (DESIGN.md), so the packed path skips the padding.
 
 GPU (skipped without CUDA): the Triton kernel with and without an MPNet relative position bias (nH = 12, D = 64, a
-[12, 2R + 1] table with R = 128), next to torch eager (fastbert.reference: padded SDPA, the bias materialised as an
+[12, 2R + 1] table with R = 128), and with DeBERTa-v3's disentangled scores ([2, nH, T, 511] gathered by distance
+through its 256 log buckets), next to torch eager (fastbert.reference: padded SDPA, the terms materialised as an
 [B, nH, S, S] mask), forward and forward + backward, fp16. Times are `triton.testing.do_bench` medians (L2 flushed,
 after warm-up), in `extra_info` with TFLOP/s, GB/s and the max error vs the fp32 reference; pytest-benchmark's own
 table times the same call with a device sync.
@@ -19,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastbert import kernels, ops, reference
+from fastbert import kernels, ops, reference, relative_positions
 from fastbert.padding import unpad
 
 BATCH, SEQLEN, HEADS, HEAD_DIM = 4, 64, 4, 64
@@ -116,5 +117,83 @@ def test_attention_position_bias_gpu(benchmark, path: str, bias: bool, direction
         call()
         if x.is_cuda:
             torch.cuda.synchronize()
+
+    benchmark(synced)
+
+
+def _deberta_scores(tokens: int, seqlen: int, device: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeBERTa-v3-base's terms for sequences up to `seqlen`: random scaled scores [2, nH, T, W] against the rows its
+    256 log buckets reach, and each distance's column."""
+    _, width, columns = relative_positions.deberta_rows(seqlen, 256, 512, torch.device(device))
+    scores = torch.randn(2, GPU_HEADS, tokens, width, generator=gen) * 0.3
+    return scores.to(device), columns
+
+
+@pytest.mark.parametrize("path", ["eager", "fastbert"])
+def test_attention_disentangled_ragged(benchmark, path: str) -> None:
+    """CPU, DeBERTa's terms: transformers-style eager (the terms gathered into [B, nH, S, S], added to padded scores)
+    vs fastbert's dispatched op (the native kernel gathers them by distance)."""
+    gen = torch.Generator().manual_seed(SEQLEN)
+    lengths = torch.randint(SEQLEN // 4, SEQLEN + 1, (BATCH,), generator=gen)
+    mask = (torch.arange(SEQLEN)[None, :] < lengths[:, None]).long()
+    packing = unpad(mask, BATCH, SEQLEN, torch.device("cpu"))
+    qkv = packing.pack(torch.randn(BATCH, SEQLEN, 3, HEADS, HEAD_DIM, generator=gen))
+    _, width, columns = relative_positions.deberta_rows(SEQLEN, 256, 512, torch.device("cpu"))
+    scores = torch.randn(2, HEADS, qkv.shape[0], width, generator=gen) * 0.3
+    cu, longest = packing.cu_seqlens, packing.max_seqlen
+    with torch.no_grad():
+        if path == "eager":
+            fn = lambda: reference.attention(qkv, cu, longest, position_scores=scores, position_columns=columns)
+        else:
+            fn = lambda: ops.attention(qkv, cu, longest, position_scores=scores, position_columns=columns)
+        benchmark.group = f"attention + DeBERTa terms B={BATCH} S<={SEQLEN} nH={HEADS} D={HEAD_DIM} W={width}"
+        out = benchmark(fn)
+        want = reference.attention(qkv, cu, longest, position_scores=scores, position_columns=columns)
+        torch.testing.assert_close(out, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the Triton attention kernel)")
+@pytest.mark.skipif(kernels.unavailable_reason() is not None, reason=str(kernels.unavailable_reason()))
+@pytest.mark.parametrize("direction", ["fwd", "fwd+bwd"])
+@pytest.mark.parametrize("path", ["triton", "torch eager"])
+def test_attention_disentangled_gpu(benchmark, path: str, direction: str) -> None:
+    """DeBERTa-v3-base's attention (nH 12, D 64, 32 x <= 512 tokens, W 511), fp16, with the scores' gradient."""
+    import triton.testing
+
+    gen = torch.Generator().manual_seed(GPU_SEQLEN)
+    lengths = torch.randint(GPU_SEQLEN // 4, GPU_SEQLEN + 1, (GPU_BATCH,), generator=gen)
+    cu = F.pad(lengths.cumsum(0), (1, 0)).to(device=GPU, dtype=torch.int32)
+    qkv = torch.randn(int(lengths.sum()), 3, GPU_HEADS, GPU_HEAD_DIM, generator=gen).to(GPU, torch.float16)
+    scores, columns = _deberta_scores(qkv.shape[0], GPU_SEQLEN, GPU, gen)
+    scores = scores.half()
+    attend = kernels.attention if path == "triton" else reference.attention
+    backward = direction == "fwd+bwd"
+    x, sc = qkv.clone().requires_grad_(backward), scores.clone().requires_grad_(backward)
+    grad = torch.randn(x.shape[0], GPU_HEADS, GPU_HEAD_DIM, device=GPU, dtype=x.dtype)
+
+    def call() -> None:
+        if backward:
+            x.grad = sc.grad = None
+            attend(x, cu, GPU_SEQLEN, position_scores=sc, position_columns=columns).backward(grad)
+        else:
+            with torch.no_grad():
+                attend(x, cu, GPU_SEQLEN, position_scores=sc, position_columns=columns)
+
+    with torch.no_grad():
+        ref = reference.attention(qkv.float(), cu, GPU_SEQLEN, position_scores=scores.float(), position_columns=columns)
+        got = attend(qkv, cu, GPU_SEQLEN, position_scores=scores, position_columns=columns)
+        err = (got.float() - ref).abs().max().item()
+    assert err < 2e-2, f"{path}: max error {err:.3g} vs the fp32 reference"
+    benchmark.group = f"attention + DeBERTa terms {direction} fp16 B={GPU_BATCH} S<={GPU_SEQLEN} nH={GPU_HEADS} W=511"
+    benchmark.extra_info["max_err"] = err
+    if benchmark.enabled:
+        ms = triton.testing.do_bench(call, return_mode="median")
+        flops, nbytes = _work(lengths, False, qkv.element_size(), backward)
+        nbytes += scores.numel() * scores.element_size() * (3 if backward else 1)  # read; grad written and read
+        benchmark.extra_info.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12, gbps=nbytes / (ms * 1e-3) / 1e9)
+
+    def synced() -> None:
+        call()
+        torch.cuda.synchronize()
 
     benchmark(synced)

@@ -70,7 +70,7 @@ def transformers_model(hf: nn.Module, attn: str, device: torch.device) -> nn.Mod
     """A copy of `hf` (BertModel, RobertaModel, ...) with another attention implementation ('eager', 'sdpa'), same
     weights."""
     config = type(hf.config).from_dict(hf.config.to_dict())
-    config._attn_implementation = attn
+    config._attn_implementation = attn if attn != "sdpa" or type(hf)._supports_sdpa else "eager"  # DeBERTa: its own
     pooling = {"add_pooling_layer": hf.pooler is not None} if hasattr(hf, "pooler") else {}  # DeBERTa has none
     model = type(hf)(config, **pooling)
     model.load_state_dict(hf.state_dict())
