@@ -153,6 +153,10 @@ def relative_bias(table: nn.Module) -> torch.Tensor:
 
 
 class BertSelfAttention(nn.Module):
+    scale: float | None = None  # the softmax scale; None: 1 / sqrt(head_dim)
+    kinds: tuple[str, ...] = ()  # DeBERTa's relative terms ("c2p", "p2c")
+    pos_dropout_p = 0.0  # dropout on DeBERTa's relative rows
+
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
         hidden = config.hidden_size
@@ -248,18 +252,18 @@ class DisentangledSelfAttention(BertSelfAttention):
             if "p2c" in self.kinds:
                 self.pos_query_proj = nn.Linear(hidden, hidden)
 
-    def position_projections(self, rows: torch.Tensor) -> torch.Tensor:  # [W, H] -> [2, nH, D, W]
-        """Kr (which queries meet) and Qr (which keys meet) of the rows, scaled; zeros for a term the config leaves
-        out."""
+    def position_modules(self) -> tuple[nn.Linear | None, nn.Linear | None]:
+        """The projections of the rows: Kr's (c2p) and Qr's (p2c), each None where the config leaves its term out."""
         m = self._modules
-        sides = []
-        for kind, own, shared in (("c2p", "pos_key_proj", "key"), ("p2c", "pos_query_proj", "query")):
-            if kind in self.kinds:
-                sides.append(m[shared if self.share_att_key else own](rows))
-            else:
-                sides.append(rows.new_zeros(rows.shape[0], self.num_heads * self.head_dim))
-        both = torch.stack(sides).view(2, rows.shape[0], self.num_heads, self.head_dim)
-        return both.permute(0, 2, 3, 1) * self.scale
+        key = (m["key"] if self.share_att_key else m["pos_key_proj"]) if "c2p" in self.kinds else None
+        query = (m["query"] if self.share_att_key else m["pos_query_proj"]) if "p2c" in self.kinds else None
+        return key, query
+
+    def position_projections(self, rows: torch.Tensor) -> torch.Tensor:  # [W, H] -> [2, nH, D, W]
+        """Kr and Qr of the rows through the modules' own forwards (what is hooked or wrapped runs), scaled."""
+        key, query = self.position_modules()
+        sides = (key(rows) if key is not None else None, query(rows) if query is not None else None)
+        return relative_positions.deberta_projections(*sides, rows, self.num_heads, self.head_dim, self.scale)
 
     def forward(
         self,
@@ -270,9 +274,9 @@ class DisentangledSelfAttention(BertSelfAttention):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [T, H] -> [T, H], probs [B, nH, S, S] or None
         qkv = self.project(x)
         scores = columns = None
-        if positions is not None:
+        if positions is not None and self.kinds:
             rows = F.dropout(positions.rows, self.pos_dropout_p, self.training)
-            scores = torch.matmul(qkv[:, :2].permute(1, 2, 0, 3), self.position_projections(rows))  # [2, nH, T, W]
+            scores = relative_positions.deberta_scores(qkv, self.position_projections(rows))
             columns = positions.columns
         cu, longest = packing.cu_seqlens, packing.max_seqlen
         if output_attentions:
@@ -444,8 +448,8 @@ class BertEncoder(nn.Module):
 FORWARDS = execution.Forwards(
     BertEmbeddings.forward,
     BertEncoder.forward,
-    (BertLayer.forward, BertAttention.forward, BertSelfAttention.forward, BertSelfOutput.forward,
-     BertIntermediate.forward, BertOutput.forward),
+    (BertLayer.forward, BertAttention.forward, (BertSelfAttention.forward, DisentangledSelfAttention.forward),
+     BertSelfOutput.forward, BertIntermediate.forward, BertOutput.forward),
 )  # fmt: skip
 
 

@@ -137,8 +137,17 @@ def deberta_rows(seqlen: int, position_buckets: int, max_relative_positions: int
         first, width = _window(seqlen, position_buckets, max_relative_positions)
         rows = _rows_by_distance(seqlen, position_buckets, max_relative_positions, device)
         return first, width, (rows - first).to(torch.int32)
+    return _deberta_rows_on(seqlen, position_buckets, max_relative_positions, device)
+
+
+@functools.lru_cache(maxsize=1024)
+def _deberta_rows_on(seqlen: int, position_buckets: int, max_relative_positions: int, device: torch.device
+                     ) -> tuple[int, int, torch.Tensor]:  # fmt: skip
+    """`_deberta_rows` with the columns on `device`, kept there: a CUDA graph's capture finds them without a copy
+    (its warm-up made them). A normal tensor even when first asked under inference_mode."""
     first, width, columns = _deberta_rows(seqlen, position_buckets, max_relative_positions)
-    return first, width, columns.to(device, non_blocking=True)
+    with torch.inference_mode(False):
+        return first, width, columns.to(device)
 
 
 def deberta_row_table(position_buckets: int, max_relative_positions: int) -> tuple[int, torch.Tensor]:
@@ -148,6 +157,25 @@ def deberta_row_table(position_buckets: int, max_relative_positions: int) -> tup
     radius = max(max_relative_positions, deberta_span(position_buckets, max_relative_positions))
     first, _, columns = _deberta_rows(radius + 1, position_buckets, max_relative_positions)
     return radius, columns.long() + first
+
+
+def deberta_projections(
+    key_side: torch.Tensor | None,  # [W, nH * D]: the rows through Kr's projection (c2p), or None
+    query_side: torch.Tensor | None,  # [W, nH * D]: through Qr's (p2c), or None
+    rows: torch.Tensor,  # [W, H]
+    heads: int,
+    dim: int,
+    scale: float,
+) -> torch.Tensor:  # [2, nH, D, W]
+    """Kr and Qr per head, the softmax scale folded in; zeros for a term the config leaves out."""
+    zeros = rows.new_zeros(rows.shape[0], heads * dim)
+    both = torch.stack([key_side if key_side is not None else zeros, query_side if query_side is not None else zeros])
+    return both.view(2, rows.shape[0], heads, dim).permute(0, 2, 3, 1) * scale
+
+
+def deberta_scores(qkv: torch.Tensor, projections: torch.Tensor) -> torch.Tensor:  # -> [2, nH, T, W]
+    """position_scores: each token's query against Kr, its key against Qr ([T, 3, nH, D] x [2, nH, D, W])."""
+    return torch.matmul(qkv[:, :2].permute(1, 2, 0, 3), projections)
 
 
 def check_scores(scores: torch.Tensor, columns: torch.Tensor, heads: int, tokens: int) -> int:

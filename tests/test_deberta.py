@@ -14,6 +14,8 @@ from transformers.models.deberta_v2 import modeling_deberta_v2 as hf_deberta
 
 import fastbert
 from fastbert import relative_positions
+from tests.conftest import NATIVE_CPU
+from tests.test_graph_buckets import RerunGraphs
 
 ATOL = 1e-5
 SIZE = dict(vocab_size=99, hidden_size=78, num_attention_heads=3, num_hidden_layers=3, intermediate_size=37,
@@ -224,13 +226,39 @@ def test_what_fastbert_does_not_compute_is_refused_by_name(field: str, value: ob
         fastbert.DebertaV2Config(**{**SIZE, **V3, field: value})
 
 
-def test_plan_says_why_it_runs_module_by_module() -> None:
-    fast = fastbert.optimize(hf_deberta_model("v3"))
-    ids, mask = ragged([12, 5])
+@pytest.mark.parametrize("layout", ["v3", "v2", "no-relative"])
+def test_the_loop_and_graph_replay_add_the_terms(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the first forward binds the plan, the loop executor computes each layer's scores from the tensors (the
+    layer stack passes, saying why); a (CPU stand-in) graph replays that loop; both give transformers' output, in
+    training mode too (the loop with autograd)."""
+    monkeypatch.setenv("FASTBERT_CPU_GEMM", "gemm")  # every GEMM on a kernel the layer stack has, where it is built
+    hf = hf_deberta_model(layout)
+    ids, mask = ragged(LENGTHS)
+    valid = mask.bool()
+    with torch.no_grad():
+        want = hf(ids, attention_mask=mask).last_hidden_state[valid]
+    fast = fastbert.optimize(hf)
     with torch.inference_mode():
         for _ in range(2):
-            fast(ids, attention_mask=mask)
-    assert "disentangled attention" in fastbert.explain()
+            got = fast(ids, attention_mask=mask).last_hidden_state[valid]
+    said = "\n".join(plan.describe() for plan in fast.plans.plans.values())
+    if NATIVE_CPU is not None and layout == "no-relative":  # no terms: the layer stack runs 2-3 at DeBERTa's scale
+        assert "the CPU layer stack" in said
+    elif NATIVE_CPU is not None:
+        assert "one loop over the layers' tensors" in said and "computes no position scores" in said
+    assert (got - want).abs().max() <= ATOL
+    graphed = fastbert.optimize(hf)
+    graphed.cuda_graphs = RerunGraphs(graphed)
+    captured = RerunGraphs.captures
+    with torch.inference_mode():
+        for _ in range(3):  # binds, captures, replays
+            got = graphed(ids, attention_mask=mask).last_hidden_state[valid]
+    assert RerunGraphs.captures == captured + 1 and (got - want).abs().max() <= ATOL
+    trained = fastbert.optimize(hf, freeze=False).train()
+    for _ in range(2):
+        got = trained(ids, attention_mask=mask).last_hidden_state[valid]
+    assert "one loop over the layers' tensors" in "\n".join(p.describe() for p in trained.plans.plans.values())
+    assert (got.detach() - want).abs().max() <= ATOL
 
 
 def test_torch_compile_inference_and_training_match_eager() -> None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from fastbert import relative_positions
 from fastbert.execution.plan import Call, FusedOp, Inputs, Plan
 from fastbert.execution.structure import Structure
 from fastbert.padding import Packing
@@ -40,20 +42,43 @@ def layers(
     drl = dense_residual_layernorm or plan.functions["dense_residual_layernorm"]
     attention = plan.functions["attention"]
     training = plan.mode.training
-    first = structure.layers[0]
-    heads, head_dim = first.self_attention.num_heads, first.self_attention.head_dim
-    p_attn, p_hidden = first.self_attention.dropout_p, first.modules[3].dropout_p
+    first = structure.layers[0].self_attention
+    heads, head_dim, scale = first.num_heads, first.head_dim, first.scale
+    p_attn, p_hidden = first.dropout_p, structure.layers[0].modules[3].dropout_p
     cu, max_seqlen, tokens = packing.cu_seqlens, packing.max_seqlen, x.shape[0]
-    bias = None if structure.relative is None else structure.position_bias()  # MPNet's table, read once a forward
+    relative = structure.relative_terms(max_seqlen)  # MPNet's table or DeBERTa's rows, read once a forward
+    bias = relative if structure.relative is not None else None
+    positions = structure.position_weights() if first.kinds and relative is not None else None
+    if positions is not None and len(positions) != len(weights):
+        raise ValueError("DeBERTa's layers run all together: the position projections follow the layers' order")
     qkv_shape, ctx_shape = (tokens, 3, heads, head_dim), (tokens, heads * head_dim)
-    for qkv_w, qkv_b, o_w, o_b, n1_w, n1_b, eps1, i_w, i_b, act, f_w, f_b, n2_w, n2_b, eps2 in weights:
+    for i, (qkv_w, qkv_b, o_w, o_b, n1_w, n1_b, eps1, i_w, i_b, act, f_w, f_b, n2_w, n2_b, eps2) in enumerate(weights):
         qkv = linear(x, qkv_w, qkv_b, None).view(qkv_shape)
-        ctx = attention(qkv, cu, max_seqlen, p_attn, training, None, bias).reshape(ctx_shape)
+        if positions is not None:
+            scores = _disentangled(qkv, relative.rows, positions[i], first, training)
+            ctx = attention(qkv, cu, max_seqlen, p_attn, training, scale, None, scores, relative.columns)
+        else:
+            ctx = attention(qkv, cu, max_seqlen, p_attn, training, scale, bias)
+        ctx = ctx.reshape(ctx_shape)
         h = drl(ctx, o_w, o_b, x, n1_w, n1_b, eps1, p_hidden, training)
         x = drl(linear(h, i_w, i_b, act), f_w, f_b, h, n2_w, n2_b, eps2, p_hidden, training)
         if hidden is not None:
             hidden.append(x)
     return x
+
+
+def _disentangled(qkv: torch.Tensor, rows: torch.Tensor, projections: tuple, attention: nn.Module, training: bool
+                  ) -> torch.Tensor:  # fmt: skip
+    """DeBERTa's position_scores [2, nH, T, W] of one layer: the rows (dropped out in training) through its Kr and Qr
+    projections (weight, bias; None where a term is left out), against each token's query and key."""
+    rows = F.dropout(rows, attention.pos_dropout_p, training) if training else rows
+    key_w, key_b, query_w, query_b = projections
+    sides = (F.linear(rows, key_w, key_b) if key_w is not None else None,
+             F.linear(rows, query_w, query_b) if query_w is not None else None)  # fmt: skip
+    heads, dim = attention.num_heads, attention.head_dim
+    return relative_positions.deberta_scores(
+        qkv, relative_positions.deberta_projections(*sides, rows, heads, dim, attention.scale)
+    )
 
 
 def packed(inputs: Inputs, packing: Packing) -> tuple[torch.Tensor | None, ...]:

@@ -65,6 +65,8 @@ class Stack:
             return why or "the native CPU extension predates encoder_layers: rebuild it"
         if len(structure.layers) < 2:
             return "one layer: nothing to stack"
+        if structure.rows is not None:
+            return "DeBERTa's disentangled attention: the native layer stack computes no position scores"
         if structure.layers[0].signature() is None:
             return "the first layer is not a BERT layer with a plain weight and bias in every Linear and LayerNorm"
         if (i := same_layers(structure.layers)) is not None:
@@ -103,9 +105,9 @@ class Stack:
                     eps.append(norm[2])
         first = s.layers[0].self_attention
         cpu, _ = native.load("_native_cpu")
-        x = cpu.encoder_layers(x, packing.cu_seqlens, int(packing.max_seqlen), first.num_heads,
-                               1.0 / math.sqrt(first.head_dim), operands, s.layers[0].act, eps,
-                               s.position_bias())  # fmt: skip
+        scale = first.scale if first.scale is not None else 1.0 / math.sqrt(first.head_dim)  # DeBERTa's 1/sqrt(3D)
+        x = cpu.encoder_layers(x, packing.cu_seqlens, int(packing.max_seqlen), first.num_heads, scale, operands,
+                               s.layers[0].act, eps, s.position_bias())  # fmt: skip
         _status["stacked"] += 1
         on = (f"every GEMM on {gemms[0]}" if len(set(gemms)) == 1
               else ", ".join(f"{what} on {name}" for what, name in zip(GEMMS, gemms, strict=True)))  # fmt: skip

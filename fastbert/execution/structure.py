@@ -67,7 +67,8 @@ class Forwards(NamedTuple):
 
     embeddings: Callable
     encoder: Callable
-    layer: tuple[Callable, ...]  # a layer, its attention, self-attention, attention output, intermediate, output
+    # a layer, its attention, self-attention, attention output, intermediate, output; a tuple: any of those forwards
+    layer: tuple[Callable | tuple[Callable, ...], ...]
 
 
 class LayerParts(NamedTuple):
@@ -82,6 +83,8 @@ class LayerParts(NamedTuple):
     inter_dense: nn.Module
     ffn_dense: nn.Module
     ffn_norm: nn.Module
+    pos_key: nn.Module | None = None  # DeBERTa's projection of the relative rows for c2p (its key's when shared)
+    pos_query: nn.Module | None = None  # and for p2c
 
     @property
     def self_attention(self) -> nn.Module:
@@ -94,7 +97,7 @@ class LayerParts(NamedTuple):
     @property
     def leaves(self) -> tuple[nn.Module, ...]:
         """The Linear and LayerNorm modules whose tensors the executors read, in forward order."""
-        return self[1:]
+        return tuple(m for m in self[1:] if m is not None)
 
     def signature(self) -> tuple | None:
         """What a layer computes with besides its inputs: heads, activation, and each weight's and bias's shape,
@@ -115,9 +118,10 @@ def layer_parts(layer: nn.Module) -> LayerParts | None:
         attention, inter, ffn = (layer._modules[n] for n in ("attention", "intermediate", "output"))
         self_attention, out = attention._modules["self"], attention._modules["output"]
         q, k, v = (self_attention._modules[n] for n in ("query", "key", "value"))
+        positions = self_attention.position_modules() if self_attention.kinds else (None, None)
         return LayerParts((layer, attention, self_attention, out, inter, ffn), q, k, v, out._modules["dense"],
                           out._modules["LayerNorm"], inter._modules["dense"], ffn._modules["dense"],
-                          ffn._modules["LayerNorm"])  # fmt: skip
+                          ffn._modules["LayerNorm"], *positions)  # fmt: skip
     except (KeyError, AttributeError):
         return None
 
@@ -142,8 +146,10 @@ class Structure:
         self.tables = tuple(e._modules.get(n) for n in ("word_embeddings", "position_embeddings", "LayerNorm"))
         projection = e._modules.get("projection")
         self.relative = self.encoder._modules.get("relative_attention_bias")  # MPNet's [buckets, nH] table, or None
-        leaves = {m: None for m in (*self.tables, e._modules.get("token_type_embeddings"), projection, self.relative)
-                  if m is not None}  # fmt: skip
+        self.rows = self.encoder._modules.get("rel_embeddings")  # DeBERTa's relative embedding, or None
+        rows_norm = self.encoder._modules.get("LayerNorm") if self.rows is not None else None
+        leaves = {m: None for m in (*self.tables, e._modules.get("token_type_embeddings"), projection, self.relative,
+                                    self.rows, rows_norm) if m is not None}  # fmt: skip
         for p in self.layers:
             leaves.update(dict.fromkeys(p.leaves))
         wholes = {m: None for p in self.layers for m in p.modules}
@@ -175,9 +181,8 @@ class Structure:
     def _static_refusal(self) -> str | None:
         """Why this structure cannot run fused whatever the call, from the modules' types (checked every forward)."""
         e, forwards = self.embeddings, self.forwards
-        if "rel_embeddings" in self.encoder._modules or not hasattr(e, "position_embeddings"):
-            return "DeBERTa's disentangled attention runs in the modules' forwards (no executor computes its scores)"
-        if None in self.tables:
+        word, position, norm = self.tables
+        if word is None or norm is None or (position is None and "no_positions" not in e._buffers):
             return f"the embeddings ({type(e).__name__}) are not built as fastbert's BertEmbeddings"
         if type(e).forward is not forwards.embeddings:
             return f"the embeddings ({type(e).__name__}) run another forward than fastbert's"
@@ -187,7 +192,7 @@ class Structure:
             return "a layer is not built as fastbert's BertLayer"
         for p in self.layers:
             for module, forward in zip(p.modules, forwards.layer, strict=True):
-                if type(module).forward is not forward:
+                if type(module).forward not in (forward if isinstance(forward, tuple) else (forward,)):
                     return f"a {type(module).__name__} runs another forward than fastbert's"
         for leaf in self._leaves:
             kind = nn.LayerNorm if isinstance(leaf, nn.LayerNorm) else nn.Embedding if isinstance(
@@ -247,13 +252,31 @@ class Structure:
         word, position, norm = self.tables
         projection = self.embeddings._modules.get("projection")
         w = projection._parameters if projection is not None else {}
-        tables = (word._parameters["weight"], position._parameters["weight"], self.embeddings.type_table())
+        positions = position._parameters["weight"] if position is not None else self.embeddings.no_positions
+        tables = (word._parameters["weight"], positions, self.embeddings.type_table())
         return (*tables, norm._parameters["weight"], norm._parameters["bias"], norm.eps, w.get("weight"), w.get("bias"))
 
     def position_bias(self) -> torch.Tensor | None:
         """The attention's [nH, 2R + 1] relative position table, read from the encoder's bucket embedding now (MPNet),
         or None."""
         return None if self.relative is None else self.encoder.position_bias()
+
+    def relative_terms(self, max_seqlen: int) -> object:
+        """What every layer's attention adds for relative positions, read now: MPNet's table, DeBERTa's rows (the
+        encoder's `relative_terms`), or None."""
+        if self.relative is None and self.rows is None:
+            return None
+        return self.encoder.relative_terms(max_seqlen)
+
+    def position_weights(self) -> list[tuple]:
+        """Per layer, DeBERTa's projections of the relative rows: (Kr weight, bias, Qr weight, bias), None where a
+        term is left out."""
+        out = []
+        for p in self.layers:
+            key = p.pos_key._parameters if p.pos_key is not None else {}
+            query = p.pos_query._parameters if p.pos_query is not None else {}
+            out.append((key.get("weight"), key.get("bias"), query.get("weight"), query.get("bias")))
+        return out
 
     def layer_weights(self, concatenate: bool) -> list[tuple]:
         """Per layer, the tensors its fused ops read, in the loop's order: (QKV weight, bias, attention output weight,
