@@ -26,15 +26,22 @@ NAMES = ("gemm", "oneDNN/torch")
 def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv(timing_store.ENV_SWITCH, "1")
     monkeypatch.setenv(timing_store.ENV_DIR, str(tmp_path))
+    monkeypatch.setattr(timing, "cpu_clock", lambda: None)  # cannot tell who else ran: kept (as on a quiet machine)
     timing_store.forget()
     yield tmp_path
     timing_store.forget()
 
 
 def _judge(samples: list[list[float]], monkeypatch: pytest.MonkeyPatch, key: tuple = (768, 768, "small")):
-    """A first-use verdict whose timing returns `samples` (mine, other); how many times it timed."""
+    """A first-use verdict whose timing returns `samples` (mine, other); how many times it timed (a probe of a kept
+    verdict, PROBE_REPEATS samples, is not counted)."""
     timed = []
-    monkeypatch.setattr(timing, "samples", lambda *fns: timed.append(1) or samples)
+
+    def fake(*fns: object, repeats: int = timing.REPEATS) -> list[list[float]]:
+        timed.extend([1] if repeats == timing.REPEATS else [])
+        return [s[:repeats] for s in samples]
+
+    monkeypatch.setattr(timing, "samples", fake)
     verdict = timing.judge({}, key, lambda: None, lambda: None, NAMES, "[8, 768] x [768, 768]")
     return verdict, len(timed)
 
@@ -49,7 +56,38 @@ def test_a_settled_verdict_is_read_back_instead_of_timed(store: Path, monkeypatc
     timing_store.forget()  # as a new process: nothing in memory, the file on disk
     again, timed = _judge(QUIET, monkeypatch)
     assert timed == 0 and again[0] is True and "timed in an earlier run" in again[1]
+    assert "confirmed by a probe" in again[1]
     assert "1 read" in timing_store.describe()
+    (entry,) = json.loads(timing_store.path().read_text())["verdicts"].values()
+    assert entry[2] == {"mine_s": 1.0e-3, "other_s": 2.0e-3, "checks": 1, "others_share": None}  # what it rests on
+
+
+def test_nothing_timed_on_a_busy_machine_is_kept(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Samples a steady load slowed alike look quiet; the CPU time other processes used during the check says the
+    machine was busy: the verdict holds in this process and is not written."""
+    clocks = iter([(0.0, 0.0, 0.0), (1.0, 1.6, 0.2)])  # 1.4 CPU-seconds of others' work in 1 s on 2 CPUs
+    monkeypatch.setattr(timing, "cpu_clock", lambda: next(clocks))
+    monkeypatch.setattr(timing.os, "cpu_count", lambda: 2)
+    verdict, timed = _judge(QUIET, monkeypatch)
+    assert timed == 1 and verdict[0] is True and verdict.evidence is None
+    assert not list(store.glob("*.json"))
+    assert "1 timed while other processes took up to 70% of the CPUs" in timing_store.describe()
+
+
+@pytest.mark.parametrize("poisoned", [False, True], ids=["mine turned down", "mine picked"])
+def test_a_poisoned_store_cannot_slow_a_quiet_process(store: Path, monkeypatch: pytest.MonkeyPatch, poisoned: bool
+                                                      ) -> None:  # fmt: skip
+    """A kept verdict the machine contradicts now (written under load, or by hand) is probed at first use, timed again
+    and rewritten: a quiet process runs the path it would have picked with the store off."""
+    truth = QUIET if not poisoned else [[2.0e-3] * 9, [1.0e-3] * 9]  # which path is faster now
+    timing_store.remember("|".join(NAMES), (768, 768, "small"), poisoned, "written while busy")
+    timing_store.forget()
+    verdict, timed = _judge(truth, monkeypatch)
+    with_store_off = not poisoned
+    assert verdict[0] is with_store_off and timed == 1 and "written while busy" not in verdict[1]
+    assert "contradicted by a probe" in timing_store.describe()
+    (entry,) = json.loads(timing_store.path().read_text())["verdicts"].values()
+    assert entry[0] is with_store_off
 
 
 def test_a_provisional_verdict_is_not_kept(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -91,6 +129,7 @@ def test_a_file_where_the_directory_should_be_is_not_an_error(tmp_path: Path, mo
     (tmp_path / "taken").write_text("")
     monkeypatch.setenv(timing_store.ENV_SWITCH, "1")
     monkeypatch.setenv(timing_store.ENV_DIR, str(tmp_path / "taken"))
+    monkeypatch.setattr(timing, "cpu_clock", lambda: None)
     timing_store.forget()
     try:
         verdict, timed = _judge(QUIET, monkeypatch)
@@ -241,7 +280,7 @@ from fastbert import BertConfig, BertModel, explain
 from fastbert.backends import timing
 timed = []
 real = timing.samples
-timing.samples = lambda *fns, **kw: timed.append(1) or real(*fns, **kw)
+timing.samples = lambda *fns, **kw: timed.extend([1] if "repeats" not in kw else []) or real(*fns, **kw)
 torch.manual_seed(0)
 model = BertModel(BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                              intermediate_size=128)).eval()
@@ -271,3 +310,13 @@ def test_a_new_process_reads_the_verdicts_of_the_last(tmp_path: Path) -> None:
     assert "timed in an earlier run" in second["explain"]
     if second["timed"] == 0:  # every path as the first process settled it: the same output to the last bit
         assert second["sum"] == first["sum"]
+
+
+def test_others_share_excludes_this_process_and_short_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(timing.os, "cpu_count", lambda: 2)
+    assert timing.others_share((0.0, 10.0, 5.0), (0.5, 11.0, 6.0)) == 0.0  # all of it this process's own threads
+    assert timing.others_share((0.0, 10.0, 5.0), (0.5, 11.0, 5.5)) == 0.5  # half a CPU-second of others' in 0.5 s
+    assert timing.others_share((0.0, 10.0, 5.0), (0.1, 11.0, 5.0)) is None  # 100 ms: too short to tell
+    if os.path.exists("/proc/stat"):
+        wall, machine, own = timing.cpu_clock()
+        assert machine >= 0 and own >= 0 and wall > 0

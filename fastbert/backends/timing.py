@@ -7,6 +7,12 @@ well above its best) gives a provisional verdict: the path that runs without the
 the calls, and the shape is checked again later, spaced out in time, until a quiet check settles it on the best times
 seen over every check (or, still disturbed after `CHECKS` checks, on the path without it). A settled verdict never
 changes again: every later call of its shape runs the same path.
+
+Only what was timed on a quiet machine is kept for later processes (fastbert.backends.timing_store): a load that slows
+both paths alike leaves no trace in the samples, so the CPU time other processes used during the check (the machine's,
+from /proc/stat, less this process's own) must be small too, where the check lasted long enough to tell. A verdict
+read back from the store is confirmed by a short probe of both paths at first use; one the probe contradicts is timed
+again as at first use, so a store written under load never makes a quiet process slower than no store.
 """
 
 from __future__ import annotations
@@ -28,6 +34,11 @@ NOISE_FLOOR_S = 50e-6  # ...by at least this much per call: below it a wrong pic
 CHECKS = 4  # a verdict settles after at most this many checks
 RECHECK_CALLS = 8  # a provisional verdict is checked again after this many calls of its shape...
 RECHECK_AFTER_S = 3.0  # ...and this long after its last check (3x longer after each), so a start-up burst has passed
+
+BUSY_SHARE = 0.25  # other processes' share of every CPU during a check above which its verdict is not kept
+MIN_WINDOW_S = 0.25  # a shorter check cannot tell (the kernel counts CPU time in 10 ms ticks): kept, the probe guards
+PROBE_REPEATS = 2  # interleaved samples of each path confirming a verdict read from the store
+CONTRADICTED = 1.25  # a probe contradicts a stored verdict when the path it turned down is this much faster
 
 _recheck = threading.Lock()  # one re-check at a time; other threads meanwhile run the provisional verdict's path
 
@@ -63,6 +74,35 @@ def samples(*fns: Callable[[], object], repeats: int = REPEATS) -> list[list[flo
             fn()
             out.append(time.perf_counter() - start)
     return times
+
+
+def cpu_clock() -> tuple[float, float, float] | None:
+    """(wall seconds, CPU seconds every process on the machine used, CPU seconds this process used), None where
+    /proc/stat cannot be read (not Linux)."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            ticks = [int(v) for v in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+        busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    own = os.times()
+    return time.perf_counter(), busy, own.user + own.system
+
+
+def others_share(start: tuple[float, float, float] | None, end: tuple[float, float, float] | None) -> float | None:
+    """Other processes' share of every CPU between two `cpu_clock` readings; None where it cannot tell."""
+    if start is None or end is None or end[0] - start[0] < MIN_WINDOW_S:
+        return None
+    others = (end[1] - start[1]) - (end[2] - start[2])
+    return max(0.0, others) / ((end[0] - start[0]) * (os.cpu_count() or 1))
+
+
+def _contradicted(wins: bool, mine: Callable[[], object], other: Callable[[], object], margin: float) -> bool:
+    """Whether a short probe of both paths (best of PROBE_REPEATS interleaved samples) finds the path a stored verdict
+    turned down faster by CONTRADICTED, beyond the verdict's margin."""
+    with torch.no_grad():
+        fast, plain = (min(t) for t in samples(mine, other, repeats=PROBE_REPEATS))
+    return plain * CONTRADICTED < fast * margin if wins else fast * margin * CONTRADICTED < plain
 
 
 def disturbance(times: list[float]) -> float:
@@ -153,15 +193,19 @@ def judge(
     so every call of a key runs the same path (same output) until a re-check settles it."""
     verdict = verdicts.get(key)
     if verdict is None and (kept := timing_store.lookup("|".join(names), key)) is not None:
-        return verdicts.setdefault(key, Verdict(*kept, None))
+        if not _contradicted(kept[0], mine, other, margin):
+            return verdicts.setdefault(key, Verdict(kept[0], f"{kept[1]}, confirmed by a probe", None))
+        timing_store.note(f"a kept verdict was contradicted by a probe and timed again ({what})")
     evidence = getattr(verdict, "evidence", None)
     if verdict is not None and (evidence is None or not evidence.due()):
         return verdict
     if verdict is not None and not _recheck.acquire(blocking=False):
         return verdict  # another thread is re-checking it
     try:
+        clock = cpu_clock()
         with torch.no_grad():
             fast, plain = samples(mine, other)
+        share = others_share(clock, cpu_clock())
         if evidence is None:
             evidence = Evidence(float("inf"), float("inf"), 0, 1.0, 0.0)
         evidence.add(fast, plain)
@@ -173,7 +217,12 @@ def judge(
         else:
             kept = verdicts[key]
         if kept is decided and decided.evidence is None and evidence.disturbed < NOISY:  # settled quietly
-            timing_store.remember("|".join(names), key, *decided)  # the next process reads it instead of timing
+            if share is None or share < BUSY_SHARE:  # the next process reads it instead of timing
+                evidence_kept = {"mine_s": evidence.mine, "other_s": evidence.other, "checks": evidence.checks,
+                                 "others_share": share}  # fmt: skip
+                timing_store.remember("|".join(names), key, *decided, evidence_kept)
+            else:
+                timing_store.unkept(share)
         return kept
     finally:
         if verdict is not None:

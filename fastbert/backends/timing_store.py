@@ -4,9 +4,10 @@ A settled verdict (fastbert.backends.timing) holds for the machine that measured
 torch and fastbert build. Settled verdicts are written to one JSON file per such fingerprint, under
 `FASTBERT_CACHE_DIR` (default `~/.cache/fastbert`); the next process reads its verdicts from there instead of timing
 (BERT-base's first 8 x 128 forward on a 2-core CPU: 4.1 s with timing, 0.9 s without). Provisional verdicts (timed on a
-busy machine) are never written. `FASTBERT_TIMING_CACHE=0` turns the store off; a file that cannot be read or written
-is passed over with one log line, never an error. Only a regular file of at most MAX_FILE_BYTES is ever read (a FIFO
-at the path would block, a link to /dev/zero never end), and the file keeps at most MAX_ENTRIES verdicts.
+busy machine) are never written, nor verdicts timed while other processes took the CPUs; each kept verdict carries
+the best times and checks it rests on. `FASTBERT_TIMING_CACHE=0` turns the store off; a file that cannot be read or
+written is passed over with one log line, never an error. Only a regular file of at most MAX_FILE_BYTES is ever read (a
+FIFO at the path would block, a link to /dev/zero never end), and the file keeps at most MAX_ENTRIES verdicts.
 """
 
 from __future__ import annotations
@@ -32,12 +33,12 @@ log = logging.getLogger("fastbert.timing")
 
 ENV_DIR, ENV_SWITCH = "FASTBERT_CACHE_DIR", "FASTBERT_TIMING_CACHE"
 ONEDNN_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ONEDNN_DEFAULT_FPMATH_MODE", "MKL_ENABLE_INSTRUCTIONS")
-FORMAT = 1  # the verdicts' meaning: raised when timing's rules change (a margin, what a path is compared with)
+FORMAT = 2  # the verdicts' meaning: raised when timing's rules change (a margin, what a path is compared with)
 MAX_FILE_BYTES = 4 << 20  # a store this large is not one fastbert wrote (MAX_ENTRIES verdicts take well under 2 MiB)
 MAX_ENTRIES = 4096  # verdicts kept in the file: GEMM shapes of a few models, many times over
 _lock = threading.Lock()
 _files: dict[Path, dict[str, list]] = {}  # each file read so far: verdict key -> [wins, why]
-_state = {"read": 0, "written": 0, "note": ""}
+_state = {"read": 0, "written": 0, "note": "", "unkept": 0, "share": 0.0}
 _passed_over: set[Path] = set()  # files not read (PassedOver): nor written, whatever they are
 
 
@@ -130,8 +131,8 @@ def _read(file: Path) -> dict[str, list]:
     if len(data) > MAX_FILE_BYTES:  # grew since it was checked
         raise PassedOver(f"{file} is larger than {MAX_FILE_BYTES} bytes: passed over")
     verdicts = json.loads(data).get("verdicts", {})
-    good = ((k, v) for k, v in verdicts.items() if isinstance(v, list) and len(v) == 2
-            and isinstance(v[0], bool) and isinstance(v[1], str))  # fmt: skip
+    good = ((k, v) for k, v in verdicts.items() if isinstance(v, list) and len(v) in (2, 3) and isinstance(v[0], bool)
+            and isinstance(v[1], str) and (len(v) == 2 or isinstance(v[2], dict)))  # fmt: skip
     return dict(itertools.islice(good, MAX_ENTRIES))
 
 
@@ -166,8 +167,9 @@ def lookup(store: str, key: tuple) -> tuple[bool, str] | None:
     return entry[0], f"{entry[1]} (timed in an earlier run, kept in {file})"
 
 
-def remember(store: str, key: tuple, wins: bool, why: str) -> None:
-    """Keep a settled verdict for the next process (written at once: a server may never exit cleanly)."""
+def remember(store: str, key: tuple, wins: bool, why: str, evidence: dict | None = None) -> None:
+    """Keep a settled verdict, with the `evidence` it rests on, for the next process (written at once: a server may
+    never exit cleanly)."""
     if not enabled():
         return
     file = path()
@@ -181,7 +183,7 @@ def remember(store: str, key: tuple, wins: bool, why: str) -> None:
         if name not in entries and len(entries) >= MAX_ENTRIES:
             _state["note"] = f"{file} holds {MAX_ENTRIES} verdicts, its most: new ones stay in this process"
             return
-        entries[name] = [wins, why]
+        entries[name] = [wins, why] if evidence is None else [wins, why, evidence]
         tmp = None
         try:
             file.parent.mkdir(parents=True, exist_ok=True)
@@ -204,6 +206,18 @@ def remember(store: str, key: tuple, wins: bool, why: str) -> None:
                     os.unlink(tmp)
 
 
+def note(words: str) -> None:
+    """Say something about the store in explain() (the last thing said is shown)."""
+    _state["note"] = words
+
+
+def unkept(share: float) -> None:
+    """Count a verdict settled while other processes took `share` of the CPUs: kept in this process only."""
+    with _lock:
+        _state["unkept"] += 1
+        _state["share"] = max(_state["share"], share)
+
+
 def describe() -> str:
     """explain()'s line: where timings are kept and what this process read and wrote."""
     if not enabled():
@@ -212,6 +226,9 @@ def describe() -> str:
     if file is None:
         return f"GEMM timings: kept in this process only: {_state['note']}"
     said = f"GEMM timings: kept in {file} ({_state['read']} read, {_state['written']} written by this process)"
+    if _state["unkept"]:
+        said += (f"; {_state['unkept']} timed while other processes took up to {_state['share']:.0%} of the CPUs kept "
+                 "in this process only")  # fmt: skip
     return said + (f"; {_state['note']}" if _state["note"] else "")
 
 
@@ -220,4 +237,4 @@ def forget() -> None:
     with _lock:
         _files.clear()
         _passed_over.clear()
-        _state.update(read=0, written=0, note="")
+        _state.update(read=0, written=0, note="", unkept=0, share=0.0)
