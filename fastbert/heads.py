@@ -168,7 +168,8 @@ class _WithMLMDecoder(PreTrainedModel):
     """Ties `cls.predictions.decoder.weight` to the word embeddings, as transformers does."""
 
     def tie_weights(self) -> None:
-        if getattr(self.config, "tie_word_embeddings", True):
+        config = self.config  # DeBERTa's lm_predictions head reads the word embeddings whatever the config says
+        if getattr(config, "tie_word_embeddings", True) or (config.family.modern_mlm_keys and config.legacy is False):
             self.cls.predictions.decoder.weight = self.bert.embeddings.word_embeddings.weight
         self.cls.predictions.decoder.bias = self.cls.predictions.bias
 
@@ -325,6 +326,8 @@ class BertForSequenceClassification(PreTrainedModel):
         return self.classifier.out_proj if isinstance(self.classifier, ClassificationHead) else self.classifier
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.config.problem_type is None and self.config.family.context_pooler:
+            return _deberta_loss(logits, labels, self.num_labels)
         if self.config.problem_type is None:
             if self.num_labels == 1:
                 self.config.problem_type = "regression"
@@ -342,6 +345,20 @@ class BertForSequenceClassification(PreTrainedModel):
         if kind == "multi_label_classification":
             return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
         raise ValueError(f"unknown problem_type {kind!r}")
+
+
+def _deberta_loss(logits: torch.Tensor, labels: torch.Tensor, num_labels: int) -> torch.Tensor:
+    """DeBERTa's own rule where no problem_type is set: regression for one label; class ids with the negative ones
+    skipped (0 when all are); else soft labels (a distribution per row)."""
+    if num_labels == 1:
+        return F.mse_loss(logits.view(-1).to(labels.dtype), labels.view(-1))
+    if labels.dim() == 1 or labels.size(-1) == 1:
+        labels = labels.view(-1)
+        kept = labels >= 0
+        if not bool(kept.any()):
+            return logits.new_zeros(())
+        return F.cross_entropy(logits[kept].float(), labels[kept].long())
+    return -(F.log_softmax(logits, dim=-1) * labels).sum(-1).mean()
 
 
 class BertForTokenClassification(PreTrainedModel):

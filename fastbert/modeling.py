@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import math
 import operator
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +24,7 @@ from fastbert.execution import CudaGraphs, Inputs
 from fastbert.execution.structure import plain
 from fastbert.outputs import BaseModelOutputWithPooling
 from fastbert.padding import Packing, rows_with_gaps, unpad_and_read
-from fastbert.relative_positions import bias_table, distance_buckets
+from fastbert.relative_positions import DisentangledRows, bias_table, distance_buckets
 from fastbert.validation import check_inputs
 from fastbert.weight_stamp import stamp
 
@@ -223,13 +222,6 @@ class BertSelfAttention(nn.Module):
         return ctx.reshape(x.shape[0], self.num_heads * self.head_dim), probs
 
 
-class DisentangledRows(NamedTuple):
-    """DeBERTa's relative embedding rows a batch reaches (normalised where the config says) and each distance's row."""
-
-    rows: torch.Tensor  # [W, H]
-    columns: torch.Tensor  # [2R + 1] int32: the row of key - query distance d at d + R (R = max_seqlen - 1)
-
-
 class DisentangledSelfAttention(BertSelfAttention):
     """DeBERTa-v2/v3's attention: score = (q_i . k_j + q_i . Kr[c] + k_j . Qr[c]) / sqrt(3 D), c the bucket of i - j.
 
@@ -242,7 +234,7 @@ class DisentangledSelfAttention(BertSelfAttention):
     def __init__(self, config: BertConfig) -> None:
         super().__init__(config)
         self.kinds = config.disentangled_kinds
-        self.scale = 1.0 / math.sqrt(self.head_dim * (1 + len(config.pos_att_type or [])))
+        self.scale = 1.0 / math.sqrt(self.head_dim * (1 + len(set(config.pos_att_type or []))))  # each kind once
         self.share_att_key = bool(config.share_att_key)
         self.pos_dropout_p = config.hidden_dropout_prob
         if not self.share_att_key:
@@ -408,8 +400,9 @@ class BertEncoder(nn.Module):
                 self.max_relative_positions = config.max_position_embeddings
             span = relative_positions.deberta_span(self.position_buckets, self.max_relative_positions)
             self.rel_embeddings = nn.Embedding(2 * span, config.hidden_size)
-            if "layer_norm" in [x.strip() for x in str(config.norm_rel_ebd).lower().split("|")]:
-                self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        norms = [x.strip() for x in str(getattr(config, "norm_rel_ebd", "none")).lower().split("|")]
+        if config.family.disentangled and "layer_norm" in norms:  # transformers builds it without the rows too
+            self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def position_bias(self) -> torch.Tensor | None:
         """The [nH, 2R + 1] fp32 table by key - query distance the attention kernels read (None without one)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -157,6 +158,13 @@ def deberta_row_table(position_buckets: int, max_relative_positions: int) -> tup
     radius = max(max_relative_positions, deberta_span(position_buckets, max_relative_positions))
     first, _, columns = _deberta_rows(radius + 1, position_buckets, max_relative_positions)
     return radius, columns.long() + first
+
+
+class DisentangledRows(NamedTuple):
+    """DeBERTa's relative embedding rows a batch reaches (normalised where the config says) and each distance's row."""
+
+    rows: torch.Tensor  # [W, H]
+    columns: torch.Tensor  # [2R + 1] int32: the row of key - query distance d at d + R (R = max_seqlen - 1)
 
 
 def deberta_projections(

@@ -287,3 +287,48 @@ def test_torch_compile_inference_and_training_match_eager() -> None:
         grads.append((loss.detach(), fast.encoder.rel_embeddings.weight.grad.clone()))
     torch.testing.assert_close(grads[1][0], grads[0][0], atol=1e-3, rtol=1e-5)
     torch.testing.assert_close(grads[1][1], grads[0][1], atol=1e-4, rtol=1e-4)
+
+
+def test_the_new_mlm_head_reads_the_word_embeddings_even_untied(tmp_path) -> None:
+    """legacy=False multiplies by the word embeddings whatever tie_word_embeddings says, as transformers does."""
+    hf = hf_deberta_model("v3", "ForMaskedLM", legacy=False, tie_word_embeddings=False)
+    hf.save_pretrained(tmp_path)
+    fast = fastbert.DebertaV2ForMaskedLM.from_pretrained(tmp_path).eval()
+    ids, mask = ragged([25, 9])
+    with torch.no_grad():
+        want, got = hf(ids, attention_mask=mask).logits, fast(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    assert (got[valid] - want[valid]).abs().max() <= ATOL
+
+
+@pytest.mark.parametrize("kind", ["skipped negative", "all negative", "soft", "regression"])
+def test_sequence_loss_follows_debertas_own_rule(kind: str) -> None:
+    """Without a problem_type, DeBERTa's classifier skips negative labels (0 when all are), takes a distribution
+    per row as soft labels, and regresses for one label; the config's problem_type stays unset."""
+    labels = {"skipped negative": torch.tensor([0, -1, 2, 1]), "all negative": torch.full((4,), -1),
+              "soft": torch.softmax(torch.randn(4, 3, generator=torch.Generator().manual_seed(3)), -1),
+              "regression": torch.tensor([0.5, -1.0, 2.0, 0.0])}[kind]  # fmt: skip
+    hf = hf_deberta_model("v3", "ForSequenceClassification", num_labels=1 if kind == "regression" else 3)
+    fast = fastbert.optimize(hf)
+    ids, mask = ragged([20, 11, 5, 20])
+    with torch.no_grad():
+        want, got = hf(ids, attention_mask=mask, labels=labels), fast(ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(got.loss.float(), want.loss.float(), atol=ATOL, rtol=1e-5)
+    assert fast.config.problem_type is None
+
+
+def test_a_layer_norm_without_relative_attention_loads_both_ways(tmp_path) -> None:
+    hf = hf_deberta_model("no-relative", norm_rel_ebd="layer_norm")
+    hf.save_pretrained(tmp_path / "hf")
+    fast = fastbert.DebertaV2Model.from_pretrained(tmp_path / "hf").eval()
+    ids, mask = ragged([30, 4])
+    assert hidden_states_error(fast, hf, ids, mask) <= ATOL
+    fast.save_pretrained(tmp_path / "fast")
+    back = transformers.DebertaV2Model.from_pretrained(tmp_path / "fast")
+    assert back.state_dict().keys() == hf.state_dict().keys()
+
+
+def test_a_repeated_relative_term_is_counted_once_in_the_scale() -> None:
+    hf = hf_deberta_model("v3", pos_att_type="c2p|c2p")
+    ids, mask = ragged([60, 7])
+    assert hidden_states_error(fastbert.optimize(hf), hf, ids, mask) <= ATOL

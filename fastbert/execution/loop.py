@@ -67,8 +67,8 @@ def layers(
     return x
 
 
-def _disentangled(qkv: torch.Tensor, rows: torch.Tensor, projections: tuple, attention: nn.Module, training: bool
-                  ) -> torch.Tensor:  # fmt: skip
+def _disentangled(qkv: torch.Tensor, rows: torch.Tensor, projections: tuple[torch.Tensor | None, ...],
+                  attention: nn.Module, training: bool) -> torch.Tensor:  # fmt: skip
     """DeBERTa's position_scores [2, nH, T, W] of one layer: the rows (dropped out in training) through its Kr and Qr
     projections (weight, bias; None where a term is left out), against each token's query and key."""
     rows = F.dropout(rows, attention.pos_dropout_p, training) if training else rows

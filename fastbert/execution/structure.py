@@ -23,6 +23,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from fastbert.relative_positions import DisentangledRows
+
 _registrations = itertools.count()
 _epoch = [0]  # parameters, buffers and submodules registered so far, process-wide
 
@@ -261,7 +263,7 @@ class Structure:
         or None."""
         return None if self.relative is None else self.encoder.position_bias()
 
-    def relative_terms(self, max_seqlen: int) -> object:
+    def relative_terms(self, max_seqlen: int) -> torch.Tensor | DisentangledRows | None:
         """What every layer's attention adds for relative positions, read now: MPNet's table, DeBERTa's rows (the
         encoder's `relative_terms`), or None."""
         if self.relative is None and self.rows is None:
