@@ -338,3 +338,17 @@ def test_scores_gpu_grad_is_deterministic() -> None:
     runs = [torch.autograd.grad(kernels.attention(qkv, cu, 512, position_scores=scores, position_columns=columns)
                                 .float().square().sum(), (qkv, scores)) for _ in range(2)]  # fmt: skip
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
+@requires_triton
+def test_every_tile_keeps_the_gradient_ranks_in_int32() -> None:
+    """The scores' gradient ranks column * MAX_DIAGONALS + diagonal in int32: no tile may span more diagonals."""
+    import importlib
+
+    from fastbert.kernels import limits
+
+    kernel = importlib.import_module("fastbert.kernels.attention")  # the module (the package exports the function)
+    for dim in (16, 26, 64, 96, 128):
+        block_m, block_n, _, _ = kernel._tiles(dim, 4096)
+        assert block_m + block_n <= limits.MAX_DIAGONALS
+    assert (limits.MAX_POSITION_COLUMNS - 1) * limits.MAX_DIAGONALS + limits.MAX_DIAGONALS - 1 < 2**31

@@ -348,7 +348,7 @@ def _blocks(head_dim: int, max_seqlen: int) -> tuple[int, int, int, int]:
 def _tiles(head_dim: int, cap: int) -> tuple[int, int, int, int]:
     """_blocks for a shape class: the head dim and the longest sequence's power of two (`cap`)."""
     block_d = C.feature_block(head_dim)
-    block_m, block_n = (64, 64) if block_d <= 64 else (64, 32)
+    block_m, block_n = (64, 64) if block_d <= 64 else (64, 32)  # at most MAX_DIAGONALS diagonals (int32 ranks)
     return min(block_m, cap), min(block_n, cap), block_d, 4 if block_d <= 64 else 8
 
 

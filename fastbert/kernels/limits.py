@@ -5,7 +5,8 @@ import torch
 MAX_FEATURE = 16384  # a row kernel keeps one feature row in registers
 MAX_HEAD_DIM = 128  # attention keeps a [block, head dim] tile of Q, K and V
 MAX_SEQLEN_DROPOUT = 46340  # attention dropout: row * max_seqlen + col must fit the int32 Philox offset
-MAX_POSITION_COLUMNS = 2**24  # attention's position_scores W: its gradient ranks column * 128 + diagonal in int32
+MAX_DIAGONALS = 128  # attention's tiles span at most this many diagonals (BLOCK_M + BLOCK_N: kernels/attention.py)
+MAX_POSITION_COLUMNS = 2**31 // MAX_DIAGONALS  # position_scores' W: its gradient ranks column * 128 + diagonal in int32
 
 
 def tf32_allowed() -> bool:
