@@ -52,8 +52,15 @@ def native_build() -> dict:
     build_cuda = _enabled("FASTBERT_BUILD_CUDA")
     if not (build_cuda or _enabled("FASTBERT_BUILD_NATIVE")):
         return {}
-    import torch
-    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+    try:  # compiled against the torch it will run with: the one installed, not a copy in pip's build environment
+        import torch
+        from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+    except ImportError as e:
+        raise SystemExit(
+            f"fastbert native build: torch is not importable here ({e}). The extension compiles against the installed "
+            "torch: install torch first, then build without pip's isolated environment:\n"
+            "    FASTBERT_BUILD_NATIVE=1 pip install --no-build-isolation ."
+        ) from None
 
     cpu_sources = sorted(glob.glob("csrc/cpu/*.cpp"))
     ext = [CppExtension("fastbert._native_cpu", cpu_sources, extra_compile_args=CPU_FLAGS, extra_link_args=LINK_FLAGS)]

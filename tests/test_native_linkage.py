@@ -82,3 +82,15 @@ print("alive")
         "TypeError: native CPU kernels take float32 or bfloat16, got x of Half",
         "alive",
     ], done.stdout
+
+
+def test_a_native_build_without_torch_says_the_one_command_that_works() -> None:
+    """pip's isolated build environment has no torch: the native build stops with the command that builds against the
+    installed torch, instead of a ModuleNotFoundError from deep in setup.py."""
+    root = Path(__file__).resolve().parents[1]
+    script = ("import sys; sys.modules['torch'] = None; sys.argv = ['setup.py', '--name']; "
+              f"exec(compile(open({str(root / 'setup.py')!r}).read(), 'setup.py', 'exec'))")  # fmt: skip
+    env = {**os.environ, "FASTBERT_BUILD_NATIVE": "1"}
+    out = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "FASTBERT_BUILD_NATIVE=1 pip install --no-build-isolation ." in out.stderr, out.stderr[-2000:]
