@@ -16,7 +16,7 @@ import fastbert
 from fastbert import relative_positions
 from tests.conftest import NATIVE_CPU
 from tests.test_graph_buckets import RerunGraphs
-from tests.test_mpnet import compile_matches_eager
+from tests.test_mpnet import compile_matches_eager, hidden_states_error
 
 ATOL = 1e-5
 SIZE = dict(vocab_size=99, hidden_size=78, num_attention_heads=3, num_hidden_layers=3, intermediate_size=37,
@@ -53,14 +53,6 @@ def ragged(lengths: list[int], left: bool = False, vocab: int = 99) -> tuple[tor
     mask = (positions >= seqlen - length) if left else (positions < length)
     ids = torch.randint(4, vocab, mask.shape, generator=torch.Generator().manual_seed(1))
     return ids.masked_fill(~mask, 0), mask.long()
-
-
-def hidden_states_error(fast: torch.nn.Module, hf: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> float:
-    with torch.no_grad():
-        want = hf(ids, attention_mask=mask, output_hidden_states=True).hidden_states
-        got = fast(ids, attention_mask=mask, output_hidden_states=True).hidden_states
-    valid = mask.bool()
-    return max((a[valid] - b[valid]).abs().max().item() for a, b in zip(got, want, strict=True))
 
 
 @pytest.mark.parametrize(("buckets", "longest"), [(256, 512), (16, 64), (-1, 64)])
