@@ -200,6 +200,31 @@ def _position_terms(
     return bias
 
 
+def rotate(qkv: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:  # [T, 3, nH, D], [2, T, R/2] -> [T, 3, nH, D]
+    """q and k rotated by each token's (cos, sin) row, rotate-half form over the first R dims, in fp32 (fp64 for fp64)
+    and rounded to qkv's dtype (transformers' apply_rotary_pos_emb); v as it is."""
+    total, _, _, dim = qkv.shape
+    half = rotary.shape[-1] if rotary.dim() == 3 else 0
+    if rotary.dim() != 3 or rotary.shape[:2] != (2, total) or not 0 < 2 * half <= dim:
+        shape = tuple(rotary.shape)
+        raise ValueError(f"rotary must be [2, T = {total}, R/2] with 0 < R <= head dim {dim}, got {shape}")
+    wide = torch.promote_types(qkv.dtype, torch.float32)
+    qk = qkv[:, :2].to(wide)
+    cos, sin = (t.to(wide)[:, None, None, :] for t in rotary.unbind(0))  # [T, 1, 1, R/2]
+    x1, x2 = qk[..., :half], qk[..., half : 2 * half]
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, qk[..., 2 * half :]), dim=-1)
+    return torch.cat((rotated.to(qkv.dtype), qkv[:, 2:]), dim=1)
+
+
+def _windowed(mask: torch.Tensor | None, window: int | None, max_seqlen: int, device: torch.device) -> torch.Tensor:
+    """The key mask narrowed to keys within `window` of each query: [B or 1, 1, S, S]."""
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (keys within that distance), got {window}")
+    index = torch.arange(max_seqlen, device=device)
+    near = ((index[None, :] - index[:, None]).abs() <= window).view(1, 1, max_seqlen, max_seqlen)
+    return near if mask is None else mask & near
+
+
 def _biased_mask(bias: torch.Tensor, mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """The position terms as an additive mask in `dtype`, -inf at the keys `mask` leaves out."""
     bias = bias.to(dtype)
@@ -216,15 +241,21 @@ def attention(
     position_bias: torch.Tensor | None = None,  # [nH, 2R + 1] fp32
     position_scores: torch.Tensor | None = None,  # [2, nH, T, W]
     position_columns: torch.Tensor | None = None,  # [2R + 1] int32
+    rotary: torch.Tensor | None = None,  # [2, T, R/2] fp32
+    window: int | None = None,
     upcast: bool = False,
 ) -> torch.Tensor:  # [T, nH, D]
     """softmax(q k^T * scale + bias) v within each sequence (bidirectional), fp32 softmax; the bias of query i and
     key j is position_bias[h, clamp(j - i, -R, R) + R] plus position_scores[0, h, i, c] + position_scores[1, h, j, c],
-    c = position_columns[clamp(j - i, -R, R) + R] (spelled out as [B, nH, S, S] here, the reference's form)."""
+    c = position_columns[clamp(j - i, -R, R) + R] (spelled out as [B, nH, S, S] here, the reference's form); q and k
+    rotated first by `rotary`, keys farther than `window` from the query masked out."""
     total, _, heads, dim = qkv.shape
     if total == 0:
         return qkv.new_zeros(0, heads, dim)
+    qkv = rotate(qkv, rotary) if rotary is not None else qkv
     padded, mask, flat = _to_padded(_up(qkv, upcast), cu_seqlens, max_seqlen)
+    if window is not None:
+        mask = _windowed(mask, window, max_seqlen, qkv.device)
     q, k, v = padded.unbind(0)
     p = dropout_p if training else 0.0
     scale = scale if scale is not None else 1.0 / math.sqrt(dim)
@@ -248,13 +279,18 @@ def attention_with_probs(
     position_bias: torch.Tensor | None = None,  # [nH, 2R + 1] fp32
     position_scores: torch.Tensor | None = None,  # [2, nH, T, W]
     position_columns: torch.Tensor | None = None,  # [2R + 1] int32
+    rotary: torch.Tensor | None = None,  # [2, T, R/2] fp32
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, nH, D], [B, nH, S, S]
     """The slow path that materialises the probabilities (`output_attentions`, attention distillation)."""
     total, _, heads, dim = qkv.shape
     batch = cu_seqlens.numel() - 1
     if total == 0:
         return qkv.new_zeros(0, heads, dim), qkv.new_zeros(batch, heads, max_seqlen, max_seqlen)
+    qkv = rotate(qkv, rotary) if rotary is not None else qkv
     padded, mask, flat = _to_padded(qkv, cu_seqlens, max_seqlen)
+    if window is not None:
+        mask = _windowed(mask, window, max_seqlen, qkv.device)
     q, k, v = padded.unbind(0)
     scale = scale if scale is not None else 1.0 / math.sqrt(dim)
     with no_autocast(qkv.device):

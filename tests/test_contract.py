@@ -66,7 +66,8 @@ def test_the_native_custom_ops_and_bindings_take_the_forward_only_parameters(op:
 def test_a_declaration_gives_schema_signature_and_fake() -> None:
     op = contract.ATTENTION
     schema = ("(Tensor qkv, Tensor cu_seqlens, SymInt max_seqlen, float? scale=None, Tensor? position_bias=None, "
-              "Tensor? position_scores=None, Tensor? position_columns=None) -> Tensor")
+              "Tensor? position_scores=None, Tensor? position_columns=None, Tensor? rotary=None, "
+              "SymInt? window=None) -> Tensor")
     assert op.schema(op.forward_only()) == schema
     assert str(inspect.signature(ops.attention)).startswith("(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen")
     qkv = torch.empty(7, 3, 2, 4, dtype=torch.bfloat16, device="meta")

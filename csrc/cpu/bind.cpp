@@ -240,7 +240,8 @@ std::pair<at::Tensor, at::Tensor> position_scores_of(const at::Tensor& scores_in
 
 at::Tensor attention(const at::Tensor& qkv_in, const at::Tensor& cu_seqlens, int64_t max_seqlen, double scale,
                      const std::optional<at::Tensor>& position_bias, const std::optional<at::Tensor>& position_scores,
-                     const std::optional<at::Tensor>& position_columns, const std::optional<at::Tensor>& out_opt) {
+                     const std::optional<at::Tensor>& position_columns, const std::optional<at::Tensor>& rotary_in,
+                     std::optional<int64_t> window, const std::optional<at::Tensor>& out_opt) {
   check_device(qkv_in, kCpu, "qkv");
   check_device(cu_seqlens, kCpu, "cu_seqlens");
   const DType dtype = dtype_of(qkv_in, "qkv");
@@ -274,10 +275,29 @@ at::Tensor attention(const at::Tensor& qkv_in, const at::Tensor& cu_seqlens, int
   at::Tensor scores, columns;
   if (position_scores.has_value())
     std::tie(scores, columns) = position_scores_of(*position_scores, *position_columns, qkv_in);
+  at::Tensor rotary;
+  if (rotary_in.has_value()) {
+    rotary = *rotary_in;
+    check_device(rotary, kCpu, "rotary");
+    TORCH_CHECK_TYPE(rotary.scalar_type() == at::kFloat, "rotary must be float32, got ", rotary.scalar_type());
+    TORCH_CHECK_VALUE(rotary.dim() == 3 && rotary.size(0) == 2 && rotary.size(1) == total && rotary.size(2) > 0 &&
+                          2 * rotary.size(2) <= dim,
+                      "rotary must be [2, T = ", total, ", R/2] with 0 < R <= head dim ", dim, ", got ", rotary.sizes());
+    if (rotary.stride(2) != 1) rotary = rotary.contiguous();
+  }
+  TORCH_CHECK_VALUE(!window.has_value() || *window >= 0, "window must be >= 0 (keys within that distance), got ",
+                    window.value_or(0));
   at::Tensor out = output(out_opt, {total, heads, dim}, qkv_in);
   if (total == 0 || heads == 0 || dim == 0) return out;
   at::Tensor qkv = qkv_in.stride(3) == 1 ? qkv_in : qkv_in.contiguous();
   AttentionArgs a{};
+  if (rotary.defined()) {
+    a.rotary = rotary.data_ptr<float>();
+    a.rotary_half = rotary.size(2);
+    a.rotary_stride_side = rotary.stride(0);
+    a.rotary_stride_t = rotary.stride(1);
+  }
+  a.window = window.value_or(-1);
   if (bias.defined()) a.bias = bias.data_ptr<float>(), a.bias_radius = (bias.size(1) - 1) / 2;
   if (scores.defined()) {
     a.scores = scores.data_ptr();
@@ -435,7 +455,7 @@ at::Tensor encoder_layers(const at::Tensor& x_in, const at::Tensor& cu_seqlens, 
                       ", ", w[5].numel(), ", ", w[13].numel());
     const at::Tensor qkv = stack_gemm(x, w, std::nullopt).view({tokens, 3, heads, hidden / heads});
     const at::Tensor ctx = attention(qkv, cu_seqlens, max_seqlen, scale, position_bias, std::nullopt, std::nullopt,
-                                     std::nullopt).view({tokens, hidden});
+                                     std::nullopt, std::nullopt, std::nullopt).view({tokens, hidden});
     const at::Tensor h = stack_gemm(ctx, w + 3, std::nullopt, x, w[6], w[7], eps[2 * layer]);
     x = stack_gemm(stack_gemm(h, w + 8, act), w + 11, std::nullopt, h, w[14], w[15], eps[2 * layer + 1]);
   }
@@ -462,7 +482,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("attention", &attention, "varlen attention over packed qkv [T, 3, nH, D] -> [T, nH, D]", py::arg("qkv"),
         py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("scale"), py::arg("position_bias") = py::none(),
-        py::arg("position_scores") = py::none(), py::arg("position_columns") = py::none(), py::arg("out") = py::none(),
+        py::arg("position_scores") = py::none(), py::arg("position_columns") = py::none(),
+        py::arg("rotary") = py::none(), py::arg("window") = py::none(), py::arg("out") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("int8_linear", &int8_linear,
         "act(x @ W^T + bias) or LayerNorm(x @ W^T + bias + residual), W int8 per channel, x int8 per row",

@@ -58,6 +58,11 @@ struct AttentionArgs {
   int64_t scores_stride_side, scores_stride_head, scores_stride_t;  // element strides of the first three dims
   const int32_t* columns;     // [2R + 1], each in [0, W)
   int64_t columns_radius;     // R
+  // rotary positions, or null: q and k of packed token t rotated by cos = rotary[t * rotary_stride_t + d] and
+  // sin = the same + rotary_stride_side, pairs (d, d + rotary_half) for d < rotary_half
+  const float* rotary;
+  int64_t rotary_half, rotary_stride_side, rotary_stride_t;
+  int64_t window;             // keys with |j - i| <= window only; < 0: every key
   void* out;                  // [T, nH, D] contiguous
 };
 

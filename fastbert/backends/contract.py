@@ -19,7 +19,7 @@ import torch
 REQUIRED = inspect.Parameter.empty
 # schema kind -> the Python annotation a signature shows
 _ANNOTATIONS = {"Tensor": torch.Tensor, "Tensor?": torch.Tensor | None, "float": float, "float?": float | None,
-                "SymInt": int, "bool": bool, "str": str, "str?": str | None}  # fmt: skip
+                "SymInt": int, "SymInt?": int | None, "bool": bool, "str": str, "str?": str | None}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,10 @@ ATTENTION = Op(
      Param("position_scores", "Tensor?", None, shape="[2, nH, T, W] (qkv's dtype or fp32): per token, its scaled "
            "query-side and key-side scores against W relative-position rows"),
      Param("position_columns", "Tensor?", None, shape="[2R + 1] int32: the row of position_scores of each key - query "
-           "distance clamped to [-R, R]")),
+           "distance clamped to [-R, R]"),
+     Param("rotary", "Tensor?", None, shape="[2, T, R/2] fp32: cos and sin of each packed token's angle per rotated "
+           "pair (d, d + R/2), d < R/2, R <= D even"),
+     Param("window", "SymInt?", None, shape="keys within this distance of the query only (|j - i| <= window)")),
     "[T, nH, D]",
     "Varlen bidirectional attention over packed QKV: softmax(q k^T * scale + bias) v within each sequence, fp32 "
     "softmax; a fully masked (empty) sequence gives no rows, never NaN. `position_bias` adds, for query i and key j "
@@ -165,7 +168,10 @@ ATTENTION = Op(
     "table by distance). `position_scores` with `position_columns` adds position_scores[0, h, i, c] + "
     "position_scores[1, h, j, c], c = position_columns[clamp(j - i, -R, R) + R] (DeBERTa's disentangled "
     "content-to-position and position-to-content terms; i, j packed token indices). Kernels read both in the tile "
-    "loop, never as an [S, S] tensor.",
+    "loop, never as an [S, S] tensor. `rotary` rotates q and k as they are loaded (rotary position embeddings, "
+    "rotate-half form: x[d] cos - x[d + R/2] sin and x[d + R/2] cos + x[d] sin for d < R/2; dims from R on are "
+    "kept), each token by its own row, so a sequence's positions are whatever its rows say. `window` keeps the keys "
+    "within that distance of each query (sliding-window layers), and kernels skip the key blocks outside it.",
     _attention_output,
 )  # fmt: skip
 LINEAR = Op(

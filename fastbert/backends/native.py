@@ -156,6 +156,9 @@ def _layout_refusal(op: str, call: dict[str, Any], big: tuple[torch.Tensor, ...]
     scores = call.get("position_scores") if op == "attention" else None
     if scores is not None and scores.dtype not in (torch.float32, big[0].dtype):
         return f"position_scores must be float32 or qkv's dtype, got {scores.dtype} with {big[0].dtype} qkv"
+    rotary = call.get("rotary") if op == "attention" else None
+    if rotary is not None and rotary.dtype != torch.float32:
+        return f"rotary must be float32, got {rotary.dtype}"
     if device.type == "cpu" and big[0].dtype not in CPU_DTYPES:
         return f"CPU kernels take float32/bfloat16, not {big[0].dtype}"
     if device.type == "cuda" and op != "bias_act" and big[0].shape[-1] > (limit := load("_native_cuda")[0].MAX_ROW):
@@ -255,14 +258,18 @@ def attention(
     position_bias: torch.Tensor | None = None,  # [nH, 2R + 1] fp32
     position_scores: torch.Tensor | None = None,  # [2, nH, T, W]
     position_columns: torch.Tensor | None = None,  # [2R + 1] int32
+    rotary: torch.Tensor | None = None,  # [2, T, R/2] fp32
+    window: int | None = None,
 ) -> torch.Tensor:  # [T, nH, D]
     """Varlen bidirectional attention over packed QKV (CPU only), exact fp32 softmax, with MPNet's relative position
-    bias read from its table by distance and DeBERTa's disentangled position scores gathered through their columns."""
+    bias read from its table by distance, DeBERTa's disentangled position scores gathered through their columns,
+    rotary positions applied as q and k are loaded, and a window that skips the key chunks beyond it."""
     _no_dropout(dropout_p, training)
     scale = 1.0 / math.sqrt(qkv.shape[-1]) if scale is None else float(scale)
     return _kernels(qkv.device).attention(
-        qkv, cu_seqlens, int(max_seqlen), scale, position_bias, position_scores, position_columns
-    )
+        qkv, cu_seqlens, int(max_seqlen), scale, position_bias, position_scores, position_columns, rotary,
+        None if window is None else int(window),
+    )  # fmt: skip
 
 
 def _limit(op: str) -> LimitCheck:

@@ -198,10 +198,12 @@ def attention(
     position_bias: torch.Tensor | None = None,  # refused (_refuses_attention)
     position_scores: torch.Tensor | None = None,  # refused
     position_columns: torch.Tensor | None = None,  # refused
+    rotary: torch.Tensor | None = None,  # refused
+    window: int | None = None,  # refused
 ) -> torch.Tensor:  # [T, nH, D]
     """softmax(q k^T * scale) v within each sequence: one SDPA call per sequence, one per batch if none is padded."""
-    if position_bias is not None or position_scores is not None:
-        raise ValueError("the onednn attention takes no relative position terms")
+    if position_bias is not None or position_scores is not None or rotary is not None or window is not None:
+        raise ValueError("the onednn attention takes no relative position terms, rotary positions or window")
     total, _, heads, dim = qkv.shape
     p = dropout_p if training else 0.0
     batch = cu_seqlens.numel() - 1
@@ -234,6 +236,8 @@ def refuses_dense_residual_layernorm(call: dict, forced: bool) -> str | None:
 def _refuses_attention(call: dict, forced: bool) -> str | None:
     if call.get("position_bias") is not None or call.get("position_scores") is not None:
         return "no relative position terms (SDPA takes them only as a materialised [nH, L, L] mask)"
+    if call.get("rotary") is not None or call.get("window") is not None:
+        return "no rotary positions or window (SDPA would need them applied or masked in separate passes)"
     # a loop over cu_seqlens read on the host: torch.compile/export trace the reference instead
     return "under torch.compile/export tracing" if torch.compiler.is_compiling() else None
 

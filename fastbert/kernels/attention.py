@@ -490,10 +490,13 @@ def attention(
     position_bias: torch.Tensor | None = None,
     position_scores: torch.Tensor | None = None,
     position_columns: torch.Tensor | None = None,
+    rotary: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Varlen bidirectional attention over packed QKV `[T, 3, nH, D]` -> `[T, nH, D]`, plus a relative position bias
     `[nH, 2R + 1]` and disentangled position scores `[2, nH, T, W]` (by `position_columns`) when given;
-    differentiable in qkv, the bias and the scores."""
+    differentiable in qkv, the bias and the scores. No rotary positions or window yet (ValueError)."""
+    _no_rotary(rotary, window)
     p, scale = _check(qkv, cu_seqlens, max_seqlen, dropout_p, training, scale, position_bias, position_scores,
                       position_columns)  # fmt: skip
     if torch.compiler.is_compiling():
@@ -524,6 +527,11 @@ def _check(
     if position_scores is not None or position_columns is not None:
         _check_scores(position_scores, position_columns, qkv)
     return p, float(scale if scale is not None else 1.0 / math.sqrt(qkv.shape[-1]))
+
+
+def _no_rotary(rotary: torch.Tensor | None, window: int | None) -> None:
+    if rotary is not None or window is not None:
+        raise ValueError("the Triton attention kernels take no rotary positions or window yet (torch's reference does)")
 
 
 def _check_table(table: torch.Tensor, qkv: torch.Tensor) -> None:
@@ -574,10 +582,13 @@ def attention_inference(
     position_bias: torch.Tensor | None = None,
     position_scores: torch.Tensor | None = None,
     position_columns: torch.Tensor | None = None,
+    rotary: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Varlen attention `[T, 3, nH, D]` -> `[T, nH, D]` (plus the position bias and scores when given), forward kernel
     only: no autograd Function, no log-sum-exp written, dropout ignored (inference), launch blocks from the cached
     rule."""
+    _no_rotary(rotary, window)
     if torch.compiler.is_compiling():  # a Triton launch in a traced graph goes through the custom op
         return attention(qkv, cu_seqlens, max_seqlen, scale=scale, position_bias=position_bias,
                          position_scores=position_scores, position_columns=position_columns)  # fmt: skip
