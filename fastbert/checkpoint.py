@@ -248,7 +248,8 @@ class PreTrainedModel(nn.Module):
                     module.weight[module.padding_idx].zero_()
         elif isinstance(module, nn.LayerNorm):
             nn.init.ones_(module.weight)
-            nn.init.zeros_(module.bias)
+            if module.bias is not None:  # ModernBERT's norms have none
+                nn.init.zeros_(module.bias)
         elif hasattr(module, "init_family_weights"):  # after its children: a family's own tables (DistilBERT's)
             module.init_family_weights()
 

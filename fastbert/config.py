@@ -18,6 +18,9 @@ from fastbert.families import Family, UnsupportedModelError, family_of
 from fastbert.relative_positions import RELATIVE_BUCKETS
 
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
+ACT_KINDS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}  # -> ops'
+LAYER_KINDS = ("full_attention", "sliding_attention")  # transformers' layer_types of the rotary families
+ROPE_THETA = {"full_attention": ("global_rope_theta", 160_000.0), "sliding_attention": ("local_rope_theta", 10_000.0)}
 SHARING = ("none", "all", "attention", "ffn")
 
 _DEFAULTS: dict[str, Any] = {
@@ -141,7 +144,7 @@ class BertConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        least = 0 if self.family.disentangled else 1  # DeBERTa's 0: no token-type table
+        least = 0 if self.family.disentangled or self.family.rotary else 1  # 0: no token-type table
         if not _is_int(self.type_vocab_size) or self.type_vocab_size < least:
             raise ValueError(f"type_vocab_size must be a positive integer, got {self.type_vocab_size!r}")
         if self.embedding_size is not None and (not _is_int(self.embedding_size) or self.embedding_size < 1):
@@ -198,6 +201,8 @@ class BertConfig:
                 )
         if self.family.disentangled:
             self._validate_disentangled()
+        if self.family.rotary:
+            self._validate_rotary()
         for name, what in OFF_ONLY_FIELDS:
             if getattr(self, name, None):
                 raise _not_implemented(name, getattr(self, name), what, "switched off (false, 0, null or empty)")
@@ -232,10 +237,51 @@ class BertConfig:
             if value is not None and value != allowed:
                 raise _not_implemented(name, value, what, runs)
 
+    def _validate_rotary(self) -> None:
+        """ModernBERT's fields: layer kinds, window, rotary bases; other rope types and head widths refused."""
+        kinds = self.layer_kinds
+        if len(kinds) != self.num_hidden_layers or any(k not in LAYER_KINDS for k in kinds):
+            raise ValueError(f"layer_types must name {LAYER_KINDS} once per layer ({self.num_hidden_layers}), "
+                             f"got {getattr(self, 'layer_types', None)!r}")  # fmt: skip
+        if self.head_dim % 2:
+            raise ValueError(f"rotary positions rotate pairs of dims: hidden_size / num_attention_heads must be even, "
+                             f"got {self.head_dim}")  # fmt: skip
+        if not _is_int(self.local_attention) or self.local_attention < 0:
+            raise ValueError(f"local_attention must be an integer >= 0, got {self.local_attention!r}")
+        for kind in set(kinds):
+            rope = self.rope_parameters_of(kind)
+            if rope.get("rope_type", "default") != "default":
+                raise _not_implemented("rope_type", rope["rope_type"], "scaled rotary frequencies", "'default'")
+            if not _is_number(rope.get("rope_theta")) or rope["rope_theta"] <= 0:
+                raise ValueError(f"rope_theta of {kind} must be a positive number, got {rope.get('rope_theta')!r}")
+
+    @property
+    def layer_kinds(self) -> list[str]:
+        """Per layer, "full_attention" or "sliding_attention": `layer_types`, or every `global_attn_every_n_layers`-th
+        layer global from the first (older ModernBERT configs)."""
+        kinds = getattr(self, "layer_types", None)
+        if kinds is not None:
+            return list(kinds)
+        every = getattr(self, "global_attn_every_n_layers", 3)
+        return [LAYER_KINDS[bool(i % every)] for i in range(self.num_hidden_layers)]
+
+    @property
+    def sliding_window(self) -> int:
+        """The half window of sliding layers: keys within local_attention // 2 of the query."""
+        return self.local_attention // 2
+
+    def rope_parameters_of(self, kind: str) -> dict[str, Any]:
+        """The rotary parameters of a layer kind: `rope_parameters[kind]`, or the older `global_rope_theta` /
+        `local_rope_theta` fields, or ModernBERT's defaults."""
+        given = (getattr(self, "rope_parameters", None) or {}).get(kind) or {}
+        field, default = ROPE_THETA[kind]
+        return {"rope_type": "default", "rope_theta": getattr(self, field, default), **given}
+
     @property
     def absolute_positions(self) -> bool:
-        """Whether position embeddings are added to the words (not for DeBERTa-v3: position_biased_input false)."""
-        return bool(getattr(self, "position_biased_input", True))
+        """Whether position embeddings are added to the words (not for DeBERTa-v3: position_biased_input false, nor
+        for the rotary families)."""
+        return not self.family.rotary and bool(getattr(self, "position_biased_input", True))
 
     @property
     def token_types(self) -> bool:
@@ -395,3 +441,4 @@ AlbertConfig = CONFIG_CLASSES["albert"] = _config_class("albert", "Albert")
 ElectraConfig = CONFIG_CLASSES["electra"] = _config_class("electra", "Electra")
 MPNetConfig = CONFIG_CLASSES["mpnet"] = _config_class("mpnet", "MPNet")
 DebertaV2Config = CONFIG_CLASSES["deberta-v2"] = _config_class("deberta-v2", "DebertaV2")
+ModernBertConfig = CONFIG_CLASSES["modernbert"] = _config_class("modernbert", "ModernBert")

@@ -35,6 +35,7 @@ class Family:
     position_pad: int | None = None  # the pad id positions count from where the family fixes it (MPNet: 1)
     relative_attention: bool = False  # MPNet: a learned bias per head and relative-distance bucket on every score
     disentangled: bool = False  # DeBERTa-v2/v3: content-to-position and position-to-content scores (config says which)
+    rotary: bool = False  # ModernBERT: rotary positions in the attention, no position table; pre-norm layers
     context_pooler: bool = False  # DeBERTa: no pooler in the bare model; the sentence heads pool through `pooler.dense`
     modern_mlm_keys: Pairs = ()  # DeBERTa-v2 with legacy=False: its lm_predictions head's names, in place of "mlm"'s
     ignored_keys: tuple[str, ...] = ()  # checkpoint key prefixes dropped where the model has no place for them
@@ -236,6 +237,49 @@ FAMILIES: dict[str, Family] = {
             heads=(*FAMILY_HEADS, "choice"),
         ),
         Family(
+            "modernbert",
+            "ModernBert",
+            "model",
+            config_names=(
+                ("norm_eps", "layer_norm_eps"),
+                ("hidden_activation", "hidden_act"),
+                ("attention_dropout", "attention_probs_dropout_prob"),
+                ("mlp_dropout", "hidden_dropout_prob"),
+            ),
+            config_defaults={
+                "vocab_size": 50368,
+                "intermediate_size": 1152,
+                "num_hidden_layers": 22,
+                "max_position_embeddings": 8192,
+                "layer_norm_eps": 1e-5,
+                "pad_token_id": 50283,
+                "hidden_dropout_prob": 0.0,
+                "attention_probs_dropout_prob": 0.0,
+                "classifier_dropout": 0.0,
+                "type_vocab_size": 0,
+                "norm_bias": False,
+                "attention_bias": False,
+                "mlp_bias": False,
+                "embedding_dropout": 0.0,
+                "local_attention": 128,
+            },
+            config_absent=("type_vocab_size", "position_embedding_type"),
+            extra_fields=("layer_types", "rope_parameters", "global_attn_every_n_layers", "global_rope_theta",
+                          "local_rope_theta", "classifier_pooling", "classifier_bias", "classifier_activation",
+                          "decoder_bias", "sparse_prediction", "sparse_pred_ignore_index", "initializer_cutoff_factor",
+                          "bos_token_id", "eos_token_id", "cls_token_id", "sep_token_id"),  # fmt: skip
+            rotary=True,
+            token_types=False,
+            pooler=False,
+            keys=(
+                ("embeddings.tok_embeddings", "embeddings.word_embeddings"),
+                ("embeddings.norm", "embeddings.LayerNorm"),
+                ("layers", "encoder.layer"),
+                ("final_norm", "encoder.final_norm"),
+            ),
+            heads=("model",),
+        ),
+        Family(
             "electra",
             "Electra",
             "electra",
@@ -261,7 +305,6 @@ FAMILIES: dict[str, Family] = {
 # Encoders people ask for that fastbert does not run yet, with what they need beyond the families above
 NOT_YET = {
     "deberta": "DeBERTa: disentangled relative attention",
-    "modernbert": "ModernBERT: rotary positions, GeGLU, pre-norm without biases, sliding-window layers",
     "new": "GTE (new): rotary positions, gated feed-forward",
     "gte": "GTE: rotary positions, gated feed-forward",
     "nomic_bert": "NomicBERT: rotary positions, SwiGLU",

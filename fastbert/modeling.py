@@ -17,19 +17,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastbert import execution, ops, reference, relative_positions, weight_stamp
+from fastbert import execution, ops, prenorm, reference, relative_positions, weight_stamp
 from fastbert.checkpoint import PreTrainedModel
-from fastbert.config import BertConfig
+from fastbert.config import ACT_KINDS, BertConfig
 from fastbert.execution import CudaGraphs, Inputs
 from fastbert.execution.structure import plain
 from fastbert.outputs import BaseModelOutputWithPooling
 from fastbert.padding import Packing, rows_with_gaps, unpad_and_read
+from fastbert.prenorm import PreNormLayer
 from fastbert.relative_positions import DisentangledRows, bias_table, distance_buckets
+from fastbert.rotary import inverse_frequencies, rotary_rows
 from fastbert.validation import check_inputs
 from fastbert.weight_stamp import stamp
 
 _requires_grad = operator.attrgetter("requires_grad")
-ACT_OF_CONFIG = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+ACT_OF_CONFIG = ACT_KINDS
 
 
 class BertEmbeddings(nn.Module):
@@ -53,8 +55,10 @@ class BertEmbeddings(nn.Module):
             self.token_type_embeddings = nn.Embedding(config.type_vocab_size, dim)
         else:
             self.register_buffer("no_token_types", torch.zeros(1, dim), persistent=False)
-        self.LayerNorm = nn.LayerNorm(dim, eps=config.layer_norm_eps)
-        self.dropout_p = config.hidden_dropout_prob
+        self.LayerNorm = nn.LayerNorm(dim, eps=config.layer_norm_eps, bias=bool(getattr(config, "norm_bias", True)))
+        if self.LayerNorm.bias is None:  # ModernBERT: the fused op adds this zero row instead
+            self.register_buffer("no_norm_bias", torch.zeros(dim), persistent=False)
+        self.dropout_p = getattr(config, "embedding_dropout", config.hidden_dropout_prob)
         project = dim != config.hidden_size or family.always_project
         self.projection = nn.Linear(dim, config.hidden_size) if project else None
 
@@ -103,7 +107,7 @@ class BertEmbeddings(nn.Module):
             self.position_table(),
             self.type_table(),
             self.LayerNorm.weight,
-            self.LayerNorm.bias,
+            self.LayerNorm.bias if self.LayerNorm.bias is not None else self.no_norm_bias,
             self.LayerNorm.eps,
             dropout_p=self.dropout_p,
             training=self.training,
@@ -369,7 +373,10 @@ class BertLayer(nn.Module):
 
 
 def build_layers(config: BertConfig) -> nn.ModuleList:
-    """num_hidden_layers layers; with ALBERT sharing, layer i reuses group i * G // L's attention/FFN/whole layer."""
+    """num_hidden_layers layers; with ALBERT sharing, layer i reuses group i * G // L's attention/FFN/whole layer;
+    the rotary families' pre-norm layers (fastbert.prenorm)."""
+    if config.family.rotary:
+        return nn.ModuleList(PreNormLayer(config, i) for i in range(config.num_hidden_layers))
     groups = config.num_hidden_groups if config.layer_sharing != "none" else config.num_hidden_layers
     attention = [BertAttention(config) for _ in range(groups)] if config.layer_sharing == "attention" else None
     ffn = [BertFeedForward(config) for _ in range(groups)] if config.layer_sharing == "ffn" else None
@@ -403,6 +410,12 @@ class BertEncoder(nn.Module):
         norms = [x.strip() for x in str(getattr(config, "norm_rel_ebd", "none")).lower().split("|")]
         if config.family.disentangled and "layer_norm" in norms:  # transformers builds it without the rows too
             self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        if config.family.rotary:  # each layer kind's rotary frequencies, and the norm after the last layer
+            for kind in sorted(set(config.layer_kinds)):
+                theta = config.rope_parameters_of(kind)["rope_theta"]
+                self.register_buffer(f"{kind}_frequencies", inverse_frequencies(config.head_dim, theta),
+                                     persistent=False)  # fmt: skip
+            self.final_norm = prenorm.norm(config)
 
     def position_bias(self) -> torch.Tensor | None:
         """The [nH, 2R + 1] fp32 table by key - query distance the attention kernels read (None without one)."""
@@ -421,17 +434,29 @@ class BertEncoder(nn.Module):
         norm = self._modules.get("LayerNorm")
         return DisentangledRows(norm(rows) if norm is not None else rows, columns)
 
+    def rotary_terms(self, packing: Packing, total: int) -> dict[str, torch.Tensor]:
+        """Per layer kind, the [2, T, R/2] rotary table of the packed tokens, positions counted within each
+        sequence (rotation depends on position differences only, so left padding gives transformers' scores too)."""
+        _, positions = reference.packed_positions(packing.cu_seqlens, total)
+        return {name.removesuffix("_frequencies"): rotary_rows(positions, frequencies)
+                for name, frequencies in self._buffers.items() if name.endswith("_frequencies")}  # fmt: skip
+
     def forward(
         self, x: torch.Tensor, packing: Packing, output_hidden_states: bool = False, output_attentions: bool = False
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         hidden, attentions = [x] if output_hidden_states else [], []
-        bias = self.relative_terms(packing.max_seqlen)
+        final = self._modules.get("final_norm")
+        bias = self.rotary_terms(packing, x.shape[0]) if final is not None else self.relative_terms(packing.max_seqlen)
         for layer in self.layer:
             x, probs = layer(x, packing, output_attentions, bias)
             if output_hidden_states:
                 hidden.append(x)
             if output_attentions:
                 attentions.append(probs)
+        if final is not None:  # the last hidden state is the normed one, as transformers reports it
+            x = final(x)
+            if output_hidden_states:
+                hidden[-1] = x
         return x, hidden, attentions
 
 
@@ -591,6 +616,12 @@ class BertModel(PreTrainedModel):
         return_dict: bool,
         packed_output: bool,
     ) -> BaseModelOutputWithPooling | tuple:
+        if self.config.family.rotary and position_ids is not None:
+            raise ValueError(
+                f"position_ids: {type(self).__name__} counts rotary positions within each sequence (what transformers "
+                "does without position_ids, and any shift of them gives the same scores); other positions are not "
+                "supported"
+            )
         if not self.config.absolute_positions:  # DeBERTa-v3 reads none, as transformers' model ignores them
             position_ids = None
         if not self.config.token_types and self.config.family.token_types:  # no table (type_vocab_size 0): unread
@@ -617,7 +648,8 @@ class BertModel(PreTrainedModel):
         read = ranges.values if ranges is not None else None
         # dict reads, no call: this runs every forward of every family
         encoder = self._modules["encoder"]._modules
-        gaps = attention_mask is not None and ("relative_attention_bias" in encoder or "rel_embeddings" in encoder)
+        gaps = attention_mask is not None and any(k in encoder for k in ("relative_attention_bias", "rel_embeddings",
+                                                                          "final_norm"))  # fmt: skip
         if gaps:  # read with the packing's sync
             read = rows_with_gaps(attention_mask) if read is None else torch.cat([read, rows_with_gaps(attention_mask)])
         packing, checked = unpad_and_read(attention_mask, batch, seqlen, device, read)

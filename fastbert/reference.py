@@ -217,12 +217,16 @@ def rotate(qkv: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:  # [T, 3, n
 
 
 def _windowed(mask: torch.Tensor | None, window: int | None, max_seqlen: int, device: torch.device) -> torch.Tensor:
-    """The key mask narrowed to keys within `window` of each query: [B or 1, 1, S, S]."""
+    """The key mask narrowed to keys within `window` of each query: [B or 1, 1, S, S]. A padding query row the
+    window leaves no key keeps the sequence's keys, so no softmax row is all -inf (its row is never read back)."""
     if window < 0:
         raise ValueError(f"window must be >= 0 (keys within that distance), got {window}")
     index = torch.arange(max_seqlen, device=device)
     near = ((index[None, :] - index[:, None]).abs() <= window).view(1, 1, max_seqlen, max_seqlen)
-    return near if mask is None else mask & near
+    if mask is None:
+        return near
+    both = mask & near
+    return both | (mask & ~both.any(dim=-1, keepdim=True))
 
 
 def _biased_mask(bias: torch.Tensor, mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,135 @@
+"""ModernBERT against transformers' ModernBertModel: random models of awkward sizes (head dim 14, an odd number of
+layers so the global/sliding pattern does not divide evenly, windows narrower and wider than the sequences) on ragged
+batches with a fully padded row, a batch of 1 and left padding, every hidden state within 1e-5 at valid positions on
+each backend; the attention probabilities; checkpoints both ways and fastbert.optimize; the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import fastbert
+from fastbert import AutoModel
+from fastbert.config import BertConfig
+from tests.test_mpnet import hidden_states_error
+
+ATOL = 1e-5
+LENGTHS = [23, 0, 1, 17, 9]
+
+
+def hf_modernbert(local_attention: int = 8, layers: int = 5, **extra) -> transformers.ModernBertModel:
+    """Hidden 56 over 4 heads (head dim 14), 5 layers (global, sliding, sliding, global, sliding), transformers'
+    own initialisation with the norms' weights moved off 1 so they matter."""
+    config = transformers.ModernBertConfig(
+        vocab_size=101, hidden_size=56, intermediate_size=44, num_hidden_layers=layers, num_attention_heads=4,
+        local_attention=local_attention, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+        sep_token_id=2, max_position_embeddings=128, attn_implementation="eager", **extra,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.ModernBertModel(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+    return model
+
+
+def ragged(lengths: list[int], left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    seqlen = max(lengths)
+    positions = torch.arange(seqlen)[None]
+    length = torch.tensor(lengths)[:, None]
+    mask = (positions >= seqlen - length) if left else (positions < length)
+    ids = torch.randint(3, 101, mask.shape, generator=torch.Generator().manual_seed(1))
+    return ids.masked_fill(~mask, 0), mask.long()
+
+
+@pytest.mark.parametrize("backend", ["torch", "native"])
+@pytest.mark.parametrize("local_attention", [8, 64])
+def test_ragged_batches_match_on_every_backend(backend: str, local_attention: int) -> None:
+    hf = hf_modernbert(local_attention)
+    fast = fastbert.optimize(hf)
+    ids, mask = ragged(LENGTHS)
+    try:
+        with fastbert.use_backend(backend):
+            error = hidden_states_error(fast, hf, ids, mask)
+            single = hidden_states_error(fast, hf, ids[:1], mask[:1])
+    except fastbert.BackendUnavailable as exc:
+        pytest.skip(f"{backend} cannot run here: {exc}")
+    assert error <= ATOL and single <= ATOL
+
+
+def test_triton_says_why_it_does_not_take_rotary_attention() -> None:
+    fast = fastbert.optimize(hf_modernbert())
+    ids, mask = ragged([5, 3])
+    with fastbert.use_backend("triton"), pytest.raises(fastbert.BackendUnavailable, match="rotary|Triton|triton"):
+        fast(ids, attention_mask=mask)
+
+
+def test_left_padding_and_no_mask_match() -> None:
+    hf = hf_modernbert()
+    fast = fastbert.optimize(hf)
+    ids, mask = ragged([20, 7, 13], left=True)
+    assert hidden_states_error(fast, hf, ids, mask) <= ATOL
+    full = torch.ones_like(mask)
+    assert hidden_states_error(fast, hf, ids, full) <= ATOL
+
+
+def test_attention_probabilities_match() -> None:
+    hf = hf_modernbert()
+    fast = fastbert.optimize(hf)
+    ids, mask = ragged([12, 5])
+    with torch.no_grad():
+        want = hf(ids, attention_mask=mask, output_attentions=True).attentions
+        got = fast(ids, attention_mask=mask, output_attentions=True).attentions
+    rows = mask.bool()  # the query rows of real tokens
+    for a, b in zip(got, want, strict=True):
+        assert (a.transpose(1, 2)[rows] - b.transpose(1, 2)[rows]).abs().max() <= ATOL
+
+
+def test_checkpoints_load_and_save_both_ways(tmp_path) -> None:
+    hf = hf_modernbert()
+    hf.save_pretrained(tmp_path / "hf")
+    fast = AutoModel.from_pretrained(tmp_path / "hf")
+    assert type(fast).__name__ == "ModernBertModel" and fast.config.layer_kinds == hf.config.layer_types
+    ids, mask = ragged(LENGTHS)
+    assert hidden_states_error(fast, hf, ids, mask) <= ATOL
+    fast.save_pretrained(tmp_path / "fast")
+    again = transformers.ModernBertModel.from_pretrained(tmp_path / "fast").eval()
+    want = hf.state_dict()
+    assert set(again.state_dict()) == set(want)
+    assert all(torch.equal(t, want[k]) for k, t in again.state_dict().items())
+    assert BertConfig.from_pretrained(tmp_path / "fast").layer_kinds == hf.config.layer_types
+
+
+def test_older_configs_without_layer_types_read_the_same_pattern() -> None:
+    """Checkpoints saved before layer_types carry global_attn_every_n_layers and the two rope thetas."""
+    config = BertConfig.from_dict({"model_type": "modernbert", "num_hidden_layers": 7, "global_attn_every_n_layers": 2,
+                                   "global_rope_theta": 5e4, "local_rope_theta": 123.0})  # fmt: skip
+    assert config.layer_kinds == ["full_attention", "sliding_attention"] * 3 + ["full_attention"]
+    assert config.rope_parameters_of("sliding_attention")["rope_theta"] == 123.0
+    assert config.rope_parameters_of("full_attention")["rope_theta"] == 5e4
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"hidden_size": 60, "num_attention_heads": 4}, "must be even"),
+        ({"num_hidden_layers": 2, "layer_types": ["full_attention"]}, "layer_types must name"),
+        ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 1e4}}}, "rope_type='yarn'"),
+        ({"local_attention": -2}, "local_attention must be"),
+    ],
+)
+def test_bad_configs_are_refused_by_name(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        BertConfig.from_dict({"model_type": "modernbert", **fields})
+
+
+def test_position_ids_and_masks_with_gaps_are_refused() -> None:
+    fast = fastbert.optimize(hf_modernbert())
+    ids, mask = ragged([6, 6])
+    with pytest.raises(ValueError, match="position_ids"):
+        fast(ids, attention_mask=mask, position_ids=torch.arange(6)[None])
+    mask[0, 2] = 0
+    with pytest.raises(ValueError, match="zeros between the ones"):
+        fast(ids, attention_mask=mask)
