@@ -58,10 +58,12 @@ def hf_runner(model: nn.Module, device: torch.device, dtype: torch.dtype) -> tup
     cpu_autocast = device.type == "cpu" and dtype != torch.float32
     if not cpu_autocast:
         model = model.to(dtype)
+    typed = takes_token_types(model)
 
     def run(ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
+        extra = {"token_type_ids": types} if typed else {}
         with _autocast(device, dtype) if cpu_autocast else contextlib.nullcontext():
-            return model(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+            return model(input_ids=ids, attention_mask=mask, **extra).last_hidden_state
 
     return run, "autocast" if cpu_autocast else ("weights" if dtype != torch.float32 else "fp32")
 
@@ -92,10 +94,12 @@ def fastbert_runner(
     model = fastbert.optimize(
         hf, dtype=None if autocast else dtype, device=device, cuda_graphs=graphs, quantize=quantize
     )
+    typed = takes_token_types(hf)  # as transformers' model: ModernBERT's takes none
 
     def run(ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
+        extra = {"token_type_ids": types} if typed else {}
         with _autocast(device, dtype) if autocast else contextlib.nullcontext(), exclude_backends(*exclude):
-            return model(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+            return model(input_ids=ids, attention_mask=mask, **extra).last_hidden_state
 
     return run
 
@@ -115,10 +119,12 @@ def fastbert_dropin_runner(
     model = (model if dtype == torch.float32 else model.to(dtype)).eval()
     if not graphs:
         cuda_graphs.disable(model)
+    typed = takes_token_types(hf)
 
     def run(ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
+        extra = {"token_type_ids": types} if typed else {}
         with torch.no_grad():
-            return model(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+            return model(input_ids=ids, attention_mask=mask, **extra).last_hidden_state
 
     return run
 

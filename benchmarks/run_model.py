@@ -74,6 +74,13 @@ DEBERTA_V3_BASE = dict(BASE, vocab_size=128100, max_position_embeddings=512, typ
                        pad_token_id=0, relative_attention=True, max_relative_positions=-1, position_buckets=256,
                        norm_rel_ebd="layer_norm", share_att_key=True, pos_att_type="p2c|c2p",
                        position_biased_input=False)  # fmt: skip
+# answerdotai/ModernBERT-base's config.json (pre-norm, GeGLU, no biases; every third layer global, the others a
+# 128-token window; rotary bases 160k global, 10k local)
+MODERNBERT_BASE = dict(vocab_size=50368, hidden_size=768, intermediate_size=1152, num_hidden_layers=22,
+                       num_attention_heads=12, hidden_activation="gelu", max_position_embeddings=8192, norm_eps=1e-5,
+                       norm_bias=False, local_attention=128, global_attn_every_n_layers=3, pad_token_id=50283,
+                       bos_token_id=50281, eos_token_id=50282, cls_token_id=50281, sep_token_id=50282,
+                       global_rope_theta=160000.0, local_rope_theta=10000.0)  # fmt: skip
 PADDED_POSITIONS = ("roberta", "xlm-roberta", "camembert")  # model types whose position ids start at pad_token_id + 1
 
 
@@ -150,6 +157,7 @@ def suite_for(device: torch.device, kind: str) -> Suite:
         "minilm": (headline, Shape(1, 128, False), Shape(32, 128, True), Shape(8, 512, True)),
         "minilm-l3": (headline,),
         "deberta-v3-base": (Shape(8, 512, True),),  # with --models deberta-v3-base: issue 37's shape
+        "modernbert-base": (Shape(8, 512, True),),  # with --models modernbert-base: issue 36's shape
     }
     # torch.compile rows only where their compile time keeps the model suite near 12 minutes on 2 cores (make bench)
     compiled = {"bert-base": (), "roberta-base": (), "minilm": (headline,), "minilm-l3": ()}
@@ -174,6 +182,8 @@ def model_config(name: str) -> Any:
         return transformers.RobertaConfig(**{**ROBERTA_BASE, **tiny}, attn_implementation="eager")
     if name == "deberta-v3-base":
         return transformers.DebertaV2Config(**DEBERTA_V3_BASE, attn_implementation="eager")
+    if name == "modernbert-base":
+        return transformers.ModernBertConfig(**MODERNBERT_BASE, attn_implementation="eager")
     tiny = {**TINY, "max_position_embeddings": 128} if name == "tiny" else {}
     return transformers.BertConfig(**{**BERT_BASE, **tiny}, attn_implementation="eager")
 
@@ -194,7 +204,8 @@ def load_model(name: str) -> nn.Module:
             model.encoder.layer = nn.ModuleList(model.encoder.layer[i] for i in STUDENT_LAYERS)
             model.config.num_hidden_layers = len(STUDENT_LAYERS)
         return model.eval()
-    family = {"roberta": transformers.RobertaModel, "deberta-v2": transformers.DebertaV2Model}.get(
+    family = {"roberta": transformers.RobertaModel, "deberta-v2": transformers.DebertaV2Model,
+              "modernbert": transformers.ModernBertModel}.get(
         config.model_type, transformers.BertModel)  # fmt: skip
     return family(config).eval()
 
@@ -210,8 +221,9 @@ def input_problem(config: Any, ids: torch.Tensor, mask: torch.Tensor, types: tor
                 f"the model has {config.max_position_embeddings}")  # fmt: skip
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size):
         return f"token ids in [{int(ids.min())}, {int(ids.max())}], the vocabulary has {config.vocab_size}"
-    if types.numel() and config.type_vocab_size and int(types.max()) >= config.type_vocab_size:  # 0: no table, unread
-        return f"token type {int(types.max())}, the model has {config.type_vocab_size}"
+    type_vocab = getattr(config, "type_vocab_size", 0)  # 0 or absent (ModernBERT): no table, unread
+    if types.numel() and type_vocab and int(types.max()) >= type_vocab:
+        return f"token type {int(types.max())}, the model has {type_vocab}"
     return None
 
 
@@ -238,12 +250,16 @@ def make_batch(
 
 
 def flops_per_batch(hf: nn.Module, lengths: torch.Tensor) -> float:
-    """Useful forward FLOPs: per sequence of length s, s * (2 * P + 4 * L * s * d), P = encoder (non-embedding)
-    parameters, L layers, d hidden; padding is not useful work, so padded systems get no credit for it."""
-    params = sum(p.numel() for p in hf.encoder.parameters())
-    layers, hidden = hf.config.num_hidden_layers, hf.config.hidden_size
-    s = lengths.double()
-    return float((s * (2 * params + 4 * layers * s * hidden)).sum())
+    """Useful forward FLOPs: per sequence of length s, s * (2 * P + 4 * d * sum over layers of the keys each query
+    reads: s, or min(s, 2w + 1) on a sliding-window layer of half-window w), P = encoder (non-embedding) parameters,
+    d hidden; padding is not useful work, so padded systems get no credit for it."""
+    encoder = hf.encoder if hasattr(hf, "encoder") else hf.layers  # ModernBERT keeps its layers on the model
+    params = sum(p.numel() for p in encoder.parameters())
+    config, s = hf.config, lengths.double()
+    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    window = 2 * (getattr(config, "local_attention", 0) // 2) + 1
+    keys = sum(s if kind == "full_attention" else s.clamp(max=window) for kind in kinds)
+    return float((s * (2 * params + 4 * config.hidden_size * keys)).sum())
 
 
 def measure_peak(device: torch.device, dtype: torch.dtype) -> float:
@@ -591,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     size.add_argument("--tiny", action="store_const", const="tiny", dest="suite", help="a tiny model (smoke test)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--models", nargs="+", help="subset of the suite's models (bert-base, roberta-base, minilm, "
-                        "minilm-l3), or deberta-v3-base (8 x 512 ragged)")  # fmt: skip
+                        "minilm-l3), or deberta-v3-base, modernbert-base (8 x 512 ragged)")  # fmt: skip
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), help="subset of the suite's dtypes")
     parser.add_argument("--systems", nargs="+", help="subset of the suite's systems (quote names with spaces)")
     parser.add_argument("--rounds", type=int, help="timed calls per system and shape (default 5; 20 on a GPU)")

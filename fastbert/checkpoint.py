@@ -180,7 +180,7 @@ def check_sizes(
         weights, shapes = found
         state = to_fastbert_keys(_normalise_keys(shapes), config, head_kind)
         prefix = PreTrainedModel.base_model_prefix + "."
-        originals = dict(zip(state, shapes, strict=True))  # fastbert key -> the file's own name, for messages
+        originals = to_fastbert_keys(_normalise_keys({k: k for k in shapes}), config, head_kind)  # -> the file's name
         base = {k.removeprefix(prefix): k for k in state}
         layers = sorted({int(m.group(1)) for k in base if (m := _LAYER_KEY.match(k))})
         field = "num_hidden_groups" if config.layer_sharing == "all" else "num_hidden_layers"

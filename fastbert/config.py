@@ -20,7 +20,7 @@ from fastbert.relative_positions import RELATIVE_BUCKETS
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 ACT_KINDS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}  # -> ops'
 LAYER_KINDS = ("full_attention", "sliding_attention")  # transformers' layer_types of the rotary families
-ROPE_THETA = {"full_attention": ("global_rope_theta", 160_000.0), "sliding_attention": ("local_rope_theta", 10_000.0)}
+ROPE_FIELDS = {"full_attention": "global_rope_theta", "sliding_attention": "local_rope_theta"}  # older configs' names
 SHARING = ("none", "all", "attention", "ffn")
 
 _DEFAULTS: dict[str, Any] = {
@@ -144,7 +144,7 @@ class BertConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        least = 0 if self.family.disentangled or self.family.rotary else 1  # 0: no token-type table
+        least = 0 if self.family.disentangled or self.family.rotary else 1  # 0: no token-type table (gte-base-en)
         if not _is_int(self.type_vocab_size) or self.type_vocab_size < least:
             raise ValueError(f"type_vocab_size must be a positive integer, got {self.type_vocab_size!r}")
         if self.embedding_size is not None and (not _is_int(self.embedding_size) or self.embedding_size < 1):
@@ -246,8 +246,18 @@ class BertConfig:
         if self.head_dim % 2:
             raise ValueError(f"rotary positions rotate pairs of dims: hidden_size / num_attention_heads must be even, "
                              f"got {self.head_dim}")  # fmt: skip
-        if not _is_int(self.local_attention) or self.local_attention < 0:
-            raise ValueError(f"local_attention must be an integer >= 0, got {self.local_attention!r}")
+        window = getattr(self, "local_attention", 0)
+        if not _is_int(window) or window < 0:
+            raise ValueError(f"local_attention must be an integer >= 0, got {window!r}")
+        if getattr(self, "decoder_bias", True) is not True:
+            raise _not_implemented("decoder_bias", self.decoder_bias, "an MLM decoder without a bias", "true")
+        if getattr(self, "sparse_prediction", False):
+            raise _not_implemented("sparse_prediction", self.sparse_prediction, "MLM logits of the labelled positions "
+                                   "only", "false (the loss is the same)")  # fmt: skip
+        if getattr(self, "classifier_pooling", "cls") not in ("cls", "mean"):
+            raise ValueError(f"classifier_pooling must be 'cls' or 'mean', got {self.classifier_pooling!r}")
+        if getattr(self, "classifier_activation", "gelu") not in ACTIVATIONS:
+            raise ValueError(f"classifier_activation must be one of {ACTIVATIONS}, got {self.classifier_activation!r}")
         for kind in set(kinds):
             rope = self.rope_parameters_of(kind)
             if rope.get("rope_type", "default") != "default":
@@ -262,20 +272,25 @@ class BertConfig:
         kinds = getattr(self, "layer_types", None)
         if kinds is not None:
             return list(kinds)
+        if not self.family.pre_norm:  # GTE: every layer global
+            return [LAYER_KINDS[0]] * self.num_hidden_layers
         every = getattr(self, "global_attn_every_n_layers", 3)
         return [LAYER_KINDS[bool(i % every)] for i in range(self.num_hidden_layers)]
 
     @property
     def sliding_window(self) -> int:
         """The half window of sliding layers: keys within local_attention // 2 of the query."""
-        return self.local_attention // 2
+        return getattr(self, "local_attention", 0) // 2
 
     def rope_parameters_of(self, kind: str) -> dict[str, Any]:
-        """The rotary parameters of a layer kind: `rope_parameters[kind]`, or the older `global_rope_theta` /
-        `local_rope_theta` fields, or ModernBERT's defaults."""
-        given = (getattr(self, "rope_parameters", None) or {}).get(kind) or {}
-        field, default = ROPE_THETA[kind]
-        return {"rope_type": "default", "rope_theta": getattr(self, field, default), **given}
+        """The rotary parameters of a layer kind: `rope_parameters[kind]` (ModernBERT's, by layer kind) or
+        `rope_parameters` itself (GTE's, one for all), else the older `global_rope_theta` / `local_rope_theta` fields,
+        else the family's base (10k on sliding layers)."""
+        given = getattr(self, "rope_parameters", None) or {}
+        if not ("rope_theta" in given or "rope_type" in given):
+            given = given.get(kind) or {}
+        default = self.family.rope_theta if kind == LAYER_KINDS[0] else 10_000.0
+        return {"rope_type": "default", "rope_theta": getattr(self, ROPE_FIELDS[kind], default), **given}
 
     @property
     def absolute_positions(self) -> bool:
@@ -442,3 +457,4 @@ ElectraConfig = CONFIG_CLASSES["electra"] = _config_class("electra", "Electra")
 MPNetConfig = CONFIG_CLASSES["mpnet"] = _config_class("mpnet", "MPNet")
 DebertaV2Config = CONFIG_CLASSES["deberta-v2"] = _config_class("deberta-v2", "DebertaV2")
 ModernBertConfig = CONFIG_CLASSES["modernbert"] = _config_class("modernbert", "ModernBert")
+GteConfig = CONFIG_CLASSES["gte"] = _config_class("gte", "Gte")

@@ -35,7 +35,11 @@ class Family:
     position_pad: int | None = None  # the pad id positions count from where the family fixes it (MPNet: 1)
     relative_attention: bool = False  # MPNet: a learned bias per head and relative-distance bucket on every score
     disentangled: bool = False  # DeBERTa-v2/v3: content-to-position and position-to-content scores (config says which)
-    rotary: bool = False  # ModernBERT: rotary positions in the attention, no position table; pre-norm layers
+    rotary: bool = False  # ModernBERT, GTE: rotary positions in the attention, no position table
+    pre_norm: bool = False  # ModernBERT: pre-norm layers (fastbert.prenorm), sliding-window layers, a final norm
+    gated: bool = False  # GTE: act(gate(x)) * up(x) in BERT's intermediate (`intermediate.gate`)
+    rope_theta: float = 10_000.0  # the rotary base where a config names none (ModernBERT's global layers: 160k)
+    head_pooler: bool = False  # GTE: no pooler in the bare model, BERT's dense + tanh in the sequence head
     context_pooler: bool = False  # DeBERTa: no pooler in the bare model; the sentence heads pool through `pooler.dense`
     modern_mlm_keys: Pairs = ()  # DeBERTa-v2 with legacy=False: its lm_predictions head's names, in place of "mlm"'s
     ignored_keys: tuple[str, ...] = ()  # checkpoint key prefixes dropped where the model has no place for them
@@ -44,6 +48,8 @@ class Family:
     always_project: bool = False  # an E -> H projection even when E == H (ALBERT's embedding_hidden_mapping_in)
     grouped_layers: bool = False  # checkpoint keys number ALBERT groups, not layers
     keys: Pairs = ()  # base-model key pieces
+    load_keys: Pairs = ()  # pieces read but never written: another layout transformers itself writes (GTE's files)
+    fused_keys: tuple[tuple[str, tuple[str, ...]], ...] = ()  # a piece whose tensor splits along dim 0 into these
     head_keys: Mapping[str, Pairs] = field(default_factory=dict)  # per head kind ("sequence", "mlm", ...)
     classifier_act: str | None = None  # None: BERT's pooler + classifier; else <s> -> dense -> act -> out_proj
     classifier_dropout_first: bool = True  # RoBERTa/ELECTRA drop out before the dense layer too, DistilBERT not
@@ -269,6 +275,8 @@ FAMILIES: dict[str, Family] = {
                           "decoder_bias", "sparse_prediction", "sparse_pred_ignore_index", "initializer_cutoff_factor",
                           "bos_token_id", "eos_token_id", "cls_token_id", "sep_token_id"),  # fmt: skip
             rotary=True,
+            pre_norm=True,
+            rope_theta=160_000.0,
             token_types=False,
             pooler=False,
             keys=(
@@ -277,7 +285,72 @@ FAMILIES: dict[str, Family] = {
                 ("layers", "encoder.layer"),
                 ("final_norm", "encoder.final_norm"),
             ),
-            heads=("model",),
+            head_keys={
+                "mlm": (
+                    ("head.dense", "cls.predictions.transform.dense"),
+                    ("head.norm", "cls.predictions.transform.LayerNorm"),
+                    ("decoder.bias", "cls.predictions.bias"),
+                    ("decoder", "cls.predictions.decoder"),
+                ),
+                "sequence": (("head.norm", "head.LayerNorm"),),
+                "token": (("head.norm", "head.LayerNorm"),),
+                "qa": (("head.norm", "head.LayerNorm"), ("classifier", "qa_outputs")),
+                "choice": (("head.norm", "head.LayerNorm"),),
+            },
+            heads=(*FAMILY_HEADS, "choice"),
+        ),
+        Family(
+            "gte",
+            "Gte",
+            "gte",
+            config_defaults={
+                "vocab_size": 250048,
+                "max_position_embeddings": 8192,
+                "type_vocab_size": 1,
+                "pad_token_id": 1,
+                "attention_probs_dropout_prob": 0.0,
+            },
+            config_absent=("position_embedding_type",),
+            extra_fields=("rope_parameters", "bos_token_id", "eos_token_id"),
+            rotary=True,
+            gated=True,
+            rope_theta=160_000.0,
+            pooler=False,
+            head_pooler=True,
+            keys=(
+                ("layers", "encoder.layer"),
+                ("self_attn.q_proj", "attention.self.query"),
+                ("self_attn.k_proj", "attention.self.key"),
+                ("self_attn.v_proj", "attention.self.value"),
+                ("self_attn.o_proj", "attention.output.dense"),
+                ("post_attention_layernorm", "attention.output.LayerNorm"),
+                ("mlp.up_proj", "intermediate.dense"),
+                ("mlp.gate_proj", "intermediate.gate"),
+                ("mlp.down_proj", "output.dense"),
+                ("post_mlp_layernorm", "output.LayerNorm"),
+            ),
+            # transformers writes GTE's files in Alibaba's original layout (fused qkv_proj and up_gate_proj, attn_ln,
+            # mlp_ln, lm_head.norm) and converts on load: read both, write the model's own names (it reads those too)
+            load_keys=(
+                ("attention.o_proj", "attention.output.dense"),
+                ("attn_ln", "attention.output.LayerNorm"),
+                ("mlp_ln", "output.LayerNorm"),
+                ("lm_head.norm", "cls.predictions.transform.LayerNorm"),
+            ),
+            fused_keys=(
+                ("attention.qkv_proj", ("attention.self.query", "attention.self.key", "attention.self.value")),
+                ("mlp.up_gate_proj", ("intermediate.dense", "intermediate.gate")),
+            ),
+            head_keys={
+                "mlm": (
+                    ("lm_head.dense", "cls.predictions.transform.dense"),
+                    ("lm_head.layer_norm", "cls.predictions.transform.LayerNorm"),
+                    ("lm_head.decoder.bias", "cls.predictions.bias"),
+                    ("lm_head.decoder", "cls.predictions.decoder"),
+                ),
+            },
+            mlm_act="gelu",
+            heads=("model", "sequence", "token", "mlm"),
         ),
         Family(
             "electra",
@@ -305,8 +378,8 @@ FAMILIES: dict[str, Family] = {
 # Encoders people ask for that fastbert does not run yet, with what they need beyond the families above
 NOT_YET = {
     "deberta": "DeBERTa: disentangled relative attention",
-    "new": "GTE (new): rotary positions, gated feed-forward",
-    "gte": "GTE: rotary positions, gated feed-forward",
+    "new": "GTE's remote-code checkpoints (Alibaba-NLP's `new`): their key names differ from transformers' `gte`, "
+    "which is supported",
     "nomic_bert": "NomicBERT: rotary positions, SwiGLU",
     "jina_embeddings_v3": "Jina-embeddings-v3: rotary positions and per-task LoRA adapters",
     "eurobert": "EuroBERT: rotary positions, RMSNorm, SwiGLU",
@@ -364,9 +437,33 @@ def _rename_state(state: Mapping[str, Any], config: Any, head: str, to_hf: bool)
     head_pairs = family.head_keys.get(head, ())
     if head in ("mlm", "pretraining") and family.modern_mlm_keys and getattr(config, "legacy", True) is False:
         head_pairs = family.modern_mlm_keys
-    pairs = ((family.prefix, "bert"), *family.keys, *head_pairs)
+    pairs = ((family.prefix, "bert"), *family.keys, *head_pairs, *(() if to_hf else family.load_keys))
     rename = _renamer(pairs, to_hf, _layer_number(config, to_hf))
+    if not to_hf and family.fused_keys:
+        state = _split_fused(state, family.fused_keys)
     return {rename(k): v for k, v in state.items()}
+
+
+def _split_fused(state: Mapping[str, Any], fused: tuple[tuple[str, tuple[str, ...]], ...]) -> dict[str, Any]:
+    """Each value under a fused piece (GTE's `attention.qkv_proj`) split among the pieces it holds, in order: a tensor
+    into equal chunks along dim 0, a shape with its first dim divided, anything else (a name) given to each; other
+    keys as they are."""
+    out = {}
+    for key, value in state.items():
+        for piece, parts in fused:
+            if f".{piece}." in f".{key}":
+                if hasattr(value, "chunk"):
+                    chunks = value.chunk(len(parts), dim=0)
+                elif isinstance(value, tuple):
+                    chunks = [(value[0] // len(parts), *value[1:])] * len(parts)
+                else:
+                    chunks = [value] * len(parts)
+                for part, chunk in zip(parts, chunks, strict=True):
+                    out[f".{key}".replace(f".{piece}.", f".{part}.", 1)[1:]] = chunk
+                break
+        else:
+            out[key] = value
+    return out
 
 
 def to_fastbert_keys(state: Mapping[str, Any], config: Any, head: str) -> dict[str, Any]:

@@ -28,11 +28,17 @@ from fastbert.outputs import (
 
 
 class BertPredictionHeadTransform(nn.Module):
+    """dense -> act -> LayerNorm; ModernBERT's `head` with its own activation and biases."""
+
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.embedding_dim)
-        self.act = ACT_OF_CONFIG[config.family.mlm_act or config.hidden_act]  # RoBERTa's, ELECTRA's: always gelu
-        self.LayerNorm = nn.LayerNorm(config.embedding_dim, eps=config.layer_norm_eps)
+        modern = config.family.pre_norm
+        bias = bool(getattr(config, "classifier_bias", False)) if modern else True
+        self.dense = nn.Linear(config.hidden_size, config.embedding_dim, bias=bias)
+        act = getattr(config, "classifier_activation", "gelu") if modern else config.family.mlm_act or config.hidden_act
+        self.act = ACT_OF_CONFIG[act]  # RoBERTa's, ELECTRA's MLM: always gelu
+        norm_bias = bool(getattr(config, "norm_bias", True))
+        self.LayerNorm = nn.LayerNorm(config.embedding_dim, eps=config.layer_norm_eps, bias=norm_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = reference.activation(self.dense(x), self.act)
@@ -265,9 +271,28 @@ def _classifier_dropout(config: BertConfig, head: str = "") -> float:
     own = config.family.dropouts.get(head)
     if own is not None and getattr(config, own, None) is not None:  # DeBERTa's cls_dropout may be unset
         return getattr(config, own)
-    if head == "qa":  # BERT's QA head has none
+    if head == "qa" and not config.family.pre_norm:  # BERT's QA head has none; ModernBERT's takes classifier_dropout
         return 0.0
     return config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+
+
+def _head(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """ModernBERT's head transform on the tokens (its token and span heads), else the tokens."""
+    head = model._modules.get("head")
+    return hidden if head is None else head(hidden)
+
+
+def _pool(config: BertConfig, hidden: torch.Tensor, mask: torch.Tensor | None, first_real: bool) -> torch.Tensor:
+    """[B, S, H] -> [B, H] by `classifier_pooling`: the mean over real tokens, or the first token (the first real one
+    where `first_real`: ModernBERT's multiple-choice head, which finds it under left padding too)."""
+    if getattr(config, "classifier_pooling", "cls") == "mean":
+        if mask is None:
+            return hidden.mean(dim=1)
+        mask = mask.to(hidden.dtype)
+        return (hidden * mask.unsqueeze(-1)).sum(dim=1) / mask.sum(dim=1, keepdim=True)
+    if first_real and mask is not None:
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), mask.argmax(dim=-1)]
+    return hidden[:, 0]
 
 
 class ClassificationHead(nn.Module):
@@ -300,7 +325,12 @@ class BertForSequenceClassification(PreTrainedModel):
     def __init__(self, config: BertConfig) -> None:
         super().__init__(config)
         self.num_labels = config.num_labels
-        if config.family.classifier_act is None:
+        if config.family.pre_norm:  # ModernBERT: pooled (cls or mean) -> head -> drop -> classifier
+            self.bert = BertModel(config, add_pooling_layer=False)
+            self.head = BertPredictionHeadTransform(config)
+            self.dropout = nn.Dropout(_classifier_dropout(config, "sequence"))
+            self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        elif config.family.classifier_act is None:
             self.bert = BertModel(config, context_pooler=True)
             self.dropout = nn.Dropout(_classifier_dropout(config, "sequence"))
             self.classifier = nn.Linear(config.hidden_size, config.num_labels)
@@ -313,6 +343,9 @@ class BertForSequenceClassification(PreTrainedModel):
         out = self.bert(input_ids, **_encoder_kwargs(kwargs))
         if isinstance(self.classifier, ClassificationHead):
             logits = self.classifier(out.last_hidden_state[:, 0])
+        elif self.config.family.pre_norm:
+            pooled = _pool(self.config, out.last_hidden_state, kwargs.get("attention_mask"), first_real=False)
+            logits = self.classifier(self.dropout(self.head(pooled)))
         else:
             logits = self.classifier(self.dropout(out.pooler_output))
         loss = None if labels is None else self._loss(logits, labels)
@@ -368,6 +401,8 @@ class BertForTokenClassification(PreTrainedModel):
         super().__init__(config)
         self.num_labels = config.num_labels
         self.bert = BertModel(config, add_pooling_layer=False)
+        if config.family.pre_norm:  # ModernBERT's head before the dropout
+            self.head = BertPredictionHeadTransform(config)
         self.dropout = nn.Dropout(_classifier_dropout(config))
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
@@ -375,7 +410,7 @@ class BertForTokenClassification(PreTrainedModel):
     def forward(self, input_ids=None, labels=None, return_dict: bool = True, **kwargs):
         """`labels` [B, S]: a class per token, -100 where no loss is wanted."""
         out = self.bert(input_ids, **_encoder_kwargs(kwargs))
-        logits = self.classifier(self.dropout(out.last_hidden_state))
+        logits = self.classifier(self.dropout(_head(self, out.last_hidden_state)))
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits.view(-1, self.num_labels).float(), labels.view(-1))
@@ -392,6 +427,8 @@ class BertForQuestionAnswering(PreTrainedModel):
         super().__init__(config)
         self.num_labels = config.num_labels
         self.bert = BertModel(config, add_pooling_layer=False)
+        if config.family.pre_norm:  # ModernBERT's head before the dropout
+            self.head = BertPredictionHeadTransform(config)
         self.dropout = nn.Dropout(_classifier_dropout(config, "qa"))  # DistilBERT's qa_dropout; 0 elsewhere
         self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
@@ -399,7 +436,7 @@ class BertForQuestionAnswering(PreTrainedModel):
     def forward(self, input_ids=None, start_positions=None, end_positions=None, return_dict: bool = True, **kwargs):
         """Span positions outside the input are ignored in the loss (clamped to S, the ignore index)."""
         out = self.bert(input_ids, **_encoder_kwargs(kwargs))
-        logits = self.qa_outputs(self.dropout(out.last_hidden_state))
+        logits = self.qa_outputs(self.dropout(_head(self, out.last_hidden_state)))
         start_logits, end_logits = (t.squeeze(-1).contiguous() for t in logits.split(1, dim=-1))
         loss = None
         if start_positions is not None and end_positions is not None:
@@ -428,6 +465,8 @@ class BertForMultipleChoice(PreTrainedModel):
     def __init__(self, config: BertConfig) -> None:
         super().__init__(config)
         self.bert = BertModel(config, context_pooler=True)
+        if config.family.pre_norm:  # ModernBERT: pooled (first real token or mean) -> head -> drop -> classifier
+            self.head = BertPredictionHeadTransform(config)
         self.dropout = nn.Dropout(_classifier_dropout(config, "choice"))
         self.classifier = nn.Linear(config.hidden_size, 1)
         self.post_init()
@@ -459,7 +498,11 @@ class BertForMultipleChoice(PreTrainedModel):
             inputs_embeds=flat(inputs_embeds),
             **_encoder_kwargs(kwargs),
         )
-        logits = self.classifier(self.dropout(out.pooler_output)).view(-1, num_choices)
+        if self.config.family.pre_norm:
+            pooled = self.head(_pool(self.config, out.last_hidden_state, flat(attention_mask), first_real=True))
+        else:
+            pooled = out.pooler_output
+        logits = self.classifier(self.dropout(pooled)).view(-1, num_choices)
         loss = None if labels is None else F.cross_entropy(logits.float(), labels.view(-1))
         result = MultipleChoiceModelOutput(
             loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions

@@ -212,17 +212,21 @@ class BertSelfAttention(nn.Module):
         x: torch.Tensor,
         packing: Packing,
         output_attentions: bool = False,
-        position_bias: torch.Tensor | None = None,  # [nH, 2R + 1] fp32 (BertEncoder.relative_terms)
+        position_bias: torch.Tensor | dict[str, torch.Tensor] | None = None,  # BertEncoder.forward's terms
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [T, H] -> [T, H], probs [B, nH, S, S] or None
+        """`position_bias`: MPNet's [nH, 2R + 1] fp32 table, or a rotary family's tables by layer kind (GTE's
+        BERT-shaped layers are all global)."""
         qkv = self.project(x)
+        rotary = None
+        if isinstance(position_bias, dict):
+            rotary, position_bias = position_bias[prenorm.GLOBAL], None
+        cu, longest = packing.cu_seqlens, packing.max_seqlen
         if output_attentions:
-            ctx, probs = reference.attention_with_probs(
-                qkv, packing.cu_seqlens, packing.max_seqlen, self.dropout_p, self.training, None, position_bias
-            )
+            ctx, probs = reference.attention_with_probs(qkv, cu, longest, self.dropout_p, self.training, None,
+                                                        position_bias, None, None, rotary)  # fmt: skip
         else:
-            cu, longest = packing.cu_seqlens, packing.max_seqlen
-            ctx = ops.attention(qkv, cu, longest, self.dropout_p, self.training, None, position_bias)
-            probs = None
+            p, probs = self.dropout_p, None
+            ctx = ops.attention(qkv, cu, longest, p, self.training, None, position_bias, None, None, rotary)
         return ctx.reshape(x.shape[0], self.num_heads * self.head_dim), probs
 
 
@@ -326,12 +330,22 @@ class BertAttention(nn.Module):
 
 
 class BertIntermediate(nn.Module):
+    """act(dense(x)); a gated family's (GTE's) act(gate(x)) * dense(x), then dropout, both without biases."""
+
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        gated = config.family.gated
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size, bias=not gated)
+        if gated:
+            self.gate = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+            self.dropout_p = config.hidden_dropout_prob
         self.act = ACT_OF_CONFIG[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self._modules.get("gate")
+        if gate is not None:
+            gated = reference.activation(prenorm.through(gate, x), self.act) * prenorm.through(self.dense, x)
+            return F.dropout(gated, self.dropout_p, self.training)
         if not plain(self.dense, nn.Linear):
             return reference.activation(self.dense(x), self.act)
         return ops.linear(x, self.dense.weight, self.dense.bias, self.act)
@@ -375,7 +389,7 @@ class BertLayer(nn.Module):
 def build_layers(config: BertConfig) -> nn.ModuleList:
     """num_hidden_layers layers; with ALBERT sharing, layer i reuses group i * G // L's attention/FFN/whole layer;
     the rotary families' pre-norm layers (fastbert.prenorm)."""
-    if config.family.rotary:
+    if config.family.pre_norm:
         return nn.ModuleList(PreNormLayer(config, i) for i in range(config.num_hidden_layers))
     groups = config.num_hidden_groups if config.layer_sharing != "none" else config.num_hidden_layers
     attention = [BertAttention(config) for _ in range(groups)] if config.layer_sharing == "attention" else None
@@ -410,11 +424,13 @@ class BertEncoder(nn.Module):
         norms = [x.strip() for x in str(getattr(config, "norm_rel_ebd", "none")).lower().split("|")]
         if config.family.disentangled and "layer_norm" in norms:  # transformers builds it without the rows too
             self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        if config.family.rotary:  # each layer kind's rotary frequencies, and the norm after the last layer
+        self.rotary = config.family.rotary
+        if self.rotary:  # each layer kind's rotary frequencies
             for kind in sorted(set(config.layer_kinds)):
                 theta = config.rope_parameters_of(kind)["rope_theta"]
                 self.register_buffer(f"{kind}_frequencies", inverse_frequencies(config.head_dim, theta),
                                      persistent=False)  # fmt: skip
+        if config.family.pre_norm:  # the norm after the last layer
             self.final_norm = prenorm.norm(config)
 
     def position_bias(self) -> torch.Tensor | None:
@@ -446,7 +462,7 @@ class BertEncoder(nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         hidden, attentions = [x] if output_hidden_states else [], []
         final = self._modules.get("final_norm")
-        bias = self.rotary_terms(packing, x.shape[0]) if final is not None else self.relative_terms(packing.max_seqlen)
+        bias = self.rotary_terms(packing, x.shape[0]) if self.rotary else self.relative_terms(packing.max_seqlen)
         for layer in self.layer:
             x, probs = layer(x, packing, output_attentions, bias)
             if output_hidden_states:
@@ -513,7 +529,7 @@ class BertModel(PreTrainedModel):
         self.embeddings = BertEmbeddings(config)
         self.encoder = BertEncoder(config)
         family = config.family
-        pools = family.pooler or (context_pooler and family.context_pooler)
+        pools = family.pooler or (context_pooler and (family.context_pooler or family.head_pooler))
         self.pooler = BertPooler(config) if add_pooling_layer and pools else None
         self.cuda_graphs = None
         self.register_load_state_dict_post_hook(_weights_loaded)  # into inference tensors, no version is bumped
@@ -648,8 +664,8 @@ class BertModel(PreTrainedModel):
         read = ranges.values if ranges is not None else None
         # dict reads, no call: this runs every forward of every family
         encoder = self._modules["encoder"]._modules
-        gaps = attention_mask is not None and any(k in encoder for k in ("relative_attention_bias", "rel_embeddings",
-                                                                          "final_norm"))  # fmt: skip
+        relative = self.config.family.rotary or "relative_attention_bias" in encoder or "rel_embeddings" in encoder
+        gaps = attention_mask is not None and relative
         if gaps:  # read with the packing's sync
             read = rows_with_gaps(attention_mask) if read is None else torch.cat([read, rows_with_gaps(attention_mask)])
         packing, checked = unpad_and_read(attention_mask, batch, seqlen, device, read)

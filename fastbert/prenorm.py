@@ -22,7 +22,7 @@ from fastbert.padding import Packing
 GLOBAL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer types
 
 
-def _linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def through(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """x through the module: the dispatched GEMM, or its own forward where it is hooked or wrapped (LoRA)."""
     if plain(module, nn.Linear):
         return ops.linear(x, module.weight, module.bias)
@@ -55,7 +55,7 @@ class RotaryAttention(nn.Module):
         rotary: torch.Tensor,  # [2, T, R/2] fp32, this layer kind's
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [T, H], probs [B, nH, S, S] or None
         total = x.shape[0]
-        qkv = _linear(self.Wqkv, x).view(total, 3, self.num_heads, self.head_dim)
+        qkv = through(self.Wqkv, x).view(total, 3, self.num_heads, self.head_dim)
         cu, longest, p = packing.cu_seqlens, packing.max_seqlen, self.dropout_p
         if output_attentions:
             ctx, probs = reference.attention_with_probs(qkv, cu, longest, p, self.training, None, None, None, None,
@@ -63,7 +63,7 @@ class RotaryAttention(nn.Module):
         else:
             ctx = ops.attention(qkv, cu, longest, p, self.training, None, None, None, None, rotary, self.window)
             probs = None
-        out = _linear(self.Wo, ctx.reshape(total, self.num_heads * self.head_dim))
+        out = through(self.Wo, ctx.reshape(total, self.num_heads * self.head_dim))
         return F.dropout(out, p, self.training), probs
 
 
@@ -79,8 +79,8 @@ class GatedMLP(nn.Module):
         self.dropout_p = config.hidden_dropout_prob
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        up, gate = _linear(self.Wi, x).chunk(2, dim=-1)
-        return _linear(self.Wo, F.dropout(reference.activation(up, self.act) * gate, self.dropout_p, self.training))
+        up, gate = through(self.Wi, x).chunk(2, dim=-1)
+        return through(self.Wo, F.dropout(reference.activation(up, self.act) * gate, self.dropout_p, self.training))
 
 
 class PreNormLayer(nn.Module):

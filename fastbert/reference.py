@@ -27,11 +27,13 @@ def _up(t: torch.Tensor | None, upcast: bool) -> torch.Tensor | None:
     return t.float()
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    """LayerNorm with fp32 statistics whatever the input dtype (fp16 overflows in the variance otherwise)."""
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """LayerNorm with fp32 statistics whatever the input dtype (fp16 overflows in the variance otherwise); `bias`
+    None for the norms that have none (ModernBERT's)."""
     if x.dtype in (torch.float16, torch.bfloat16):
-        return F.layer_norm(x.float(), x.shape[-1:], weight.float(), bias.float(), eps).to(x.dtype)
-    return F.layer_norm(x, x.shape[-1:], weight.to(x.dtype), bias.to(x.dtype), eps)
+        bias = None if bias is None else bias.float()
+        return F.layer_norm(x.float(), x.shape[-1:], weight.float(), bias, eps).to(x.dtype)
+    return F.layer_norm(x, x.shape[-1:], weight.to(x.dtype), None if bias is None else bias.to(x.dtype), eps)
 
 
 def embedding_layernorm(

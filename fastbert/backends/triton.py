@@ -50,8 +50,9 @@ def _attention_limit(call: dict[str, Any], forced: bool) -> str | None:
         return f"head dim {qkv.shape[-1]} > {kernels.limits.MAX_HEAD_DIM}"
     if call.get("training") and call.get("dropout_p", 0.0) > 0 and max_seqlen > kernels.limits.MAX_SEQLEN_DROPOUT:
         return f"attention dropout with max_seqlen {max_seqlen} > {kernels.limits.MAX_SEQLEN_DROPOUT}"
-    if call.get("rotary") is not None or call.get("window") is not None:
-        return "no rotary positions or window in the Triton kernels yet"
+    rotary = call.get("rotary")
+    if rotary is not None and (rotary.dtype != torch.float32 or rotary.dim() != 3 or rotary.stride(2) != 1):
+        return "rotary tables other than [2, T, R/2] fp32 with a unit stride on R/2"
     bias = call.get("position_bias")
     if bias is not None and not bias.is_contiguous():  # the kernels index the table as [nH, 2R + 1] row-major
         return "a non-contiguous position_bias table"

@@ -29,7 +29,7 @@ from torch import nn
 
 from fastbert import capabilities, ops
 from fastbert.execution.mode import Mode, current_mode, words
-from fastbert.execution.structure import Structure
+from fastbert.execution.structure import ROTARY, Structure
 from fastbert.padding import Packing
 
 FusedOp = Callable[..., torch.Tensor]
@@ -148,6 +148,13 @@ class Plan:
         return "\n".join(lines + [f"  {op} -> {self.how[op]}" for op in ops.OPS])
 
 
+def _module_note(why: str) -> str:
+    """How a forward that must run module by module ran, and why."""
+    if why == ROTARY:
+        return f"module by module, because {why}"
+    return f"module by module, because {why} (what is hooked or wrapped runs its own forward)"
+
+
 def _modules(call: Call, packing: Packing, attentions: list | None) -> torch.Tensor:
     """The encoder module by module (fastbert.modeling's forwards): what takes every forward."""
     model, i = call.model, call.inputs
@@ -228,7 +235,7 @@ class Plans:
         if plan is None or (plan.provisional and why is None):
             return self._binding_run(model, structure, mode, hidden, attentions, why)
         if why is not None:
-            plan.note = f"module by module, because {why} (what is hooked or wrapped runs its own forward)"
+            plan.note = _module_note(why)
             return self._module_run(model, structure, hidden, attentions)
         states: list[torch.Tensor] | None = [] if hidden else None
         call = Call(model, structure, Inputs(None, None, None, embeds), states)  # inputs: filled in after the sync
@@ -266,7 +273,7 @@ class Plans:
             plan = self.bind(mode, seen, model, structure)
             if why is not None:
                 plan.provisional = True
-                plan.note = f"module by module, because {why} (what is hooked or wrapped runs its own forward)"
+                plan.note = _module_note(why)
             return x, states or [], probs or []
 
         return run

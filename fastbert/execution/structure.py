@@ -128,6 +128,8 @@ def layer_parts(layer: nn.Module) -> LayerParts | None:
         return None
 
 
+ROTARY = ("its attention is rotary (ModernBERT's, GTE's): the fused executors (layer stack, loop, CUDA graphs) take "
+          "BERT's layers without rotary positions, gates or pre-norm")
 _DROPOUT_ROLES = (0, 2, 3, 5)  # in LayerParts.modules: the forwards that read `training` (dropout)
 _training = operator.itemgetter("training")
 _requires_grad = operator.attrgetter("requires_grad")
@@ -183,6 +185,9 @@ class Structure:
     def _static_refusal(self) -> str | None:
         """Why this structure cannot run fused whatever the call, from the modules' types (checked every forward)."""
         e, forwards = self.embeddings, self.forwards
+        config = getattr(self.model, "config", None)
+        if config is not None and config.family.rotary:
+            return ROTARY
         word, position, norm = self.tables
         if word is None or norm is None or (position is None and "no_positions" not in e._buffers):
             return f"the embeddings ({type(e).__name__}) are not built as fastbert's BertEmbeddings"

@@ -39,6 +39,36 @@ def _load_rows(ptr, tok, rmask, d, D, stride_t):
 
 
 @triton.jit
+def _load_qk(ptr, tok, rmask, d, D, stride_t, rot_ptr, half, rot_side, rot_tok, ROTARY: tl.constexpr):
+    """A q or k tile as _load_rows gives it, rotated by each token's (cos, sin) row where ROTARY (rotate-half over the
+    first 2 * half dims, computed in fp32 and rounded to the tile's dtype, as the reference does)."""
+    x = _load_rows(ptr, tok, rmask, d, D, stride_t)
+    if ROTARY:
+        first, rotated = d < half, d < 2 * half
+        partner = tl.where(first, d + half, tl.where(rotated, d - half, d))
+        other = _load_rows(ptr, tok, rmask, partner, D, stride_t)
+        at = rot_ptr + tok[:, None] * rot_tok + tl.where(first, d, d - half)[None, :]
+        inside = rmask[:, None] & rotated[None, :]
+        cos = tl.load(at, mask=inside, other=1.0)
+        sin = tl.load(at + rot_side, mask=inside, other=0.0)
+        sign = tl.where(first, -1.0, 1.0)[None, :]
+        x = (x.to(tl.float32) * cos + sign * other.to(tl.float32) * sin).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _span(first, count, length, window, BLOCK: tl.constexpr, WINDOW: tl.constexpr):
+    """The [lo, hi) of the other side's blocks that rows first .. first + count - 1 reach: all of [0, length), or
+    with WINDOW those within `window` of them, lo on a block boundary."""
+    lo = 0
+    hi = length
+    if WINDOW:
+        lo = tl.maximum(first - window, 0) // BLOCK * BLOCK
+        hi = tl.minimum(length, first + count + window)
+    return lo, hi
+
+
+@triton.jit
 def _program(max_seqlen, BLOCK: tl.constexpr):
     """(sequence, head, first row of the program's block) from the grid (B * blocks per sequence, nH): a sequence's
     blocks are adjacent on grid x, which takes 2^31 - 1 programs where y and z take 65,535."""
@@ -89,6 +119,11 @@ def _attn_fwd(
     stride_side,
     stride_head,
     stride_tok,
+    rot_ptr,  # [2, T, R/2] fp32 at (rot_side, rot_tok, 1): cos and sin per token and rotated pair (ROTARY)
+    half,  # R/2
+    rot_side,
+    rot_tok,
+    window,  # keys within this distance of the query (WINDOW)
     DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -98,6 +133,8 @@ def _attn_fwd(
     STATS: tl.constexpr = True,  # store the log-sum-exp for a backward; inference leaves it out (lse_ptr unused)
     BIAS: tl.constexpr = False,  # add position_bias[h, clamp(j - i, -R, R) + R] to the scores
     SCORES: tl.constexpr = False,  # add position_scores[0, h, i, c] + position_scores[1, h, j, c] to the scores
+    ROTARY: tl.constexpr = False,  # rotate q and k as they are loaded
+    WINDOW: tl.constexpr = False,  # only the key blocks within `window` of the query block, the others masked
 ):
     b, h, m0 = _program(max_seqlen, BLOCK_M)
     start, length = _seq_bounds(cu_ptr, b)
@@ -108,16 +145,17 @@ def _attn_fwd(
     d = tl.arange(0, BLOCK_D)
     base = qkv_ptr + h * stride_h
     tok = (start + rows).to(tl.int64)
-    q = _load_rows(base, tok, rmask, d, D, stride_t)
+    q = _load_qk(base, tok, rmask, d, D, stride_t, rot_ptr, half, rot_side, rot_tok, ROTARY)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     key_seed = _rng_seed(seed, b, h, H)
-    for n0 in range(0, length, BLOCK_N):
+    lo, hi = _span(m0, BLOCK_M, length, window, BLOCK_N, WINDOW)
+    for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         cmask = cols < length
         ctok = (start + cols).to(tl.int64)
-        k = _load_rows(base + stride_3, ctok, cmask, d, D, stride_t)
+        k = _load_qk(base + stride_3, ctok, cmask, d, D, stride_t, rot_ptr, half, rot_side, rot_tok, ROTARY)
         v = _load_rows(base + 2 * stride_3, ctok, cmask, d, D, stride_t)
         s = dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N] fp32, log2 units
         if BIAS:
@@ -125,8 +163,13 @@ def _attn_fwd(
         if SCORES:
             s += scores_tile(scores_ptr, columns_ptr, h, tok, ctok, rows, cols, rmask[:, None] & cmask[None, :],
                               score_radius, width, stride_side, stride_head, stride_tok)  # fmt: skip
-        s = tl.where(cmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: key 0 is valid in every launched program
+        keys = cmask[None, :]
+        if WINDOW:
+            keys = keys & (tl.abs(cols[None, :] - rows[:, None]) <= window)
+        s = tl.where(keys, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite without a window: key 0 is valid in every program
+        if WINDOW:  # a row may see no key of a block yet: exponents against 0, not -inf - -inf
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_new)
         pr = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(pr, axis=1)
@@ -145,8 +188,9 @@ def _attn_fwd(
 @triton.jit
 def _probs_and_dscores(
     q, k, v, do, lse, delta, rmask, cmask, rows, cols, tok, ctok, key_seed, max_seqlen, qk_scale, p, keep_scale,
-    bias_ptr, h, radius, scores_ptr, columns_ptr, score_radius, width, stride_side, stride_head, stride_tok,
+    bias_ptr, h, radius, scores_ptr, columns_ptr, score_radius, width, stride_side, stride_head, stride_tok, window,
     DROPOUT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BIAS: tl.constexpr, SCORES: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):  # fmt: skip
     """For one [BLOCK_M, BLOCK_N] block: (dropped probs P*Z/(1-p), dS = P * (dP - delta)), both fp32, 0 off mask. dS is
     the gradient of the score in natural units (q.k * scale + bias + position scores): dQ, dK take it times the scale,
@@ -158,6 +202,8 @@ def _probs_and_dscores(
     if SCORES:
         s += scores_tile(scores_ptr, columns_ptr, h, tok, ctok, rows, cols, valid, score_radius, width, stride_side,
                           stride_head, stride_tok)  # fmt: skip
+    if WINDOW:
+        valid = valid & (tl.abs(cols[None, :] - rows[:, None]) <= window)
     pr = tl.where(valid, tl.exp2(s - lse[:, None]), 0.0)
     dp = dot(do, tl.trans(v), PRECISION, UPCAST)
     dropped = pr
@@ -198,6 +244,11 @@ def _attn_bwd_dkdv(
     stride_tok,
     total,  # T
     dscores_ptr,  # [2, nH, T, W] fp32 contiguous zeros: this kernel adds its side's gradient (SCORES_GRAD)
+    rot_ptr,  # [2, T, R/2] fp32 (ROTARY): as _attn_fwd's
+    half,
+    rot_side,
+    rot_tok,
+    window,  # (WINDOW)
     DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -206,6 +257,8 @@ def _attn_bwd_dkdv(
     UPCAST: tl.constexpr,
     BIAS: tl.constexpr = False,
     SCORES: tl.constexpr = False,
+    ROTARY: tl.constexpr = False,  # q and k rotated as loaded: dK is the rotated key's gradient (unrotated after)
+    WINDOW: tl.constexpr = False,
     SCORES_GRAD: tl.constexpr = False,  # add the key side's gradient (side 1) to dscores_ptr
     BLOCK_T: tl.constexpr = 1,  # next_power_of_2(BLOCK_M + BLOCK_N - 1): the diagonals of a tile (SCORES_GRAD)
 ):
@@ -218,25 +271,26 @@ def _attn_bwd_dkdv(
     cmask = cols < length
     ctok = (start + cols).to(tl.int64)
     base = qkv_ptr + h * stride_h
-    k = _load_rows(base + stride_3, ctok, cmask, d, D, stride_t)
+    k = _load_qk(base + stride_3, ctok, cmask, d, D, stride_t, rot_ptr, half, rot_side, rot_tok, ROTARY)
     v = _load_rows(base + 2 * stride_3, ctok, cmask, d, D, stride_t)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     key_seed = _rng_seed(seed, b, h, H)
     if SCORES_GRAD:
         key_rows = dscores_ptr + ((H + h).to(tl.int64) * total + ctok) * width  # [BLOCK_N]: side 1
-    for m0 in range(0, length, BLOCK_M):
+    lo, hi = _span(n0, BLOCK_N, length, window, BLOCK_M, WINDOW)
+    for m0 in range(lo, hi, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         rmask = rows < length
         tok = (start + rows).to(tl.int64)
-        q = _load_rows(base, tok, rmask, d, D, stride_t)
+        q = _load_qk(base, tok, rmask, d, D, stride_t, rot_ptr, half, rot_side, rot_tok, ROTARY)
         do = _load_rows(do_ptr + h * D, tok, rmask, d, D, H * D)
         lse = tl.load(lse_ptr + tok * H + h, mask=rmask, other=0.0)
         delta = tl.load(delta_ptr + tok * H + h, mask=rmask, other=0.0)
         dropped, ds = _probs_and_dscores(
             q, k, v, do, lse, delta, rmask, cmask, rows, cols, tok, ctok, key_seed, max_seqlen, qk_scale, p,
             keep_scale, bias_ptr, h, radius, scores_ptr, columns_ptr, score_radius, width, stride_side, stride_head,
-            stride_tok, DROPOUT, PRECISION, UPCAST, BIAS, SCORES,
+            stride_tok, window, DROPOUT, PRECISION, UPCAST, BIAS, SCORES, WINDOW,
         )  # fmt: skip
         dv += dot(tl.trans(dropped.to(do.dtype)), do, PRECISION, UPCAST)
         dk += dot(tl.trans(ds.to(q.dtype)), q, PRECISION, UPCAST)
@@ -279,6 +333,11 @@ def _attn_bwd_dq(
     stride_tok,
     total,  # T
     dscores_ptr,  # [2, nH, T, W] fp32 contiguous zeros: this kernel adds its side's gradient (SCORES_GRAD)
+    rot_ptr,  # [2, T, R/2] fp32 (ROTARY): as _attn_fwd's
+    half,
+    rot_side,
+    rot_tok,
+    window,  # (WINDOW)
     dbias_ptr,  # [grid x, nH, 2W + 1] fp32 zeros: this program's distance-bin sums of dS go to its row (BIAS_GRAD)
     grad_radius,  # W = min(R, max_seqlen - 1)
     DROPOUT: tl.constexpr,
@@ -290,6 +349,8 @@ def _attn_bwd_dq(
     BIAS: tl.constexpr = False,
     BIAS_GRAD: tl.constexpr = False,
     SCORES: tl.constexpr = False,
+    ROTARY: tl.constexpr = False,  # q and k rotated as loaded: dQ is the rotated query's gradient (unrotated after)
+    WINDOW: tl.constexpr = False,
     SCORES_GRAD: tl.constexpr = False,  # add the query side's gradient (side 0) to dscores_ptr
     BLOCK_T: tl.constexpr = 1,  # next_power_of_2(BLOCK_M + BLOCK_N - 1): a tile's diagonals (BIAS_GRAD, SCORES_GRAD)
     BLOCK_W: tl.constexpr = 1,  # next_power_of_2(2W + 1): the distance bins (BIAS_GRAD)
@@ -303,7 +364,7 @@ def _attn_bwd_dq(
     rmask = rows < length
     tok = (start + rows).to(tl.int64)
     base = qkv_ptr + h * stride_h
-    q = _load_rows(base, tok, rmask, d, D, stride_t)
+    q = _load_qk(base, tok, rmask, d, D, stride_t, rot_ptr, half, rot_side, rot_tok, ROTARY)
     do = _load_rows(do_ptr + h * D, tok, rmask, d, D, H * D)
     lse = tl.load(lse_ptr + tok * H + h, mask=rmask, other=0.0)
     delta = tl.load(delta_ptr + tok * H + h, mask=rmask, other=0.0)
@@ -313,16 +374,17 @@ def _attn_bwd_dq(
     key_seed = _rng_seed(seed, b, h, H)
     if SCORES_GRAD:
         query_rows = dscores_ptr + (h.to(tl.int64) * total + tok) * width  # [BLOCK_M]: side 0
-    for n0 in range(0, length, BLOCK_N):
+    lo, hi = _span(m0, BLOCK_M, length, window, BLOCK_N, WINDOW)
+    for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         cmask = cols < length
         ctok = (start + cols).to(tl.int64)
-        k = _load_rows(base + stride_3, ctok, cmask, d, D, stride_t)
+        k = _load_qk(base + stride_3, ctok, cmask, d, D, stride_t, rot_ptr, half, rot_side, rot_tok, ROTARY)
         v = _load_rows(base + 2 * stride_3, ctok, cmask, d, D, stride_t)
         _, ds = _probs_and_dscores(
             q, k, v, do, lse, delta, rmask, cmask, rows, cols, tok, ctok, key_seed, max_seqlen, qk_scale, p,
             keep_scale, bias_ptr, h, radius, scores_ptr, columns_ptr, score_radius, width, stride_side, stride_head,
-            stride_tok, DROPOUT, PRECISION, UPCAST, BIAS, SCORES,
+            stride_tok, window, DROPOUT, PRECISION, UPCAST, BIAS, SCORES, WINDOW,
         )  # fmt: skip
         dq += dot(ds.to(k.dtype), k, PRECISION, UPCAST)
         if BIAS_GRAD:
@@ -371,6 +433,8 @@ def _forward(
     bias: torch.Tensor | None = None,  # [nH, 2R + 1] fp32 contiguous position bias (checked by _check)
     scores: torch.Tensor | None = None,  # [2, nH, T, W] position scores, unit stride on W (checked by _check)
     columns: torch.Tensor | None = None,  # [2R + 1] int32 contiguous (with scores)
+    rotary: torch.Tensor | None = None,  # [2, T, R/2] fp32, unit stride on R/2 (checked by _check)
+    window: int | None = None,
 ) -> torch.Tensor:  # [T, nH, D]
     """One launch of the forward kernel: the training forward (lse, dropout) and the inference launcher share it."""
     total, _, heads, dim = qkv.shape
@@ -384,11 +448,29 @@ def _forward(
         score_args = _score_args(scores, columns) if scores is not None else (qkv, qkv, 0, 1, 0, 0, 0)
         _attn_fwd[_grid(batch, max_seqlen, block_m, heads)](
             qkv, cu_seqlens, out, lse if lse is not None else out, qkv.stride(0), qkv.stride(1), qkv.stride(2),
-            heads, dim, max_seqlen, scale * LOG2E, p, keep, seed, bias_ptr, radius, *score_args, DROPOUT=p > 0,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision, UPCAST=upcast,
-            STATS=lse is not None, BIAS=bias is not None, SCORES=scores is not None, num_warps=warps,
+            heads, dim, max_seqlen, scale * LOG2E, p, keep, seed, bias_ptr, radius, *score_args,
+            *_rotary_args(qkv, rotary, window), DROPOUT=p > 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+            PRECISION=precision, UPCAST=upcast, STATS=lse is not None, BIAS=bias is not None,
+            SCORES=scores is not None, ROTARY=rotary is not None, WINDOW=window is not None, num_warps=warps,
         )  # fmt: skip
     return out
+
+
+def _rotary_args(qkv: torch.Tensor, rotary: torch.Tensor | None, window: int | None) -> tuple:
+    """The kernels' rotary and window arguments: (table, R/2, side and token strides, window), or stand-ins the
+    kernels never read (ROTARY, WINDOW off)."""
+    table = (rotary, rotary.shape[2], rotary.stride(0), rotary.stride(1)) if rotary is not None else (qkv, 0, 0, 0)
+    return (*table, window or 0)
+
+
+def _unrotate(dqkv: torch.Tensor, rotary: torch.Tensor) -> None:
+    """dQ and dK of the rotated q and k (what the backward kernels give) -> those of the inputs, in place: the inverse
+    rotation, (g1, g2) -> (g1 cos + g2 sin, g2 cos - g1 sin) over the rotated pairs."""
+    half = rotary.shape[2]
+    cos, sin = (t.float()[:, None, None, :] for t in rotary.unbind(0))  # [T, 1, 1, R/2]
+    g = dqkv[:, :2, :, : 2 * half].float()  # a view for fp32: both halves are computed before the one write
+    g1, g2 = g[..., :half], g[..., half:]
+    dqkv[:, :2, :, : 2 * half] = torch.cat((g1 * cos + g2 * sin, g2 * cos - g1 * sin), dim=-1).to(dqkv.dtype)
 
 
 def _score_args(scores: torch.Tensor, columns: torch.Tensor) -> tuple:
@@ -408,6 +490,8 @@ def _backward(
     args: tuple,  # FlashAttention's ctx.args: (max_seqlen, p, keep, seed, scale, precision, upcast)
     bias_grad: bool,
     scores_grad: bool,
+    rotary: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(dqkv, d position_bias or None unless `bias_grad`, d position_scores or None unless `scores_grad`): the dK/dV
     kernel, then the dQ kernel. The dQ kernel writes the bias gradient's per-program partial rows, summed here; each
@@ -430,10 +514,11 @@ def _backward(
     args = (
         qkv, cu_seqlens, dout, lse, delta, dqkv, qkv.stride(0), qkv.stride(1), qkv.stride(2), heads, dim,
         max_seqlen, scale * LOG2E, scale, p, keep, seed, bias_ptr, radius, *score_args, total,
-        dscores if scores_grad else qkv,
+        dscores if scores_grad else qkv, *_rotary_args(qkv, rotary, window),
     )  # fmt: skip
     meta = dict(DROPOUT=p > 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision, UPCAST=upcast)
     meta["BIAS"], meta["SCORES"] = bias is not None, scores is not None
+    meta["ROTARY"], meta["WINDOW"] = rotary is not None, window is not None
     diagonals = C.next_power_of_2(block_m + block_n - 1)  # BLOCK_T of the position gradients
     if scores_grad:  # the column sums' registers: 8 warps whatever D
         meta.update(SCORES_GRAD=True, BLOCK_T=diagonals)
@@ -450,6 +535,8 @@ def _backward(
         dbias[:, radius - width : radius + width + 1] = partial.sum(0)
     else:
         _attn_bwd_dq[grid](*args, dqkv, 0, **meta, num_warps=warps)
+    if rotary is not None:
+        _unrotate(dqkv, rotary)
     return dqkv, dbias, dscores if dscores is None else dscores.to(scores.dtype)
 
 
@@ -459,25 +546,25 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, cu_seqlens, max_seqlen: int, p: float, scale: float, position_bias=None,
-                position_scores=None, position_columns=None):  # fmt: skip
+                position_scores=None, position_columns=None, rotary=None, window=None):  # fmt: skip
         if qkv.stride(-1) != 1:
             qkv = qkv.contiguous()
         lse = torch.empty(qkv.shape[0], qkv.shape[2], dtype=torch.float32, device=qkv.device)
         seed = C.dropout_seed() if p > 0 else 0
         modes, keep = _dot_modes(qkv), C.keep_scale(p)
         out = _forward(qkv, cu_seqlens, max_seqlen, scale, lse, p, seed, keep, modes, position_bias, position_scores,
-                       position_columns)  # fmt: skip
-        ctx.save_for_backward(qkv, cu_seqlens, out, lse, position_bias, position_scores, position_columns)
-        ctx.args = (max_seqlen, p, keep, seed, scale, *modes)
+                       position_columns, rotary, window)  # fmt: skip
+        ctx.save_for_backward(qkv, cu_seqlens, out, lse, position_bias, position_scores, position_columns, rotary)
+        ctx.args, ctx.window = (max_seqlen, p, keep, seed, scale, *modes), window
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        qkv, cu_seqlens, out, lse, bias, scores, columns = ctx.saved_tensors
+        qkv, cu_seqlens, out, lse, bias, scores, columns, rotary = ctx.saved_tensors
         needs = ctx.needs_input_grad
         dqkv, dbias, dscores = _backward(dout, qkv, cu_seqlens, out, lse, bias, scores, columns, ctx.args, needs[5],
-                                         needs[6])  # fmt: skip
-        return dqkv, None, None, None, None, dbias, dscores, None
+                                         needs[6], rotary, ctx.window)  # fmt: skip
+        return dqkv, None, None, None, None, dbias, dscores, None, None, None
 
 
 def attention(
@@ -495,21 +582,22 @@ def attention(
 ) -> torch.Tensor:
     """Varlen bidirectional attention over packed QKV `[T, 3, nH, D]` -> `[T, nH, D]`, plus a relative position bias
     `[nH, 2R + 1]` and disentangled position scores `[2, nH, T, W]` (by `position_columns`) when given;
-    differentiable in qkv, the bias and the scores. No rotary positions or window yet (ValueError)."""
-    _no_rotary(rotary, window)
+    differentiable in qkv, the bias and the scores; q and k rotated by `rotary` [2, T, R/2] as they are loaded, keys
+    beyond `window` of the query skipped block by block."""
     p, scale = _check(qkv, cu_seqlens, max_seqlen, dropout_p, training, scale, position_bias, position_scores,
-                      position_columns)  # fmt: skip
+                      position_columns, rotary, window)  # fmt: skip
+    window = None if window is None else int(window)
     if torch.compiler.is_compiling():
         return _attention_op(qkv, cu_seqlens, int(max_seqlen), p, scale, position_bias, position_scores,
-                             position_columns)[0]  # fmt: skip
+                             position_columns, rotary, window)[0]  # fmt: skip
     return C.apply(FlashAttention, qkv, cu_seqlens, int(max_seqlen), p, scale, position_bias, position_scores,
-                   position_columns)  # fmt: skip
+                   position_columns, rotary, window)  # fmt: skip
 
 
 def _check(
     qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, dropout_p: float, training: bool,
     scale: float | None, position_bias: torch.Tensor | None = None, position_scores: torch.Tensor | None = None,
-    position_columns: torch.Tensor | None = None,
+    position_columns: torch.Tensor | None = None, rotary: torch.Tensor | None = None, window: int | None = None,
 ) -> tuple[float, float]:  # fmt: skip
     """The call's limits; (dropout probability in effect, softmax scale)."""
     if qkv.dim() != 4 or qkv.shape[1] != 3:
@@ -526,12 +614,25 @@ def _check(
         _check_table(position_bias, qkv)
     if position_scores is not None or position_columns is not None:
         _check_scores(position_scores, position_columns, qkv)
+    if rotary is not None:
+        _check_rotary(rotary, qkv)
+    if window is not None and window < 0:
+        raise ValueError(f"window must be >= 0 (keys within that distance), got {window}")
     return p, float(scale if scale is not None else 1.0 / math.sqrt(qkv.shape[-1]))
 
 
-def _no_rotary(rotary: torch.Tensor | None, window: int | None) -> None:
-    if rotary is not None or window is not None:
-        raise ValueError("the Triton attention kernels take no rotary positions or window yet (torch's reference does)")
+def _check_rotary(rotary: torch.Tensor, qkv: torch.Tensor) -> None:
+    """rotary: [2, T, R/2] fp32 with 0 < R <= D, a unit stride on R/2, on qkv's device."""
+    total, dim = qkv.shape[0], qkv.shape[-1]
+    if rotary.dim() != 3 or rotary.shape[:2] != (2, total) or not 0 < 2 * rotary.shape[2] <= dim:
+        shape = tuple(rotary.shape)
+        raise ValueError(f"rotary must be [2, T = {total}, R/2] with 0 < R <= head dim {dim}, got {shape}")
+    if rotary.dtype != torch.float32:
+        raise ValueError(f"rotary must be float32, got {rotary.dtype}")
+    if rotary.device != qkv.device:
+        raise ValueError(f"rotary is on {rotary.device}, qkv on {qkv.device}")
+    if rotary.stride(2) != 1:
+        raise ValueError("rotary needs a unit stride on R/2")
 
 
 def _check_table(table: torch.Tensor, qkv: torch.Tensor) -> None:
@@ -588,14 +689,16 @@ def attention_inference(
     """Varlen attention `[T, 3, nH, D]` -> `[T, nH, D]` (plus the position bias and scores when given), forward kernel
     only: no autograd Function, no log-sum-exp written, dropout ignored (inference), launch blocks from the cached
     rule."""
-    _no_rotary(rotary, window)
     if torch.compiler.is_compiling():  # a Triton launch in a traced graph goes through the custom op
         return attention(qkv, cu_seqlens, max_seqlen, scale=scale, position_bias=position_bias,
-                         position_scores=position_scores, position_columns=position_columns)  # fmt: skip
-    _, scale = _check(qkv, cu_seqlens, max_seqlen, 0.0, False, scale, position_bias, position_scores, position_columns)
+                         position_scores=position_scores, position_columns=position_columns, rotary=rotary,
+                         window=window)  # fmt: skip
+    _, scale = _check(qkv, cu_seqlens, max_seqlen, 0.0, False, scale, position_bias, position_scores, position_columns,
+                      rotary, window)  # fmt: skip
     qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
+    window = None if window is None else int(window)
     return _forward(qkv, cu_seqlens, max_seqlen, scale, bias=position_bias, scores=position_scores,
-                    columns=position_columns)  # fmt: skip
+                    columns=position_columns, rotary=rotary, window=window)  # fmt: skip
 
 
 # torch.compile: the kernels as custom ops. The forward op returns what the backward op needs besides the inputs
@@ -605,16 +708,17 @@ def attention_inference(
 def _attention_op(
     qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, p: float, scale: float,
     position_bias: torch.Tensor | None = None, position_scores: torch.Tensor | None = None,
-    position_columns: torch.Tensor | None = None,
+    position_columns: torch.Tensor | None = None, rotary: torch.Tensor | None = None, window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     ctx = C.Saved()
     out = FlashAttention.forward(ctx, qkv, cu_seqlens, max_seqlen, p, scale, position_bias, position_scores,
-                                 position_columns)  # fmt: skip
+                                 position_columns, rotary, window)  # fmt: skip
     return out, ctx.saved_tensors[3], C.seed_tensor(ctx.args[3])
 
 
 @_attention_op.register_fake
-def _(qkv, cu_seqlens, max_seqlen, p, scale, position_bias=None, position_scores=None, position_columns=None):
+def _(qkv, cu_seqlens, max_seqlen, p, scale, position_bias=None, position_scores=None, position_columns=None,
+      rotary=None, window=None):  # fmt: skip
     total, _, heads, dim = qkv.shape
     return (qkv.new_empty(total, heads, dim), qkv.new_empty(total, heads, dtype=torch.float32),
             torch.empty(1, dtype=torch.int64))  # fmt: skip
@@ -625,18 +729,19 @@ def _attention_backward_op(
     dout: torch.Tensor, qkv: torch.Tensor, cu_seqlens: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     seed: torch.Tensor, position_bias: torch.Tensor | None, position_scores: torch.Tensor | None,
     position_columns: torch.Tensor | None, max_seqlen: int, p: float, scale: float, bias_grad: bool, scores_grad: bool,
+    rotary: torch.Tensor | None = None, window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
     args = (max_seqlen, p, C.keep_scale(p), int(seed.item()), scale, *_dot_modes(qkv))
     dqkv, dbias, dscores = _backward(dout, qkv, cu_seqlens, out, lse, position_bias, position_scores,
-                                     position_columns, args, bias_grad, scores_grad)  # fmt: skip
+                                     position_columns, args, bias_grad, scores_grad, rotary, window)  # fmt: skip
     dbias = dbias if dbias is not None else qkv.new_empty(0, dtype=torch.float32)
     return dqkv, dbias, dscores if dscores is not None else qkv.new_empty(0, dtype=torch.float32)
 
 
 @_attention_backward_op.register_fake
 def _(dout, qkv, cu_seqlens, out, lse, seed, position_bias, position_scores, position_columns, max_seqlen, p, scale,
-      bias_grad, scores_grad):  # fmt: skip
+      bias_grad, scores_grad, rotary=None, window=None):  # fmt: skip
     give_bias, give_scores = bias_grad and position_bias is not None, scores_grad and position_scores is not None
     dbias = position_bias.new_empty(position_bias.shape) if give_bias else qkv.new_empty(0, dtype=torch.float32)
     dscores = position_scores.new_empty(position_scores.shape) if give_scores else qkv.new_empty(0, dtype=torch.float32)
@@ -645,20 +750,21 @@ def _(dout, qkv, cu_seqlens, out, lse, seed, position_bias, position_scores, pos
 
 def _attention_setup(ctx, inputs, output) -> None:
     qkv, cu_seqlens, ctx.max_seqlen, ctx.p, ctx.scale, *positions = inputs
-    bias, scores, columns = (*positions, None, None, None)[:3]  # trailing defaults may be left out
-    out, lse, seed = output
-    ctx.save_for_backward(qkv, cu_seqlens, out, lse, seed, bias, scores, columns)
+    bias, scores, columns, rotary, ctx.window = (*positions, None, None, None, None, None)[:5]  # trailing defaults
+    out, lse, seed = output  # may be left out
+    ctx.save_for_backward(qkv, cu_seqlens, out, lse, seed, bias, scores, columns, rotary)
 
 
 def _attention_grad(ctx, dout, *_):
-    qkv, cu_seqlens, out, lse, seed, bias, scores, columns = ctx.saved_tensors
+    qkv, cu_seqlens, out, lse, seed, bias, scores, columns, rotary = ctx.saved_tensors
     bias_grad = bias is not None and ctx.needs_input_grad[5]
     scores_grad = scores is not None and ctx.needs_input_grad[6]
     dqkv, dbias, dscores = _attention_backward_op(
         dout, qkv, cu_seqlens, out, lse, seed, bias, scores, columns, ctx.max_seqlen, ctx.p, ctx.scale, bias_grad,
-        scores_grad,
+        scores_grad, rotary, ctx.window,
     )  # fmt: skip
-    return dqkv, None, None, None, None, dbias if bias_grad else None, dscores if scores_grad else None, None
+    dbias, dscores = dbias if bias_grad else None, dscores if scores_grad else None
+    return dqkv, None, None, None, None, dbias, dscores, None, None, None
 
 
 _attention_op.register_autograd(_attention_grad, setup_context=_attention_setup)

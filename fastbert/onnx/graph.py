@@ -88,6 +88,12 @@ class ReferenceGraph(nn.Module):
     def __init__(self, model: PreTrainedModel) -> None:
         super().__init__()
         spec_of(model)  # TypeError for anything but fastbert.BertModel or one of its heads
+        if model.config.family.rotary:
+            raise TypeError(
+                f"cannot export {type(model).__name__} yet: the export graph writes BERT's layers, and this family's "
+                "rotary positions, gated feed-forward and pre-norm layers are not in it (run it in fastbert, or "
+                "export with torch.onnx from transformers)"
+            )
         self.model = model
         self.bert: BertModel = model if isinstance(model, BertModel) else model.bert
         config = model.config

@@ -1,0 +1,141 @@
+"""GTE (transformers' native `gte`: post-norm BERT layers with rotary positions, a gated feed-forward and no position
+table) against transformers: random models of awkward sizes (head dim 14, 3 layers, with and without token types) on
+ragged batches with a fully padded row, a batch of 1 and left padding, every hidden state within 1e-5 at valid
+positions on each backend; each head's logits and loss; checkpoints both ways; gradients; the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fastbert
+from fastbert import AutoModel
+from fastbert.config import BertConfig
+from tests.test_modernbert import low_precision_matches
+from tests.test_mpnet import hidden_states_error
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "GteModel"):
+    pytest.skip("this transformers has no native GTE class", allow_module_level=True)
+
+ATOL = 1e-5
+LENGTHS = [23, 0, 1, 17, 9]
+
+
+def hf_gte(suffix: str = "Model", type_vocab_size: int = 2, **extra) -> torch.nn.Module:
+    """Hidden 56 over 4 heads (head dim 14), 3 layers, transformers' initialisation with the norms moved off 1."""
+    config = transformers.GteConfig(
+        vocab_size=101, hidden_size=56, intermediate_size=44, num_hidden_layers=3, num_attention_heads=4,
+        type_vocab_size=type_vocab_size, pad_token_id=0, max_position_embeddings=128, hidden_dropout_prob=0.0,
+        attn_implementation="eager", num_labels=3, **extra,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = getattr(transformers, "Gte" + suffix)(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)
+    return model
+
+
+def ragged(lengths: list[int], left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    seqlen = max(lengths)
+    positions = torch.arange(seqlen)[None]
+    length = torch.tensor(lengths)[:, None]
+    mask = (positions >= seqlen - length) if left else (positions < length)
+    ids = torch.randint(3, 101, mask.shape, generator=torch.Generator().manual_seed(1))
+    return ids.masked_fill(~mask, 0), mask.long()
+
+
+@pytest.mark.parametrize("backend", ["torch", "native", "triton"])
+@pytest.mark.parametrize("type_vocab_size", [2, 0])
+def test_ragged_batches_match_on_every_backend(backend: str, type_vocab_size: int) -> None:
+    hf = hf_gte(type_vocab_size=type_vocab_size)
+    fast = fastbert.optimize(hf)
+    ids, mask = ragged(LENGTHS)
+    try:
+        with fastbert.use_backend(backend):
+            error = hidden_states_error(fast, hf, ids, mask)
+            single = hidden_states_error(fast, hf, ids[:1], mask[:1])
+    except fastbert.BackendUnavailable as exc:
+        pytest.skip(f"{backend} cannot run here: {exc}")
+    assert error <= ATOL and single <= ATOL
+
+
+def test_token_types_left_padding_and_explain() -> None:
+    hf = hf_gte()
+    fast = fastbert.optimize(hf)
+    ids, mask = ragged([20, 7, 13], left=True)
+    types = (torch.arange(20)[None] % 2).expand(3, 20)
+    with torch.no_grad():
+        want = hf(ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+        got = fast(ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+    assert (want - got)[mask.bool()].abs().max() <= ATOL
+    fast(ids, attention_mask=mask)
+    assert "module by module, because its attention is rotary" in fastbert.explain()
+
+
+HEADS = {"ForMaskedLM": fastbert.AutoModelForMaskedLM, "ForSequenceClassification":
+         fastbert.AutoModelForSequenceClassification, "ForTokenClassification":
+         fastbert.AutoModelForTokenClassification}  # fmt: skip
+
+
+@pytest.mark.parametrize("suffix", list(HEADS))
+def test_every_head_matches_transformers_and_round_trips(suffix: str, tmp_path) -> None:
+    hf = hf_gte(suffix)
+    hf.save_pretrained(tmp_path / "hf")
+    fast = HEADS[suffix].from_pretrained(tmp_path / "hf").eval()
+    assert type(fast).__name__ == "Gte" + suffix
+    ids, mask = ragged([14, 9, 1, 12])
+    g = torch.Generator().manual_seed(3)
+    if suffix == "ForSequenceClassification":
+        labels = torch.randint(0, 3, (4,), generator=g)
+    else:
+        labels = torch.randint(0, 3 if suffix == "ForTokenClassification" else 101, ids.shape, generator=g)
+        labels = labels.masked_fill(mask == 0, -100)
+    with torch.no_grad():
+        want = hf(input_ids=ids, attention_mask=mask, labels=labels)
+        got = fast(input_ids=ids, attention_mask=mask, labels=labels)
+    a, b = got.logits, want.logits
+    if suffix != "ForSequenceClassification":
+        a, b = a[mask.bool()], b[mask.bool()]
+    assert (a - b).abs().max() <= ATOL * max(1.0, b.abs().max().item())
+    assert abs(got.loss.item() - want.loss.item()) <= ATOL * max(1.0, abs(want.loss.item()))
+    fast.save_pretrained(tmp_path / "fast")
+    again = getattr(transformers, "Gte" + suffix).from_pretrained(tmp_path / "fast").eval()
+    mine = again.state_dict()
+    assert set(mine) == set(hf.state_dict())
+    assert all(torch.equal(t, mine[k]) for k, t in hf.state_dict().items())
+
+
+def test_gradients_match_transformers() -> None:
+    hf = hf_gte().train()
+    fast = AutoModel.from_config(BertConfig.from_dict(hf.config.to_dict()))
+    fast.load_checkpoint_state(hf.state_dict())
+    fast.train()
+    ids, mask = ragged(LENGTHS)
+    valid = mask.bool()
+    weights = torch.randn(valid.sum().item(), 56, generator=torch.Generator().manual_seed(2))
+    (hf(ids, attention_mask=mask).last_hidden_state[valid] * weights).sum().backward()
+    (fast(ids, attention_mask=mask).last_hidden_state[valid] * weights).sum().backward()
+    theirs = dict(hf.named_parameters())
+    for name, p in fast.named_parameters():
+        want = theirs[fastbert.families.to_hf_keys({name: p}, fast.config, "model").popitem()[0]].grad
+        assert (p.grad - want).abs().max() <= ATOL * max(1.0, want.abs().max().item()), name
+
+
+def test_the_rope_base_and_refusals() -> None:
+    assert BertConfig.from_dict({"model_type": "gte"}).rope_parameters_of("full_attention")["rope_theta"] == 160_000.0
+    flat = BertConfig.from_dict({"model_type": "gte", "rope_parameters": {"rope_type": "default", "rope_theta": 5e4}})
+    assert flat.rope_parameters_of("full_attention")["rope_theta"] == 5e4
+    with pytest.raises(ValueError, match="rope_type='ntk'"):
+        BertConfig.from_dict({"model_type": "gte", "rope_parameters": {"rope_type": "ntk", "rope_theta": 5e4}})
+    fast = fastbert.optimize(hf_gte())
+    ids, mask = ragged([6, 6])
+    with pytest.raises(ValueError, match="position_ids"):
+        fast(ids, attention_mask=mask, position_ids=torch.arange(6)[None])
+
+
+def test_bf16_within_the_low_precision_rule() -> None:
+    ids, mask = ragged(LENGTHS)
+    low_precision_matches(hf_gte(), ids, mask, torch.bfloat16)
