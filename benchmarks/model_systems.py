@@ -157,7 +157,9 @@ def onnxruntime_runner(hf: nn.Module, workdir: str, quantize: bool = False) -> R
     if not os.path.exists(path):
         wrapper = _LastHidden(transformers_model(hf, "eager", torch.device("cpu"))).eval()
         names = ["input_ids", "attention_mask", "token_type_ids"][: 3 if wrapper.types else 2]
-        example = (torch.ones(2, 8, dtype=torch.long),) * len(names)
+        # token type 0: a model with one token type (RoBERTa, GTE) has no row 1 to trace through
+        example = (torch.ones(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=torch.long),
+                   torch.zeros(2, 8, dtype=torch.long))[: len(names)]  # fmt: skip
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
             torch.onnx.export(

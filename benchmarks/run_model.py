@@ -81,6 +81,9 @@ MODERNBERT_BASE = dict(vocab_size=50368, hidden_size=768, intermediate_size=1152
                        norm_bias=False, local_attention=128, global_attn_every_n_layers=3, pad_token_id=50283,
                        bos_token_id=50281, eos_token_id=50282, cls_token_id=50281, sep_token_id=50282,
                        global_rope_theta=160000.0, local_rope_theta=10000.0)  # fmt: skip
+# transformers' GteConfig defaults: gte-multilingual-base's shape (XLM-R's vocabulary, one token type, rotary base 160k)
+GTE_BASE = dict(BASE, vocab_size=250048, max_position_embeddings=8192, type_vocab_size=1, layer_norm_eps=1e-12,
+                pad_token_id=1, attention_probs_dropout_prob=0.0)  # fmt: skip
 PADDED_POSITIONS = ("roberta", "xlm-roberta", "camembert")  # model types whose position ids start at pad_token_id + 1
 
 
@@ -158,6 +161,7 @@ def suite_for(device: torch.device, kind: str) -> Suite:
         "minilm-l3": (headline,),
         "deberta-v3-base": (Shape(8, 512, True),),  # with --models deberta-v3-base: issue 37's shape
         "modernbert-base": (Shape(8, 512, True),),  # with --models modernbert-base: issue 36's shape
+        "gte-base": (Shape(8, 512, True),),  # with --models gte-base: issue 36's shape
     }
     # torch.compile rows only where their compile time keeps the model suite near 12 minutes on 2 cores (make bench)
     compiled = {"bert-base": (), "roberta-base": (), "minilm": (headline,), "minilm-l3": ()}
@@ -184,6 +188,8 @@ def model_config(name: str) -> Any:
         return transformers.DebertaV2Config(**DEBERTA_V3_BASE, attn_implementation="eager")
     if name == "modernbert-base":
         return transformers.ModernBertConfig(**MODERNBERT_BASE, attn_implementation="eager")
+    if name == "gte-base":
+        return transformers.GteConfig(**GTE_BASE, attn_implementation="eager")
     tiny = {**TINY, "max_position_embeddings": 128} if name == "tiny" else {}
     return transformers.BertConfig(**{**BERT_BASE, **tiny}, attn_implementation="eager")
 
@@ -205,7 +211,7 @@ def load_model(name: str) -> nn.Module:
             model.config.num_hidden_layers = len(STUDENT_LAYERS)
         return model.eval()
     family = {"roberta": transformers.RobertaModel, "deberta-v2": transformers.DebertaV2Model,
-              "modernbert": transformers.ModernBertModel}.get(
+              "modernbert": transformers.ModernBertModel, "gte": transformers.GteModel}.get(
         config.model_type, transformers.BertModel)  # fmt: skip
     return family(config).eval()
 
@@ -607,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
     size.add_argument("--tiny", action="store_const", const="tiny", dest="suite", help="a tiny model (smoke test)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--models", nargs="+", help="subset of the suite's models (bert-base, roberta-base, minilm, "
-                        "minilm-l3), or deberta-v3-base, modernbert-base (8 x 512 ragged)")  # fmt: skip
+                        "minilm-l3), or deberta-v3-base, modernbert-base, gte-base (8 x 512 ragged)")  # fmt: skip
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), help="subset of the suite's dtypes")
     parser.add_argument("--systems", nargs="+", help="subset of the suite's systems (quote names with spaces)")
     parser.add_argument("--rounds", type=int, help="timed calls per system and shape (default 5; 20 on a GPU)")

@@ -18,7 +18,9 @@ from fastbert.families import Family, UnsupportedModelError, family_of
 from fastbert.relative_positions import RELATIVE_BUCKETS
 
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
-ACT_KINDS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}  # -> ops'
+GATE_ACTIVATIONS = (*ACTIVATIONS, "silu")  # a gated family's (NomicBERT: SwiGLU)
+ACT_KINDS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu",
+             "silu": "silu"}  # fmt: skip  (config's name -> ops')
 LAYER_KINDS = ("full_attention", "sliding_attention")  # transformers' layer_types of the rotary families
 ROPE_FIELDS = {"full_attention": "global_rope_theta", "sliding_attention": "local_rope_theta"}  # older configs' names
 SHARING = ("none", "all", "attention", "ffn")
@@ -171,8 +173,9 @@ class BertConfig:
                 f"hidden_size ({self.hidden_size}) must be divisible by "
                 f"num_attention_heads ({self.num_attention_heads})"
             )
-        if self.hidden_act not in ACTIVATIONS:
-            raise ValueError(f"hidden_act must be one of {ACTIVATIONS}, got {self.hidden_act!r}")
+        allowed = GATE_ACTIVATIONS if self.family.gated else ACTIVATIONS
+        if self.hidden_act not in allowed:
+            raise ValueError(f"hidden_act must be one of {allowed}, got {self.hidden_act!r}")
         if self.layer_sharing not in SHARING:
             raise ValueError(f"layer_sharing must be one of {SHARING}, got {self.layer_sharing!r}")
         if self.num_hidden_groups > self.num_hidden_layers:
@@ -243,6 +246,9 @@ class BertConfig:
         if len(kinds) != self.num_hidden_layers or any(k not in LAYER_KINDS for k in kinds):
             raise ValueError(f"layer_types must name {LAYER_KINDS} once per layer ({self.num_hidden_layers}), "
                              f"got {getattr(self, 'layer_types', None)!r}")  # fmt: skip
+        if getattr(self, "head_dim_field", None) not in (None, self.head_dim):
+            raise _not_implemented("head_dim", self.head_dim_field, "heads of another width than hidden_size / "
+                                   "num_attention_heads", "equal to hidden_size / num_attention_heads")  # fmt: skip
         if self.head_dim % 2:
             raise ValueError(f"rotary positions rotate pairs of dims: hidden_size / num_attention_heads must be even, "
                              f"got {self.head_dim}")  # fmt: skip
@@ -458,3 +464,4 @@ MPNetConfig = CONFIG_CLASSES["mpnet"] = _config_class("mpnet", "MPNet")
 DebertaV2Config = CONFIG_CLASSES["deberta-v2"] = _config_class("deberta-v2", "DebertaV2")
 ModernBertConfig = CONFIG_CLASSES["modernbert"] = _config_class("modernbert", "ModernBert")
 GteConfig = CONFIG_CLASSES["gte"] = _config_class("gte", "Gte")
+NomicBertConfig = CONFIG_CLASSES["nomic_bert"] = _config_class("nomic_bert", "NomicBert")

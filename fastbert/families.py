@@ -40,6 +40,8 @@ class Family:
     gated: bool = False  # GTE: act(gate(x)) * up(x) in BERT's intermediate (`intermediate.gate`)
     rope_theta: float = 10_000.0  # the rotary base where a config names none (ModernBERT's global layers: 160k)
     head_pooler: bool = False  # GTE: no pooler in the bare model, BERT's dense + tanh in the sequence head
+    linear_biases: bool = True  # False: Q, K, V, the attention output and the FFN output without biases (NomicBERT)
+    gate_dropout: bool = True  # dropout on the gated activation (GTE's; NomicBERT has none)
     context_pooler: bool = False  # DeBERTa: no pooler in the bare model; the sentence heads pool through `pooler.dense`
     modern_mlm_keys: Pairs = ()  # DeBERTa-v2 with legacy=False: its lm_predictions head's names, in place of "mlm"'s
     ignored_keys: tuple[str, ...] = ()  # checkpoint key prefixes dropped where the model has no place for them
@@ -353,6 +355,54 @@ FAMILIES: dict[str, Family] = {
             heads=("model", "sequence", "token", "mlm"),
         ),
         Family(
+            "nomic_bert",
+            "NomicBert",
+            "nomic_bert",
+            config_names=(("head_dim", "head_dim_field"),),
+            config_defaults={
+                "vocab_size": 30528,
+                "hidden_act": "silu",
+                "hidden_dropout_prob": 0.0,
+                "attention_probs_dropout_prob": 0.0,
+                "max_position_embeddings": 2048,
+            },
+            config_absent=("position_embedding_type",),
+            extra_fields=("rope_parameters", "bos_token_id", "eos_token_id", "head_dim"),
+            rotary=True,
+            gated=True,
+            rope_theta=1000.0,
+            pooler=False,
+            head_pooler=True,
+            linear_biases=False,
+            gate_dropout=False,
+            keys=(
+                ("layers", "encoder.layer"),
+                ("self_attn.q_proj", "attention.self.query"),
+                ("self_attn.k_proj", "attention.self.key"),
+                ("self_attn.v_proj", "attention.self.value"),
+                ("self_attn.o_proj", "attention.output.dense"),
+                ("post_attention_layernorm", "attention.output.LayerNorm"),
+                ("mlp.up_proj", "intermediate.dense"),
+                ("mlp.gate_proj", "intermediate.gate"),
+                ("mlp.down_proj", "output.dense"),
+                ("post_mlp_layernorm", "output.LayerNorm"),
+            ),
+            # the layout transformers writes (nomic-embed's original names, converted on load)
+            load_keys=(
+                ("encoder.layers", "encoder.layer"),
+                ("emb_ln", "embeddings.LayerNorm"),
+                ("attn.out_proj", "attention.output.dense"),
+                ("mlp.fc11", "intermediate.dense"),
+                ("mlp.fc12", "intermediate.gate"),
+                ("mlp.fc2", "output.dense"),
+                ("norm1", "attention.output.LayerNorm"),
+                ("norm2", "output.LayerNorm"),
+            ),
+            fused_keys=(("attn.Wqkv", ("attention.self.query", "attention.self.key", "attention.self.value")),),
+            head_keys={"mlm": (("cls.predictions.transform.layer_norm", "cls.predictions.transform.LayerNorm"),)},
+            heads=("model", "sequence", "token", "mlm"),
+        ),
+        Family(
             "electra",
             "Electra",
             "electra",
@@ -380,7 +430,6 @@ NOT_YET = {
     "deberta": "DeBERTa: disentangled relative attention",
     "new": "GTE's remote-code checkpoints (Alibaba-NLP's `new`): their key names differ from transformers' `gte`, "
     "which is supported",
-    "nomic_bert": "NomicBERT: rotary positions, SwiGLU",
     "jina_embeddings_v3": "Jina-embeddings-v3: rotary positions and per-task LoRA adapters",
     "eurobert": "EuroBERT: rotary positions, RMSNorm, SwiGLU",
 }

@@ -162,38 +162,36 @@ class BertSelfAttention(nn.Module):
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
-        hidden = config.hidden_size
+        hidden, bias = config.hidden_size, config.family.linear_biases
         self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
-        self.query = nn.Linear(hidden, hidden)
-        self.key = nn.Linear(hidden, hidden)
-        self.value = nn.Linear(hidden, hidden)
+        self.query = nn.Linear(hidden, hidden, bias=bias)
+        self.key = nn.Linear(hidden, hidden, bias=bias)
+        self.value = nn.Linear(hidden, hidden, bias=bias)
         self.dropout_p = config.attention_probs_dropout_prob
         self._fused: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
 
-    def qkv_weight(self, concatenate: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def qkv_weight(self, concatenate: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Q, K and V projections as one [3H, H] GEMM: concatenated per call where asked (`concatenate`; None: under
-        autograd) or while torch.compile traces, else the cached copy (`fused_qkv`)."""
+        autograd) or while torch.compile traces, else the cached copy (`fused_qkv`). No bias where the family has
+        none (NomicBERT)."""
         m = self._modules
         q, k, v = m["query"]._parameters, m["key"]._parameters, m["value"]._parameters
         tensors = (q["weight"], k["weight"], v["weight"], q["bias"], k["bias"], v["bias"])
-        if torch.compiler.is_compiling():  # a cat in the graph (dynamo cannot read the stamp)
-            return torch.cat(tensors[:3]), torch.cat(tensors[3:])
-        if concatenate is None:
-            concatenate = torch.is_grad_enabled() and any(map(_requires_grad, tensors))
-        if concatenate:
-            return torch.cat(tensors[:3]), torch.cat(tensors[3:])
+        if torch.compiler.is_compiling() or (concatenate is None and torch.is_grad_enabled() and any(
+                t is not None and t.requires_grad for t in tensors)) or concatenate:  # fmt: skip
+            return torch.cat(tensors[:3]), _cat_biases(tensors[3:])  # compiling: a cat in the graph (no stamps)
         return self.fused_qkv()
 
-    def fused_qkv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The [3H, H] weight and [3H] bias of Q, K and V, cached and rebuilt when any of the six tensors changes
-        (fastbert.weight_stamp): the one fused copy per module, which the executors read outside autograd."""
+    def fused_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The [3H, H] weight and [3H] bias (or None) of Q, K and V, cached and rebuilt when any of the six tensors
+        changes (fastbert.weight_stamp): the one fused copy per module, which the executors read outside autograd."""
         m = self._modules
         q, k, v = m["query"]._parameters, m["key"]._parameters, m["value"]._parameters
         key = stamp(q["weight"], k["weight"], v["weight"], q["bias"], k["bias"], v["bias"])
         if self._fused is None or self._fused[0] != key:
             with torch.inference_mode(False), torch.no_grad():  # a normal tensor: a later forward may need its grad
                 self._fused = (key, torch.cat((q["weight"], k["weight"], v["weight"])),
-                               torch.cat((q["bias"], k["bias"], v["bias"])))  # fmt: skip
+                               _cat_biases((q["bias"], k["bias"], v["bias"])))  # fmt: skip
         return self._fused[1], self._fused[2]
 
     def project(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, 3, nH, D]
@@ -228,6 +226,11 @@ class BertSelfAttention(nn.Module):
             p, probs = self.dropout_p, None
             ctx = ops.attention(qkv, cu, longest, p, self.training, None, position_bias, None, None, rotary)
         return ctx.reshape(x.shape[0], self.num_heads * self.head_dim), probs
+
+
+def _cat_biases(biases: tuple[torch.Tensor | None, ...]) -> torch.Tensor | None:
+    """Q's, K's and V's biases as one, or None where the family has none."""
+    return None if biases[0] is None else torch.cat(biases)
 
 
 class DisentangledSelfAttention(BertSelfAttention):
@@ -290,9 +293,12 @@ class DisentangledSelfAttention(BertSelfAttention):
 
 
 class BertSelfOutput(nn.Module):
-    def __init__(self, config: BertConfig) -> None:
+    def __init__(self, config: BertConfig, width: int | None = None) -> None:
+        """`width`: the input's (the intermediate size for BertOutput); hidden_size by default."""
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dense = nn.Linear(width or config.hidden_size, config.hidden_size, bias=config.family.linear_biases)
+        if self.dense.bias is None:  # NomicBERT: the fused epilogue adds this zero row instead
+            self.register_buffer("no_bias", torch.zeros(config.hidden_size), persistent=False)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout_p = config.hidden_dropout_prob
 
@@ -302,7 +308,7 @@ class BertSelfOutput(nn.Module):
         return ops.dense_residual_layernorm(
             x,
             self.dense.weight,
-            self.dense.bias,
+            self.dense.bias if self.dense.bias is not None else self.no_bias,
             residual,
             self.LayerNorm.weight,
             self.LayerNorm.bias,
@@ -338,7 +344,7 @@ class BertIntermediate(nn.Module):
         self.dense = nn.Linear(config.hidden_size, config.intermediate_size, bias=not gated)
         if gated:
             self.gate = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-            self.dropout_p = config.hidden_dropout_prob
+            self.dropout_p = config.hidden_dropout_prob if config.family.gate_dropout else 0.0
         self.act = ACT_OF_CONFIG[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -353,8 +359,7 @@ class BertIntermediate(nn.Module):
 
 class BertOutput(BertSelfOutput):
     def __init__(self, config: BertConfig) -> None:
-        super().__init__(config)
-        self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
+        super().__init__(config, config.intermediate_size)
 
 
 class BertFeedForward(nn.Module):

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from fastbert import relative_positions
 
-ACT_GELU, ACT_GELU_TANH, ACT_RELU = "gelu", "gelu_tanh", "relu"
-ACTIVATIONS = (ACT_GELU, ACT_GELU_TANH, ACT_RELU)
+ACT_GELU, ACT_GELU_TANH, ACT_RELU, ACT_SILU = "gelu", "gelu_tanh", "relu", "silu"
+ACTIVATIONS = (ACT_GELU, ACT_GELU_TANH, ACT_RELU, ACT_SILU)  # silu: the gated families' (reference only)
 
 
 def _up(t: torch.Tensor | None, upcast: bool) -> torch.Tensor | None:
@@ -61,13 +61,15 @@ def embedding_layernorm(
 
 
 def activation(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """The pointwise activations BERT configs name: erf GELU, tanh GELU (`gelu_new`), ReLU."""
+    """The pointwise activations encoder configs name: erf GELU, tanh GELU (`gelu_new`), ReLU, SiLU (NomicBERT)."""
     if kind == ACT_GELU:
         return F.gelu(x)
     if kind == ACT_GELU_TANH:
         return F.gelu(x, approximate="tanh")
     if kind == ACT_RELU:
         return F.relu(x)
+    if kind == ACT_SILU:
+        return F.silu(x)
     raise ValueError(f"unknown activation {kind!r}; expected one of {ACTIVATIONS}")
 
 

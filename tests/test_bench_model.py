@@ -331,3 +331,28 @@ def test_commit_without_a_repository_comes_from_the_environment(monkeypatch: pyt
     assert model_report.git_commit() == "05ee3c9+dirty"
     monkeypatch.delenv("FASTBERT_COMMIT")
     assert model_report.git_commit() == "unknown"
+
+
+@pytest.mark.parametrize("name", ["tiny-roberta", "tiny-modernbert", "tiny-gte"])
+def test_onnxruntime_and_fastbert_rows_run_every_family(name: str, tmp_path) -> None:
+    """The onnxruntime export traces with token type 0 (RoBERTa and GTE have one token type: a traced 1 was an
+    IndexError, which skipped their rows) and feeds token types only to a model that takes them (ModernBERT does
+    not); fastbert's row does the same. Each row matches transformers."""
+    import transformers
+
+    torch.manual_seed(0)
+    tiny = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
+                max_position_embeddings=64)  # fmt: skip
+    hf = {"tiny-roberta": lambda: transformers.RobertaModel(transformers.RobertaConfig(**tiny, type_vocab_size=1)),
+          "tiny-modernbert": lambda: transformers.ModernBertModel(transformers.ModernBertConfig(
+              **tiny, local_attention=4, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+              sep_token_id=2)),
+          "tiny-gte": lambda: transformers.GteModel(transformers.GteConfig(**tiny, type_vocab_size=1))}[name]().eval()
+    ids, mask, types = run_model.make_batch(run_model.Shape(3, 12, True), 99, torch.device("cpu"), pad_id=0)
+    extra = {"token_type_ids": types} if model_systems.takes_token_types(hf) else {}
+    with torch.no_grad():
+        want = hf(input_ids=ids, attention_mask=mask, **extra).last_hidden_state
+        ort = model_systems.onnxruntime_runner(hf, str(tmp_path))(ids, mask, types)
+        fast = model_systems.fastbert_runner(hf, torch.device("cpu"), torch.float32)(ids, mask, types)
+    valid = mask.bool()
+    assert (ort - want)[valid].abs().max() < 1e-4 and (fast - want)[valid].abs().max() < 1e-4

@@ -1,7 +1,8 @@
-"""GTE (transformers' native `gte`: post-norm BERT layers with rotary positions, a gated feed-forward and no position
-table) against transformers: random models of awkward sizes (head dim 14, 3 layers, with and without token types) on
-ragged batches with a fully padded row, a batch of 1 and left padding, every hidden state within 1e-5 at valid
-positions on each backend; each head's logits and loss; checkpoints both ways; gradients; the refusals."""
+"""The rotary families on BERT's post-norm layers, GTE (a gated feed-forward with GELU, biases) and NomicBERT (SwiGLU,
+no biases in the attention and FFN GEMMs), against transformers: random models of awkward sizes (head dim 14, 3
+layers, with and without token types) on ragged batches with a fully padded row, a batch of 1 and left padding, every
+hidden state within 1e-5 at valid positions on each backend; each head's logits and loss from the files transformers
+writes (its own original layouts) and back; gradients; bf16; the refusals."""
 
 from __future__ import annotations
 
@@ -15,22 +16,23 @@ from tests.test_modernbert import low_precision_matches
 from tests.test_mpnet import hidden_states_error
 
 transformers = pytest.importorskip("transformers")
-if not hasattr(transformers, "GteModel"):
-    pytest.skip("this transformers has no native GTE class", allow_module_level=True)
+FAMILIES = [name for name in ("Gte", "NomicBert") if hasattr(transformers, name + "Model")]  # transformers >= 5.2x
+if not FAMILIES:
+    pytest.skip("this transformers has no native GTE or NomicBERT class", allow_module_level=True)
 
 ATOL = 1e-5
 LENGTHS = [23, 0, 1, 17, 9]
 
 
-def hf_gte(suffix: str = "Model", type_vocab_size: int = 2, **extra) -> torch.nn.Module:
+def hf_model(family: str, suffix: str = "Model", type_vocab_size: int = 2, **extra) -> torch.nn.Module:
     """Hidden 56 over 4 heads (head dim 14), 3 layers, transformers' initialisation with the norms moved off 1."""
-    config = transformers.GteConfig(
+    config = getattr(transformers, family + "Config")(
         vocab_size=101, hidden_size=56, intermediate_size=44, num_hidden_layers=3, num_attention_heads=4,
         type_vocab_size=type_vocab_size, pad_token_id=0, max_position_embeddings=128, hidden_dropout_prob=0.0,
         attn_implementation="eager", num_labels=3, **extra,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = getattr(transformers, "Gte" + suffix)(config).eval()
+    model = getattr(transformers, family + suffix)(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -49,8 +51,11 @@ def ragged(lengths: list[int], left: bool = False) -> tuple[torch.Tensor, torch.
 
 @pytest.mark.parametrize("backend", ["torch", "native", "triton"])
 @pytest.mark.parametrize("type_vocab_size", [2, 0])
-def test_ragged_batches_match_on_every_backend(backend: str, type_vocab_size: int) -> None:
-    hf = hf_gte(type_vocab_size=type_vocab_size)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ragged_batches_match_on_every_backend(family: str, backend: str, type_vocab_size: int) -> None:
+    if family == "NomicBert" and type_vocab_size == 0:
+        pytest.skip("transformers' NomicBERT always builds its token-type table")
+    hf = hf_model(family, type_vocab_size=type_vocab_size)
     fast = fastbert.optimize(hf)
     ids, mask = ragged(LENGTHS)
     try:
@@ -62,8 +67,9 @@ def test_ragged_batches_match_on_every_backend(backend: str, type_vocab_size: in
     assert error <= ATOL and single <= ATOL
 
 
-def test_token_types_left_padding_and_explain() -> None:
-    hf = hf_gte()
+@pytest.mark.parametrize("family", FAMILIES)
+def test_token_types_left_padding_and_explain(family: str) -> None:
+    hf = hf_model(family)
     fast = fastbert.optimize(hf)
     ids, mask = ragged([20, 7, 13], left=True)
     types = (torch.arange(20)[None] % 2).expand(3, 20)
@@ -81,11 +87,12 @@ HEADS = {"ForMaskedLM": fastbert.AutoModelForMaskedLM, "ForSequenceClassificatio
 
 
 @pytest.mark.parametrize("suffix", list(HEADS))
-def test_every_head_matches_transformers_and_round_trips(suffix: str, tmp_path) -> None:
-    hf = hf_gte(suffix)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_head_matches_transformers_and_round_trips(family: str, suffix: str, tmp_path) -> None:
+    hf = hf_model(family, suffix)
     hf.save_pretrained(tmp_path / "hf")
     fast = HEADS[suffix].from_pretrained(tmp_path / "hf").eval()
-    assert type(fast).__name__ == "Gte" + suffix
+    assert type(fast).__name__ == family + suffix
     ids, mask = ragged([14, 9, 1, 12])
     g = torch.Generator().manual_seed(3)
     if suffix == "ForSequenceClassification":
@@ -102,14 +109,15 @@ def test_every_head_matches_transformers_and_round_trips(suffix: str, tmp_path) 
     assert (a - b).abs().max() <= ATOL * max(1.0, b.abs().max().item())
     assert abs(got.loss.item() - want.loss.item()) <= ATOL * max(1.0, abs(want.loss.item()))
     fast.save_pretrained(tmp_path / "fast")
-    again = getattr(transformers, "Gte" + suffix).from_pretrained(tmp_path / "fast").eval()
+    again = getattr(transformers, family + suffix).from_pretrained(tmp_path / "fast").eval()
     mine = again.state_dict()
     assert set(mine) == set(hf.state_dict())
     assert all(torch.equal(t, mine[k]) for k, t in hf.state_dict().items())
 
 
-def test_gradients_match_transformers() -> None:
-    hf = hf_gte().train()
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gradients_match_transformers(family: str) -> None:
+    hf = hf_model(family).train()
     fast = AutoModel.from_config(BertConfig.from_dict(hf.config.to_dict()))
     fast.load_checkpoint_state(hf.state_dict())
     fast.train()
@@ -124,18 +132,35 @@ def test_gradients_match_transformers() -> None:
         assert (p.grad - want).abs().max() <= ATOL * max(1.0, want.abs().max().item()), name
 
 
+@pytest.mark.skipif("Gte" not in FAMILIES, reason="this transformers has no native GTE class")
 def test_the_rope_base_and_refusals() -> None:
     assert BertConfig.from_dict({"model_type": "gte"}).rope_parameters_of("full_attention")["rope_theta"] == 160_000.0
     flat = BertConfig.from_dict({"model_type": "gte", "rope_parameters": {"rope_type": "default", "rope_theta": 5e4}})
     assert flat.rope_parameters_of("full_attention")["rope_theta"] == 5e4
     with pytest.raises(ValueError, match="rope_type='ntk'"):
         BertConfig.from_dict({"model_type": "gte", "rope_parameters": {"rope_type": "ntk", "rope_theta": 5e4}})
-    fast = fastbert.optimize(hf_gte())
+    assert BertConfig.from_dict({"model_type": "nomic_bert"}).rope_parameters_of("full_attention")["rope_theta"] == 1e3
+    fast = fastbert.optimize(hf_model("Gte"))
     ids, mask = ragged([6, 6])
     with pytest.raises(ValueError, match="position_ids"):
         fast(ids, attention_mask=mask, position_ids=torch.arange(6)[None])
 
 
-def test_bf16_within_the_low_precision_rule() -> None:
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_within_the_low_precision_rule(family: str) -> None:
     ids, mask = ragged(LENGTHS)
-    low_precision_matches(hf_gte(), ids, mask, torch.bfloat16)
+    low_precision_matches(hf_model(family), ids, mask, torch.bfloat16)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_attention_probabilities_match(family: str) -> None:
+    hf = hf_model(family)
+    fast = fastbert.optimize(hf)
+    ids, mask = ragged([12, 5])
+    with torch.no_grad():
+        want = hf(ids, attention_mask=mask, output_attentions=True).attentions
+        got = fast(ids, attention_mask=mask, output_attentions=True).attentions
+    rows = mask.bool()  # the query rows of real tokens
+    assert len(got) == len(want) == 3
+    for a, b in zip(got, want, strict=True):
+        assert (a.transpose(1, 2)[rows] - b.transpose(1, 2)[rows]).abs().max() <= ATOL
