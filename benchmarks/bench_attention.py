@@ -7,9 +7,11 @@ tokens. No GPU claims there: on CPU `fastbert.ops` picks the native or torch pat
 GPU (skipped without CUDA): the Triton kernel with and without an MPNet relative position bias (nH = 12, D = 64, a
 [12, 2R + 1] table with R = 128), and with DeBERTa-v3's disentangled scores ([2, nH, T, 511] gathered by distance
 through its 256 log buckets), next to torch eager (fastbert.reference: padded SDPA, the terms materialised as an
-[B, nH, S, S] mask), forward and forward + backward, fp16. Times are `triton.testing.do_bench` medians (L2 flushed,
-after warm-up), in `extra_info` with TFLOP/s, GB/s and the max error vs the fp32 reference; pytest-benchmark's own
-table times the same call with a device sync.
+[B, nH, S, S] mask), and with ModernBERT's rotary positions and a 128-token window (the [2, T, 32] table read as q
+and k are loaded, key blocks outside the window skipped), forward and forward + backward, fp16. Times are
+`triton.testing.do_bench` medians (L2 flushed, after warm-up), in `extra_info` with TFLOP/s, GB/s and the max error vs
+the fp32 reference; pytest-benchmark's own table times the same call with a device sync. The CPU side has the rotary
+and window pair too.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 
 from fastbert import kernels, ops, reference, relative_positions
 from fastbert.padding import unpad
+from fastbert.rotary import inverse_frequencies, rotary_rows
 
 BATCH, SEQLEN, HEADS, HEAD_DIM = 4, 64, 4, 64
 GPU_BATCH, GPU_SEQLEN, GPU_HEADS, GPU_HEAD_DIM, GPU_RADIUS = 32, 512, 12, 64, 128  # MPNet-base, 32 x <= 512 tokens
@@ -190,6 +193,115 @@ def test_attention_disentangled_gpu(benchmark, path: str, direction: str) -> Non
         ms = triton.testing.do_bench(call, return_mode="median")
         flops, nbytes = _work(lengths, False, qkv.element_size(), backward)
         nbytes += scores.numel() * scores.element_size() * (3 if backward else 1)  # read; grad written and read
+        benchmark.extra_info.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12, gbps=nbytes / (ms * 1e-3) / 1e9)
+
+    def synced() -> None:
+        call()
+        torch.cuda.synchronize()
+
+    benchmark(synced)
+
+
+WINDOW = 64  # ModernBERT's sliding layers: local_attention 128, keys within 64 of the query
+
+
+def _rotary_table(lengths: torch.Tensor, device: str) -> torch.Tensor:
+    """[2, T, D/2]: each packed token's cos and sin at its position in its sequence, ModernBERT's local base."""
+    positions = torch.cat([torch.arange(int(n)) for n in lengths])
+    return rotary_rows(positions, inverse_frequencies(HEAD_DIM, 10_000.0)).to(device)
+
+
+def _window_pairs(lengths: torch.Tensor, window: int) -> float:
+    """Sum over sequences of the (query, key) pairs within `window` of each other: sum_i min(L, i + w + 1) - max(0,
+    i - w), the scores a windowed kernel computes (up to its block edges)."""
+    total = 0.0
+    for n in lengths.tolist():
+        i = torch.arange(n, dtype=torch.float64)
+        total += float(((i + window + 1).clamp(max=n) - (i - window).clamp(min=0)).sum())
+    return total
+
+
+@pytest.mark.parametrize("path", ["eager", "fastbert"])
+def test_attention_rotary_window_ragged(benchmark, path: str) -> None:
+    """CPU, a ModernBERT sliding layer: transformers-style eager (q and k rotated in padded [B, nH, S, D] tensors, the
+    window and the padding as an additive [B, 1, S, S] mask) vs fastbert's op on packed tokens (the native kernel:
+    rotation as q and k are loaded, the key chunks outside the window skipped). S <= 256, window 64."""
+    seqlen = 256
+    lengths = torch.randint(seqlen // 4, seqlen + 1, (BATCH,), generator=torch.Generator().manual_seed(3))
+    mask = (torch.arange(seqlen)[None, :] < lengths[:, None]).long()
+    padded = torch.randn(BATCH, seqlen, 3, HEADS, HEAD_DIM)
+    packing = unpad(mask, BATCH, seqlen, padded.device)
+    qkv = packing.pack(padded)
+    table = _rotary_table(lengths, "cpu")
+    angles = rotary_rows(torch.arange(seqlen), inverse_frequencies(HEAD_DIM, 10_000.0))  # [2, S, D/2]
+    cos, sin = (torch.cat((t, t), -1)[None, None] for t in angles)  # [1, 1, S, D]
+    index = torch.arange(seqlen)
+    allowed = ((index[None, :] - index[:, None]).abs() <= WINDOW)[None] & mask[:, None, :].bool()
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)[:, None]
+
+    def eager() -> torch.Tensor:
+        q, k, v = padded.permute(2, 0, 3, 1, 4).unbind(0)
+        q, k = (x * cos + torch.cat((-x[..., HEAD_DIM // 2 :], x[..., : HEAD_DIM // 2]), -1) * sin for x in (q, k))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(HEAD_DIM) + additive
+        return packing.pack((torch.softmax(scores, dim=-1) @ v).transpose(1, 2))
+
+    with torch.no_grad():
+        if path == "eager":
+            fn = eager
+        else:
+            fn = lambda: ops.attention(qkv, packing.cu_seqlens, packing.max_seqlen, rotary=table, window=WINDOW)
+        benchmark.group = f"attention + rotary, window {WINDOW} B={BATCH} S<={seqlen} nH={HEADS} D={HEAD_DIM}"
+        out = benchmark(fn)
+        want = reference.attention(qkv, packing.cu_seqlens, packing.max_seqlen, rotary=table, window=WINDOW)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the Triton attention kernel)")
+@pytest.mark.skipif(kernels.unavailable_reason() is not None, reason=str(kernels.unavailable_reason()))
+@pytest.mark.parametrize("direction", ["fwd", "fwd+bwd"])
+@pytest.mark.parametrize("window", [None, 2 * WINDOW], ids=["global", f"window {2 * WINDOW}"])
+@pytest.mark.parametrize("path", ["triton", "torch eager"])
+def test_attention_rotary_gpu(benchmark, path: str, window: int | None, direction: str) -> None:
+    """ModernBERT-base's attention (nH 12, D 64, 32 x <= 512 tokens), fp16: a global layer (rotary only) and a
+    sliding one. FLOPs count the pairs the window keeps (_window_pairs); bytes add the fp32 table, read by each kernel,
+    and in the backward dQ and dK read and written once more (their rotation back)."""
+    import triton.testing
+
+    half = window // 2 if window else None  # keys within local_attention // 2
+    gen = torch.Generator().manual_seed(GPU_SEQLEN)
+    lengths = torch.randint(GPU_SEQLEN // 4, GPU_SEQLEN + 1, (GPU_BATCH,), generator=gen)
+    cu = F.pad(lengths.cumsum(0), (1, 0)).to(device=GPU, dtype=torch.int32)
+    qkv = torch.randn(int(lengths.sum()), 3, GPU_HEADS, GPU_HEAD_DIM, generator=gen).to(GPU, torch.float16)
+    table = _rotary_table(lengths, GPU)
+    attend = kernels.attention if path == "triton" else reference.attention
+    backward = direction == "fwd+bwd"
+    x = qkv.clone().requires_grad_(backward)
+    grad = torch.randn(x.shape[0], GPU_HEADS, GPU_HEAD_DIM, device=GPU, dtype=x.dtype)
+
+    def call() -> None:
+        if backward:
+            x.grad = None
+            attend(x, cu, GPU_SEQLEN, rotary=table, window=half).backward(grad)
+        else:
+            with torch.no_grad():
+                attend(x, cu, GPU_SEQLEN, rotary=table, window=half)
+
+    with torch.no_grad():
+        ref = reference.attention(qkv.float(), cu, GPU_SEQLEN, rotary=table, window=half)
+        err = (attend(qkv, cu, GPU_SEQLEN, rotary=table, window=half).float() - ref).abs().max().item()
+    assert err < 2e-2, f"{path}: max error {err:.3g} vs the fp32 reference"
+    kind = f"window {window}" if window else "global"
+    benchmark.group = f"attention + rotary ({kind}) {direction} fp16 B={GPU_BATCH} S<={GPU_SEQLEN} nH={GPU_HEADS}"
+    benchmark.extra_info["max_err"] = err
+    if benchmark.enabled:
+        ms = triton.testing.do_bench(call, return_mode="median")
+        flops, nbytes = _work(lengths, False, qkv.element_size(), backward)
+        if half is not None:  # the kept pairs instead of every L^2
+            flops *= _window_pairs(lengths, half) / float((lengths.double() ** 2).sum())
+        kernels_reading = 3 if backward else 1
+        nbytes += kernels_reading * table.numel() * 4
+        if backward:  # dQ and dK rotated back: read and written once more
+            nbytes += 2 * 2 * int(lengths.sum()) * GPU_HEADS * GPU_HEAD_DIM * qkv.element_size()
         benchmark.extra_info.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12, gbps=nbytes / (ms * 1e-3) / 1e9)
 
     def synced() -> None:

@@ -84,6 +84,20 @@ _ROBERTA = dict(
     mlm_act="gelu",
 )
 
+# transformers' module names of the gated rotary families on BERT's layers (GTE, NomicBERT)
+_GATED_ROTARY_KEYS = (
+    ("layers", "encoder.layer"),
+    ("self_attn.q_proj", "attention.self.query"),
+    ("self_attn.k_proj", "attention.self.key"),
+    ("self_attn.v_proj", "attention.self.value"),
+    ("self_attn.o_proj", "attention.output.dense"),
+    ("post_attention_layernorm", "attention.output.LayerNorm"),
+    ("mlp.up_proj", "intermediate.dense"),
+    ("mlp.gate_proj", "intermediate.gate"),
+    ("mlp.down_proj", "output.dense"),
+    ("post_mlp_layernorm", "output.LayerNorm"),
+)
+
 FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (
@@ -319,18 +333,7 @@ FAMILIES: dict[str, Family] = {
             rope_theta=160_000.0,
             pooler=False,
             head_pooler=True,
-            keys=(
-                ("layers", "encoder.layer"),
-                ("self_attn.q_proj", "attention.self.query"),
-                ("self_attn.k_proj", "attention.self.key"),
-                ("self_attn.v_proj", "attention.self.value"),
-                ("self_attn.o_proj", "attention.output.dense"),
-                ("post_attention_layernorm", "attention.output.LayerNorm"),
-                ("mlp.up_proj", "intermediate.dense"),
-                ("mlp.gate_proj", "intermediate.gate"),
-                ("mlp.down_proj", "output.dense"),
-                ("post_mlp_layernorm", "output.LayerNorm"),
-            ),
+            keys=_GATED_ROTARY_KEYS,
             # transformers writes GTE's files in Alibaba's original layout (fused qkv_proj and up_gate_proj, attn_ln,
             # mlp_ln, lm_head.norm) and converts on load: read both, write the model's own names (it reads those too)
             load_keys=(
@@ -375,18 +378,7 @@ FAMILIES: dict[str, Family] = {
             head_pooler=True,
             linear_biases=False,
             gate_dropout=False,
-            keys=(
-                ("layers", "encoder.layer"),
-                ("self_attn.q_proj", "attention.self.query"),
-                ("self_attn.k_proj", "attention.self.key"),
-                ("self_attn.v_proj", "attention.self.value"),
-                ("self_attn.o_proj", "attention.output.dense"),
-                ("post_attention_layernorm", "attention.output.LayerNorm"),
-                ("mlp.up_proj", "intermediate.dense"),
-                ("mlp.gate_proj", "intermediate.gate"),
-                ("mlp.down_proj", "output.dense"),
-                ("post_mlp_layernorm", "output.LayerNorm"),
-            ),
+            keys=_GATED_ROTARY_KEYS,
             # the layout transformers writes (nomic-embed's original names, converted on load)
             load_keys=(
                 ("encoder.layers", "encoder.layer"),

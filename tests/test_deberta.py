@@ -16,7 +16,8 @@ import fastbert
 from fastbert import relative_positions
 from tests.conftest import NATIVE_CPU
 from tests.test_graph_buckets import RerunGraphs
-from tests.test_mpnet import compile_matches_eager, hidden_states_error
+from tests.test_mpnet import backend_errors, compile_matches_eager, hidden_states_error
+from tests.test_mpnet import ragged as mpnet_ragged
 
 ATOL = 1e-5
 SIZE = dict(vocab_size=99, hidden_size=78, num_attention_heads=3, num_hidden_layers=3, intermediate_size=37,
@@ -47,12 +48,8 @@ def hf_deberta_model(layout: str = "v3", head: str = "Model", **extra) -> torch.
 
 
 def ragged(lengths: list[int], left: bool = False, vocab: int = 99) -> tuple[torch.Tensor, torch.Tensor]:
-    seqlen = max(lengths)
-    positions = torch.arange(seqlen)[None]
-    length = torch.tensor(lengths)[:, None]
-    mask = (positions >= seqlen - length) if left else (positions < length)
-    ids = torch.randint(4, vocab, mask.shape, generator=torch.Generator().manual_seed(1))
-    return ids.masked_fill(~mask, 0), mask.long()
+    """Ids padded with DeBERTa's pad id 0, right or left, and the mask."""
+    return mpnet_ragged(lengths, left, pad=0, vocab=vocab)
 
 
 @pytest.mark.parametrize(("buckets", "longest"), [(256, 512), (16, 64), (-1, 64)])
@@ -106,13 +103,7 @@ def test_long_ragged_batches_match_on_every_backend(backend: str) -> None:
     hf = hf_deberta_model("v3")
     fast = fastbert.optimize(hf)
     lengths = LENGTHS if backend != "triton" else [70, 0, 1, 17]  # the interpreter is slow: one row past 64
-    ids, mask = ragged(lengths)
-    try:
-        with fastbert.use_backend(backend):
-            error = hidden_states_error(fast, hf, ids, mask)
-            single = hidden_states_error(fast, hf, ids[:1], mask[:1])
-    except fastbert.BackendUnavailable as exc:
-        pytest.skip(f"{backend} cannot run here: {exc}")
+    error, single = backend_errors(backend, fast, hf, *ragged(lengths))
     assert error <= ATOL and single <= ATOL
 
 

@@ -15,7 +15,8 @@ import fastbert
 from fastbert import AutoModel
 from fastbert.config import BertConfig
 from tests.kernel_checks import assert_close
-from tests.test_mpnet import hidden_states_error
+from tests.test_mpnet import backend_errors, hidden_states_error
+from tests.test_mpnet import ragged as mpnet_ragged
 
 ATOL = 1e-5
 LENGTHS = [23, 0, 1, 17, 9]
@@ -39,12 +40,8 @@ def hf_modernbert(local_attention: int = 8, layers: int = 5, **extra) -> transfo
 
 
 def ragged(lengths: list[int], left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    seqlen = max(lengths)
-    positions = torch.arange(seqlen)[None]
-    length = torch.tensor(lengths)[:, None]
-    mask = (positions >= seqlen - length) if left else (positions < length)
-    ids = torch.randint(3, 101, mask.shape, generator=torch.Generator().manual_seed(1))
-    return ids.masked_fill(~mask, 0), mask.long()
+    """Ids padded with 0 (these models' pad id), right or left, and the mask."""
+    return mpnet_ragged(lengths, left, pad=0, vocab=101)
 
 
 @pytest.mark.parametrize("backend", ["torch", "native", "triton"])
@@ -52,13 +49,7 @@ def ragged(lengths: list[int], left: bool = False) -> tuple[torch.Tensor, torch.
 def test_ragged_batches_match_on_every_backend(backend: str, local_attention: int) -> None:
     hf = hf_modernbert(local_attention)
     fast = fastbert.optimize(hf)
-    ids, mask = ragged(LENGTHS)  # Triton on CPU: its interpreter
-    try:
-        with fastbert.use_backend(backend):
-            error = hidden_states_error(fast, hf, ids, mask)
-            single = hidden_states_error(fast, hf, ids[:1], mask[:1])
-    except fastbert.BackendUnavailable as exc:
-        pytest.skip(f"{backend} cannot run here: {exc}")
+    error, single = backend_errors(backend, fast, hf, *ragged(LENGTHS))  # Triton on CPU: its interpreter
     assert error <= ATOL and single <= ATOL
 
 
@@ -71,16 +62,21 @@ def test_left_padding_and_no_mask_match() -> None:
     assert hidden_states_error(fast, hf, ids, full) <= ATOL
 
 
-def test_attention_probabilities_match() -> None:
-    hf = hf_modernbert()
+def probabilities_match(hf: torch.nn.Module) -> None:
+    """output_attentions: every layer's probabilities within 1e-5 at the query rows of real tokens."""
     fast = fastbert.optimize(hf)
     ids, mask = ragged([12, 5])
     with torch.no_grad():
         want = hf(ids, attention_mask=mask, output_attentions=True).attentions
         got = fast(ids, attention_mask=mask, output_attentions=True).attentions
-    rows = mask.bool()  # the query rows of real tokens
+    rows = mask.bool()
+    assert len(got) == len(want) == hf.config.num_hidden_layers
     for a, b in zip(got, want, strict=True):
         assert (a.transpose(1, 2)[rows] - b.transpose(1, 2)[rows]).abs().max() <= ATOL
+
+
+def test_attention_probabilities_match() -> None:
+    probabilities_match(hf_modernbert())
 
 
 def test_checkpoints_load_and_save_both_ways(tmp_path) -> None:
@@ -131,23 +127,26 @@ def test_position_ids_and_masks_with_gaps_are_refused() -> None:
         fast(ids, attention_mask=mask)
 
 
-def test_gradients_match_transformers() -> None:
+def gradients_match(hf: torch.nn.Module) -> None:
     """Training runs module by module through the reference attention (autograd): every parameter's gradient within
-    DESIGN.md's fp32 bound relative to its size."""
-    hf = hf_modernbert().train()
+    DESIGN.md's fp32 bound relative to its size, for a loss on the valid positions of the last hidden state."""
+    hf.train()
     fast = AutoModel.from_config(BertConfig.from_dict(hf.config.to_dict()))
     fast.load_checkpoint_state(hf.state_dict())
     fast.train()
     ids, mask = ragged(LENGTHS)
     valid = mask.bool()
-    weights = torch.randn(valid.sum().item(), 56, generator=torch.Generator().manual_seed(2))
+    weights = torch.randn(valid.sum().item(), hf.config.hidden_size, generator=torch.Generator().manual_seed(2))
     (hf(ids, attention_mask=mask).last_hidden_state[valid] * weights).sum().backward()
     (fast(ids, attention_mask=mask).last_hidden_state[valid] * weights).sum().backward()
     theirs = dict(hf.named_parameters())
     for name, p in fast.named_parameters():
-        hf_name = fastbert.families.to_hf_keys({name: p}, fast.config, "model").popitem()[0]
-        want = theirs[hf_name].grad
+        want = theirs[fastbert.families.to_hf_keys({name: p}, fast.config, "model").popitem()[0]].grad
         assert (p.grad - want).abs().max() <= ATOL * max(1.0, want.abs().max().item()), name
+
+
+def test_gradients_match_transformers() -> None:
+    gradients_match(hf_modernbert())
 
 
 def test_explain_says_why_the_layers_run_module_by_module() -> None:

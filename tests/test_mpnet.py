@@ -32,14 +32,25 @@ def hf_mpnet(**extra) -> transformers.MPNetModel:
     return model
 
 
-def ragged(lengths: list[int], left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ids padded with MPNet's pad id 1 (right, or left) and the mask."""
+def ragged(lengths: list[int], left: bool = False, pad: int = 1, vocab: int = 99) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ids in [4, vocab) padded with `pad` (MPNet's 1), right or left, and the mask."""
     seqlen = max(lengths)
     positions = torch.arange(seqlen)[None]
     length = torch.tensor(lengths)[:, None]
     mask = (positions >= seqlen - length) if left else (positions < length)
-    ids = torch.randint(4, 99, mask.shape, generator=torch.Generator().manual_seed(1))
-    return ids.masked_fill(~mask, 1), mask.long()
+    ids = torch.randint(4, vocab, mask.shape, generator=torch.Generator().manual_seed(1))
+    return ids.masked_fill(~mask, pad), mask.long()
+
+
+def backend_errors(
+    backend: str, fast: torch.nn.Module, hf: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor
+) -> tuple[float, float]:
+    """hidden_states_error on the batch and on its first row alone, with `backend` forced; skips where it cannot run."""
+    try:
+        with fastbert.use_backend(backend):
+            return hidden_states_error(fast, hf, ids, mask), hidden_states_error(fast, hf, ids[:1], mask[:1])
+    except fastbert.BackendUnavailable as exc:
+        pytest.skip(f"{backend} cannot run here: {exc}")
 
 
 def hidden_states_error(fast: torch.nn.Module, hf: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> float:
@@ -66,13 +77,7 @@ def test_long_ragged_batches_match_on_every_backend(backend: str) -> None:
     hf = hf_mpnet()
     fast = fastbert.optimize(hf)
     lengths = LENGTHS if backend != "triton" else [140, 0, 1, 17]  # the interpreter is slow: one row past 128
-    ids, mask = ragged(lengths)
-    try:
-        with fastbert.use_backend(backend):
-            error = hidden_states_error(fast, hf, ids, mask)
-            single = hidden_states_error(fast, hf, ids[:1], mask[:1])  # a batch of one
-    except fastbert.BackendUnavailable as exc:
-        pytest.skip(f"{backend} cannot run here: {exc}")
+    error, single = backend_errors(backend, fast, hf, *ragged(lengths))  # single: a batch of one
     assert error <= ATOL and single <= ATOL
 
 

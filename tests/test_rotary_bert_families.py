@@ -10,10 +10,9 @@ import pytest
 import torch
 
 import fastbert
-from fastbert import AutoModel
 from fastbert.config import BertConfig
-from tests.test_modernbert import low_precision_matches
-from tests.test_mpnet import hidden_states_error
+from tests.test_modernbert import gradients_match, low_precision_matches, probabilities_match, ragged
+from tests.test_mpnet import backend_errors
 
 transformers = pytest.importorskip("transformers")
 FAMILIES = [name for name in ("Gte", "NomicBert") if hasattr(transformers, name + "Model")]  # transformers >= 5.2x
@@ -40,15 +39,6 @@ def hf_model(family: str, suffix: str = "Model", type_vocab_size: int = 2, **ext
     return model
 
 
-def ragged(lengths: list[int], left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    seqlen = max(lengths)
-    positions = torch.arange(seqlen)[None]
-    length = torch.tensor(lengths)[:, None]
-    mask = (positions >= seqlen - length) if left else (positions < length)
-    ids = torch.randint(3, 101, mask.shape, generator=torch.Generator().manual_seed(1))
-    return ids.masked_fill(~mask, 0), mask.long()
-
-
 @pytest.mark.parametrize("backend", ["torch", "native", "triton"])
 @pytest.mark.parametrize("type_vocab_size", [2, 0])
 @pytest.mark.parametrize("family", FAMILIES)
@@ -57,13 +47,7 @@ def test_ragged_batches_match_on_every_backend(family: str, backend: str, type_v
         pytest.skip("transformers' NomicBERT always builds its token-type table")
     hf = hf_model(family, type_vocab_size=type_vocab_size)
     fast = fastbert.optimize(hf)
-    ids, mask = ragged(LENGTHS)
-    try:
-        with fastbert.use_backend(backend):
-            error = hidden_states_error(fast, hf, ids, mask)
-            single = hidden_states_error(fast, hf, ids[:1], mask[:1])
-    except fastbert.BackendUnavailable as exc:
-        pytest.skip(f"{backend} cannot run here: {exc}")
+    error, single = backend_errors(backend, fast, hf, *ragged(LENGTHS))  # Triton on CPU: its interpreter
     assert error <= ATOL and single <= ATOL
 
 
@@ -117,19 +101,7 @@ def test_every_head_matches_transformers_and_round_trips(family: str, suffix: st
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gradients_match_transformers(family: str) -> None:
-    hf = hf_model(family).train()
-    fast = AutoModel.from_config(BertConfig.from_dict(hf.config.to_dict()))
-    fast.load_checkpoint_state(hf.state_dict())
-    fast.train()
-    ids, mask = ragged(LENGTHS)
-    valid = mask.bool()
-    weights = torch.randn(valid.sum().item(), 56, generator=torch.Generator().manual_seed(2))
-    (hf(ids, attention_mask=mask).last_hidden_state[valid] * weights).sum().backward()
-    (fast(ids, attention_mask=mask).last_hidden_state[valid] * weights).sum().backward()
-    theirs = dict(hf.named_parameters())
-    for name, p in fast.named_parameters():
-        want = theirs[fastbert.families.to_hf_keys({name: p}, fast.config, "model").popitem()[0]].grad
-        assert (p.grad - want).abs().max() <= ATOL * max(1.0, want.abs().max().item()), name
+    gradients_match(hf_model(family))
 
 
 @pytest.mark.skipif("Gte" not in FAMILIES, reason="this transformers has no native GTE class")
@@ -154,13 +126,4 @@ def test_bf16_within_the_low_precision_rule(family: str) -> None:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_attention_probabilities_match(family: str) -> None:
-    hf = hf_model(family)
-    fast = fastbert.optimize(hf)
-    ids, mask = ragged([12, 5])
-    with torch.no_grad():
-        want = hf(ids, attention_mask=mask, output_attentions=True).attentions
-        got = fast(ids, attention_mask=mask, output_attentions=True).attentions
-    rows = mask.bool()  # the query rows of real tokens
-    assert len(got) == len(want) == 3
-    for a, b in zip(got, want, strict=True):
-        assert (a.transpose(1, 2)[rows] - b.transpose(1, 2)[rows]).abs().max() <= ATOL
+    probabilities_match(hf_model(family))

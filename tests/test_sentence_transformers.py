@@ -75,6 +75,36 @@ def test_sentence_transformer_on_a_roberta_encoder(tiny_roberta_dir: Path) -> No
     assert calls and (after - before).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("family", ["ModernBert", "Gte", "NomicBert"])
+def test_sentence_transformer_on_a_rotary_encoder(family: str, tiny_roberta_dir: Path, tmp_path: Path) -> None:
+    """A sentence-transformers model on a ModernBERT, GTE or NomicBERT encoder (random weights, the tiny RoBERTa's
+    BPE tokenizer): optimize swaps fastbert's class in and the embeddings stay within 1e-5."""
+    import shutil
+
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, family + "Model"):
+        pytest.skip(f"this transformers has no {family}Model")
+    path = tmp_path / family
+    shutil.copytree(tiny_roberta_dir, path)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    tok.model_input_names = ["input_ids", "attention_mask"]  # as these models' own tokenizers: no token types
+    tok.save_pretrained(path)
+    ids = dict(pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    extra = dict(cls_token_id=0, sep_token_id=2, local_attention=8) if family == "ModernBert" else {}
+    config = getattr(transformers, family + "Config")(vocab_size=tok.vocab_size, hidden_size=56, num_attention_heads=4,
+                                                      num_hidden_layers=2, intermediate_size=40,
+                                                      max_position_embeddings=66, **ids, **extra)  # fmt: skip
+    torch.manual_seed(0)
+    getattr(transformers, family + "Model")(config).save_pretrained(path)
+    model = st.SentenceTransformer(str(path), device="cpu")
+    before = model.encode(SENTENCES, convert_to_tensor=True)
+    fastbert.optimize(model)
+    assert type(model[0].model).__name__ == family + "Model"
+    calls = calls_of(model[0].model)
+    after = model.encode(SENTENCES, convert_to_tensor=True)
+    assert calls and (after - before).abs().max().item() <= 1e-5
+
+
 def test_optimized_sentence_transformer_saves_and_loads_back_in_plain_sentence_transformers(
     minilm_dir: Path, tmp_path: Path
 ) -> None:

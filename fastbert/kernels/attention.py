@@ -8,7 +8,8 @@ only sees keys of its own sequence (bidirectional); empty sequences launch progr
 left unwritten.
 Relative positions (MPNet's `position_bias` table by distance, DeBERTa's `position_scores` gathered by column):
 added to the scores in the tile loop, never an [S, S] tensor; fastbert/kernels/attention_positions.py says how, and
-how their gradients are summed deterministically.
+how their gradients are summed deterministically. Rotary positions and sliding windows: applied as q and k are loaded,
+and by skipping the blocks outside the window (fastbert/kernels/attention_rotary.py).
 Dropout on the probabilities: Philox keep-mask from (seed + bh << 32, row * max_seqlen + col), regenerated in both
 backward kernels, so max_seqlen <= 46340. Backward is deterministic: one kernel owns dK/dV per key block, another
 dQ per query block (no atomics but the position scores' ordered adds); the log-sum-exp per query row is the only
@@ -27,45 +28,10 @@ import triton.language as tl
 from . import _common as C
 from ._device import dot, dropout_keep
 from .attention_positions import LOG2E, add_by_column, bias_tile, distance_sums, scores_tile
+from .attention_rotary import check_rotary, load_qk, load_rows, rotary_args, span, unrotate
 from .limits import MAX_HEAD_DIM, MAX_POSITION_COLUMNS, MAX_SEQLEN_DROPOUT, fp32_dot_precision
 
 _LOG2E = tl.constexpr(LOG2E)  # the kernels' copy (a jit function reads module globals only as constexprs)
-
-
-@triton.jit
-def _load_rows(ptr, tok, rmask, d, D, stride_t):
-    """A [BLOCK, BLOCK_D] tile of rows `tok` (int64) from a [*, D] view, 0 outside the rows / D."""
-    return tl.load(ptr + tok[:, None] * stride_t + d[None, :], mask=rmask[:, None] & (d < D)[None, :], other=0.0)
-
-
-@triton.jit
-def _load_qk(ptr, tok, rmask, d, D, stride_t, rot_ptr, half, rot_side, rot_tok, ROTARY: tl.constexpr):
-    """A q or k tile as _load_rows gives it, rotated by each token's (cos, sin) row where ROTARY (rotate-half over the
-    first 2 * half dims, computed in fp32 and rounded to the tile's dtype, as the reference does)."""
-    x = _load_rows(ptr, tok, rmask, d, D, stride_t)
-    if ROTARY:
-        first, rotated = d < half, d < 2 * half
-        partner = tl.where(first, d + half, tl.where(rotated, d - half, d))
-        other = _load_rows(ptr, tok, rmask, partner, D, stride_t)
-        at = rot_ptr + tok[:, None] * rot_tok + tl.where(first, d, d - half)[None, :]
-        inside = rmask[:, None] & rotated[None, :]
-        cos = tl.load(at, mask=inside, other=1.0)
-        sin = tl.load(at + rot_side, mask=inside, other=0.0)
-        sign = tl.where(first, -1.0, 1.0)[None, :]
-        x = (x.to(tl.float32) * cos + sign * other.to(tl.float32) * sin).to(x.dtype)
-    return x
-
-
-@triton.jit
-def _span(first, count, length, window, BLOCK: tl.constexpr, WINDOW: tl.constexpr):
-    """The [lo, hi) of the other side's blocks that rows first .. first + count - 1 reach: all of [0, length), or
-    with WINDOW those within `window` of them, lo on a block boundary."""
-    lo = 0
-    hi = length
-    if WINDOW:
-        lo = tl.maximum(first - window, 0) // BLOCK * BLOCK
-        hi = tl.minimum(length, first + count + window)
-    return lo, hi
 
 
 @triton.jit
@@ -145,18 +111,18 @@ def _attn_fwd(
     d = tl.arange(0, BLOCK_D)
     base = qkv_ptr + h * stride_h
     tok = (start + rows).to(tl.int64)
-    q = _load_qk(base, tok, rmask, d, D, stride_t, rot_ptr, half, rot_side, rot_tok, ROTARY)
+    q = load_qk(base, tok, rmask, d, D, stride_t, rot_ptr, half, rot_side, rot_tok, ROTARY)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     key_seed = _rng_seed(seed, b, h, H)
-    lo, hi = _span(m0, BLOCK_M, length, window, BLOCK_N, WINDOW)
+    lo, hi = span(m0, BLOCK_M, length, window, BLOCK_N, WINDOW)
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         cmask = cols < length
         ctok = (start + cols).to(tl.int64)
-        k = _load_qk(base + stride_3, ctok, cmask, d, D, stride_t, rot_ptr, half, rot_side, rot_tok, ROTARY)
-        v = _load_rows(base + 2 * stride_3, ctok, cmask, d, D, stride_t)
+        k = load_qk(base + stride_3, ctok, cmask, d, D, stride_t, rot_ptr, half, rot_side, rot_tok, ROTARY)
+        v = load_rows(base + 2 * stride_3, ctok, cmask, d, D, stride_t)
         s = dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N] fp32, log2 units
         if BIAS:
             s += bias_tile(bias_ptr, h, radius, rows, cols)
@@ -271,20 +237,20 @@ def _attn_bwd_dkdv(
     cmask = cols < length
     ctok = (start + cols).to(tl.int64)
     base = qkv_ptr + h * stride_h
-    k = _load_qk(base + stride_3, ctok, cmask, d, D, stride_t, rot_ptr, half, rot_side, rot_tok, ROTARY)
-    v = _load_rows(base + 2 * stride_3, ctok, cmask, d, D, stride_t)
+    k = load_qk(base + stride_3, ctok, cmask, d, D, stride_t, rot_ptr, half, rot_side, rot_tok, ROTARY)
+    v = load_rows(base + 2 * stride_3, ctok, cmask, d, D, stride_t)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     key_seed = _rng_seed(seed, b, h, H)
     if SCORES_GRAD:
         key_rows = dscores_ptr + ((H + h).to(tl.int64) * total + ctok) * width  # [BLOCK_N]: side 1
-    lo, hi = _span(n0, BLOCK_N, length, window, BLOCK_M, WINDOW)
+    lo, hi = span(n0, BLOCK_N, length, window, BLOCK_M, WINDOW)
     for m0 in range(lo, hi, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         rmask = rows < length
         tok = (start + rows).to(tl.int64)
-        q = _load_qk(base, tok, rmask, d, D, stride_t, rot_ptr, half, rot_side, rot_tok, ROTARY)
-        do = _load_rows(do_ptr + h * D, tok, rmask, d, D, H * D)
+        q = load_qk(base, tok, rmask, d, D, stride_t, rot_ptr, half, rot_side, rot_tok, ROTARY)
+        do = load_rows(do_ptr + h * D, tok, rmask, d, D, H * D)
         lse = tl.load(lse_ptr + tok * H + h, mask=rmask, other=0.0)
         delta = tl.load(delta_ptr + tok * H + h, mask=rmask, other=0.0)
         dropped, ds = _probs_and_dscores(
@@ -364,8 +330,8 @@ def _attn_bwd_dq(
     rmask = rows < length
     tok = (start + rows).to(tl.int64)
     base = qkv_ptr + h * stride_h
-    q = _load_qk(base, tok, rmask, d, D, stride_t, rot_ptr, half, rot_side, rot_tok, ROTARY)
-    do = _load_rows(do_ptr + h * D, tok, rmask, d, D, H * D)
+    q = load_qk(base, tok, rmask, d, D, stride_t, rot_ptr, half, rot_side, rot_tok, ROTARY)
+    do = load_rows(do_ptr + h * D, tok, rmask, d, D, H * D)
     lse = tl.load(lse_ptr + tok * H + h, mask=rmask, other=0.0)
     delta = tl.load(delta_ptr + tok * H + h, mask=rmask, other=0.0)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
@@ -374,13 +340,13 @@ def _attn_bwd_dq(
     key_seed = _rng_seed(seed, b, h, H)
     if SCORES_GRAD:
         query_rows = dscores_ptr + (h.to(tl.int64) * total + tok) * width  # [BLOCK_M]: side 0
-    lo, hi = _span(m0, BLOCK_M, length, window, BLOCK_N, WINDOW)
+    lo, hi = span(m0, BLOCK_M, length, window, BLOCK_N, WINDOW)
     for n0 in range(lo, hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         cmask = cols < length
         ctok = (start + cols).to(tl.int64)
-        k = _load_qk(base + stride_3, ctok, cmask, d, D, stride_t, rot_ptr, half, rot_side, rot_tok, ROTARY)
-        v = _load_rows(base + 2 * stride_3, ctok, cmask, d, D, stride_t)
+        k = load_qk(base + stride_3, ctok, cmask, d, D, stride_t, rot_ptr, half, rot_side, rot_tok, ROTARY)
+        v = load_rows(base + 2 * stride_3, ctok, cmask, d, D, stride_t)
         _, ds = _probs_and_dscores(
             q, k, v, do, lse, delta, rmask, cmask, rows, cols, tok, ctok, key_seed, max_seqlen, qk_scale, p,
             keep_scale, bias_ptr, h, radius, scores_ptr, columns_ptr, score_radius, width, stride_side, stride_head,
@@ -449,28 +415,11 @@ def _forward(
         _attn_fwd[_grid(batch, max_seqlen, block_m, heads)](
             qkv, cu_seqlens, out, lse if lse is not None else out, qkv.stride(0), qkv.stride(1), qkv.stride(2),
             heads, dim, max_seqlen, scale * LOG2E, p, keep, seed, bias_ptr, radius, *score_args,
-            *_rotary_args(qkv, rotary, window), DROPOUT=p > 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+            *rotary_args(qkv, rotary, window), DROPOUT=p > 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
             PRECISION=precision, UPCAST=upcast, STATS=lse is not None, BIAS=bias is not None,
             SCORES=scores is not None, ROTARY=rotary is not None, WINDOW=window is not None, num_warps=warps,
         )  # fmt: skip
     return out
-
-
-def _rotary_args(qkv: torch.Tensor, rotary: torch.Tensor | None, window: int | None) -> tuple:
-    """The kernels' rotary and window arguments: (table, R/2, side and token strides, window), or stand-ins the
-    kernels never read (ROTARY, WINDOW off)."""
-    table = (rotary, rotary.shape[2], rotary.stride(0), rotary.stride(1)) if rotary is not None else (qkv, 0, 0, 0)
-    return (*table, window or 0)
-
-
-def _unrotate(dqkv: torch.Tensor, rotary: torch.Tensor) -> None:
-    """dQ and dK of the rotated q and k (what the backward kernels give) -> those of the inputs, in place: the inverse
-    rotation, (g1, g2) -> (g1 cos + g2 sin, g2 cos - g1 sin) over the rotated pairs."""
-    half = rotary.shape[2]
-    cos, sin = (t.float()[:, None, None, :] for t in rotary.unbind(0))  # [T, 1, 1, R/2]
-    g = dqkv[:, :2, :, : 2 * half].float()  # a view for fp32: both halves are computed before the one write
-    g1, g2 = g[..., :half], g[..., half:]
-    dqkv[:, :2, :, : 2 * half] = torch.cat((g1 * cos + g2 * sin, g2 * cos - g1 * sin), dim=-1).to(dqkv.dtype)
 
 
 def _score_args(scores: torch.Tensor, columns: torch.Tensor) -> tuple:
@@ -514,7 +463,7 @@ def _backward(
     args = (
         qkv, cu_seqlens, dout, lse, delta, dqkv, qkv.stride(0), qkv.stride(1), qkv.stride(2), heads, dim,
         max_seqlen, scale * LOG2E, scale, p, keep, seed, bias_ptr, radius, *score_args, total,
-        dscores if scores_grad else qkv, *_rotary_args(qkv, rotary, window),
+        dscores if scores_grad else qkv, *rotary_args(qkv, rotary, window),
     )  # fmt: skip
     meta = dict(DROPOUT=p > 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision, UPCAST=upcast)
     meta["BIAS"], meta["SCORES"] = bias is not None, scores is not None
@@ -536,7 +485,7 @@ def _backward(
     else:
         _attn_bwd_dq[grid](*args, dqkv, 0, **meta, num_warps=warps)
     if rotary is not None:
-        _unrotate(dqkv, rotary)
+        unrotate(dqkv, rotary)
     return dqkv, dbias, dscores if dscores is None else dscores.to(scores.dtype)
 
 
@@ -615,24 +564,10 @@ def _check(
     if position_scores is not None or position_columns is not None:
         _check_scores(position_scores, position_columns, qkv)
     if rotary is not None:
-        _check_rotary(rotary, qkv)
+        check_rotary(rotary, qkv)
     if window is not None and window < 0:
         raise ValueError(f"window must be >= 0 (keys within that distance), got {window}")
     return p, float(scale if scale is not None else 1.0 / math.sqrt(qkv.shape[-1]))
-
-
-def _check_rotary(rotary: torch.Tensor, qkv: torch.Tensor) -> None:
-    """rotary: [2, T, R/2] fp32 with 0 < R <= D, a unit stride on R/2, on qkv's device."""
-    total, dim = qkv.shape[0], qkv.shape[-1]
-    if rotary.dim() != 3 or rotary.shape[:2] != (2, total) or not 0 < 2 * rotary.shape[2] <= dim:
-        shape = tuple(rotary.shape)
-        raise ValueError(f"rotary must be [2, T = {total}, R/2] with 0 < R <= head dim {dim}, got {shape}")
-    if rotary.dtype != torch.float32:
-        raise ValueError(f"rotary must be float32, got {rotary.dtype}")
-    if rotary.device != qkv.device:
-        raise ValueError(f"rotary is on {rotary.device}, qkv on {qkv.device}")
-    if rotary.stride(2) != 1:
-        raise ValueError("rotary needs a unit stride on R/2")
 
 
 def _check_table(table: torch.Tensor, qkv: torch.Tensor) -> None:
