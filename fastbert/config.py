@@ -465,3 +465,4 @@ DebertaV2Config = CONFIG_CLASSES["deberta-v2"] = _config_class("deberta-v2", "De
 ModernBertConfig = CONFIG_CLASSES["modernbert"] = _config_class("modernbert", "ModernBert")
 GteConfig = CONFIG_CLASSES["gte"] = _config_class("gte", "Gte")
 NomicBertConfig = CONFIG_CLASSES["nomic_bert"] = _config_class("nomic_bert", "NomicBert")
+JinaEmbeddingsV3Config = CONFIG_CLASSES["jina_embeddings_v3"] = _config_class("jina_embeddings_v3", "JinaEmbeddingsV3")

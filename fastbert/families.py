@@ -395,6 +395,43 @@ FAMILIES: dict[str, Family] = {
             heads=("model", "sequence", "token", "mlm"),
         ),
         Family(
+            "jina_embeddings_v3",
+            "JinaEmbeddingsV3",
+            "roberta",
+            config_defaults={
+                **_ROBERTA["config_defaults"],
+                "vocab_size": 250002,
+                "hidden_size": 1024,
+                "num_hidden_layers": 24,
+                "num_attention_heads": 16,
+                "intermediate_size": 4096,
+                "max_position_embeddings": 8194,
+            },
+            config_absent=("position_embedding_type",),
+            extra_fields=("rope_parameters", "bos_token_id", "eos_token_id", "use_cache"),
+            rotary=True,
+            rope_theta=20_000.0,
+            keys=(
+                ("layers", "encoder.layer"),
+                *_GATED_ROTARY_KEYS[1:6],  # Q, K, V, the attention output and its norm: GTE's names
+                ("mlp.fc1", "intermediate.dense"),
+                ("mlp.fc2", "output.dense"),
+                ("post_mlp_layernorm", "output.LayerNorm"),
+            ),
+            # the layout transformers writes (jina-embeddings-v3's original names, converted on load)
+            load_keys=(
+                ("emb_ln", "embeddings.LayerNorm"),
+                ("encoder.layers", "encoder.layer"),
+                ("mixer.out_proj", "attention.output.dense"),
+                ("norm1", "attention.output.LayerNorm"),
+                ("norm2", "output.LayerNorm"),
+            ),
+            fused_keys=(("mixer.Wqkv", ("attention.self.query", "attention.self.key", "attention.self.value")),),
+            head_keys={"mlm": _ROBERTA["head_keys"]["mlm"]},
+            classifier_act="tanh",
+            mlm_act="gelu",
+        ),
+        Family(
             "electra",
             "Electra",
             "electra",
@@ -422,7 +459,6 @@ NOT_YET = {
     "deberta": "DeBERTa: disentangled relative attention",
     "new": "GTE's remote-code checkpoints (Alibaba-NLP's `new`): their key names differ from transformers' `gte`, "
     "which is supported",
-    "jina_embeddings_v3": "Jina-embeddings-v3: rotary positions and per-task LoRA adapters",
     "eurobert": "EuroBERT: rotary positions, RMSNorm, SwiGLU",
 }
 

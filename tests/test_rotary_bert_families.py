@@ -1,21 +1,30 @@
-"""The rotary families on BERT's post-norm layers, GTE (a gated feed-forward with GELU, biases) and NomicBERT (SwiGLU,
-no biases in the attention and FFN GEMMs), against transformers: random models of awkward sizes (head dim 14, 3
-layers, with and without token types) on ragged batches with a fully padded row, a batch of 1 and left padding, every
-hidden state within 1e-5 at valid positions on each backend; each head's logits and loss from the files transformers
-writes (its own original layouts) and back; gradients; bf16; the refusals."""
+"""The rotary families on BERT's post-norm layers, GTE (a gated feed-forward with GELU, biases), NomicBERT (SwiGLU, no
+biases in the attention and FFN GEMMs) and Jina-embeddings-v3 (XLM-R's layers and heads), against transformers:
+random models of awkward sizes (head dim 14, 3 layers, with and without token types) on ragged batches with a fully
+padded row, a batch of 1 and left padding, every hidden state within 1e-5 at valid positions on each backend; each
+head's logits and loss from the files transformers writes (their original layouts) and back; gradients; bf16;
+output_attentions; the refusals."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
 import fastbert
 from fastbert.config import BertConfig
-from tests.test_modernbert import gradients_match, low_precision_matches, probabilities_match, ragged
+from tests.test_modernbert import (
+    gradients_match,
+    head_round_trip,
+    low_precision_matches,
+    probabilities_match,
+    ragged,
+)
 from tests.test_mpnet import backend_errors
 
 transformers = pytest.importorskip("transformers")
-FAMILIES = [name for name in ("Gte", "NomicBert") if hasattr(transformers, name + "Model")]  # transformers >= 5.2x
+FAMILIES = [name for name in ("Gte", "NomicBert", "JinaEmbeddingsV3") if hasattr(transformers, name + "Model")]
 if not FAMILIES:
     pytest.skip("this transformers has no native GTE or NomicBERT class", allow_module_level=True)
 
@@ -28,7 +37,7 @@ def hf_model(family: str, suffix: str = "Model", type_vocab_size: int = 2, **ext
     config = getattr(transformers, family + "Config")(
         vocab_size=101, hidden_size=56, intermediate_size=44, num_hidden_layers=3, num_attention_heads=4,
         type_vocab_size=type_vocab_size, pad_token_id=0, max_position_embeddings=128, hidden_dropout_prob=0.0,
-        attn_implementation="eager", num_labels=3, **extra,
+        attention_probs_dropout_prob=0.0, attn_implementation="eager", **{"num_labels": 3, **extra},
     )  # fmt: skip
     torch.manual_seed(0)
     model = getattr(transformers, family + suffix)(config).eval()
@@ -43,8 +52,8 @@ def hf_model(family: str, suffix: str = "Model", type_vocab_size: int = 2, **ext
 @pytest.mark.parametrize("type_vocab_size", [2, 0])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_ragged_batches_match_on_every_backend(family: str, backend: str, type_vocab_size: int) -> None:
-    if family == "NomicBert" and type_vocab_size == 0:
-        pytest.skip("transformers' NomicBERT always builds its token-type table")
+    if family != "Gte" and type_vocab_size == 0:
+        pytest.skip(f"transformers' {family} always builds a token-type table (GTE's type_vocab_size 0 has none)")
     hf = hf_model(family, type_vocab_size=type_vocab_size)
     fast = fastbert.optimize(hf)
     error, single = backend_errors(backend, fast, hf, *ragged(LENGTHS))  # Triton on CPU: its interpreter
@@ -65,38 +74,14 @@ def test_token_types_left_padding_and_explain(family: str) -> None:
     assert "module by module, because its attention is rotary" in fastbert.explain()
 
 
-HEADS = {"ForMaskedLM": fastbert.AutoModelForMaskedLM, "ForSequenceClassification":
-         fastbert.AutoModelForSequenceClassification, "ForTokenClassification":
-         fastbert.AutoModelForTokenClassification}  # fmt: skip
-
-
-@pytest.mark.parametrize("suffix", list(HEADS))
+@pytest.mark.parametrize("suffix", ["ForMaskedLM", "ForSequenceClassification", "ForTokenClassification",
+                                    "ForQuestionAnswering"])  # fmt: skip
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_head_matches_transformers_and_round_trips(family: str, suffix: str, tmp_path) -> None:
-    hf = hf_model(family, suffix)
-    hf.save_pretrained(tmp_path / "hf")
-    fast = HEADS[suffix].from_pretrained(tmp_path / "hf").eval()
-    assert type(fast).__name__ == family + suffix
-    ids, mask = ragged([14, 9, 1, 12])
-    g = torch.Generator().manual_seed(3)
-    if suffix == "ForSequenceClassification":
-        labels = torch.randint(0, 3, (4,), generator=g)
-    else:
-        labels = torch.randint(0, 3 if suffix == "ForTokenClassification" else 101, ids.shape, generator=g)
-        labels = labels.masked_fill(mask == 0, -100)
-    with torch.no_grad():
-        want = hf(input_ids=ids, attention_mask=mask, labels=labels)
-        got = fast(input_ids=ids, attention_mask=mask, labels=labels)
-    a, b = got.logits, want.logits
-    if suffix != "ForSequenceClassification":
-        a, b = a[mask.bool()], b[mask.bool()]
-    assert (a - b).abs().max() <= ATOL * max(1.0, b.abs().max().item())
-    assert abs(got.loss.item() - want.loss.item()) <= ATOL * max(1.0, abs(want.loss.item()))
-    fast.save_pretrained(tmp_path / "fast")
-    again = getattr(transformers, family + suffix).from_pretrained(tmp_path / "fast").eval()
-    mine = again.state_dict()
-    assert set(mine) == set(hf.state_dict())
-    assert all(torch.equal(t, mine[k]) for k, t in hf.state_dict().items())
+def test_every_head_matches_transformers_and_round_trips(family: str, suffix: str, tmp_path: Path) -> None:
+    if not hasattr(transformers, family + suffix):
+        pytest.skip(f"transformers has no {family}{suffix}")
+    head_round_trip(hf_model(family, suffix, num_labels=2 if suffix == "ForQuestionAnswering" else 3), family, suffix,
+                    tmp_path)  # fmt: skip
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -111,7 +96,9 @@ def test_the_rope_base_and_refusals() -> None:
     assert flat.rope_parameters_of("full_attention")["rope_theta"] == 5e4
     with pytest.raises(ValueError, match="rope_type='ntk'"):
         BertConfig.from_dict({"model_type": "gte", "rope_parameters": {"rope_type": "ntk", "rope_theta": 5e4}})
-    assert BertConfig.from_dict({"model_type": "nomic_bert"}).rope_parameters_of("full_attention")["rope_theta"] == 1e3
+    for model_type, theta in (("nomic_bert", 1e3), ("jina_embeddings_v3", 2e4)):
+        config = BertConfig.from_dict({"model_type": model_type})
+        assert config.rope_parameters_of("full_attention")["rope_theta"] == theta
     fast = fastbert.optimize(hf_model("Gte"))
     ids, mask = ragged([6, 6])
     with pytest.raises(ValueError, match="position_ids"):
