@@ -459,7 +459,7 @@ NOT_YET = {
     "deberta": "DeBERTa: disentangled relative attention",
     "new": "GTE's remote-code checkpoints (Alibaba-NLP's `new`): their key names differ from transformers' `gte`, "
     "which is supported",
-    "eurobert": "EuroBERT: rotary positions, RMSNorm, SwiGLU",
+    "eurobert": "EuroBERT: Llama's pre-norm layers (RMSNorm, SwiGLU, rotary positions), grouped-query attention",
 }
 
 

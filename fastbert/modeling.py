@@ -308,7 +308,7 @@ class BertSelfOutput(nn.Module):
         return ops.dense_residual_layernorm(
             x,
             self.dense.weight,
-            self.dense.bias if self.dense.bias is not None else self.no_bias,
+            self.dense.bias if self.dense.bias is not None else self._buffers.get("no_bias"),
             residual,
             self.LayerNorm.weight,
             self.LayerNorm.bias,

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from fastbert import relative_positions
 
 ACT_GELU, ACT_GELU_TANH, ACT_RELU, ACT_SILU = "gelu", "gelu_tanh", "relu", "silu"
-ACTIVATIONS = (ACT_GELU, ACT_GELU_TANH, ACT_RELU, ACT_SILU)  # silu: the gated families' (reference only)
+ACTIVATIONS = (ACT_GELU, ACT_GELU_TANH, ACT_RELU)  # the bias_act and linear ops' (every backend's)
+GATE_ACTIVATIONS = (*ACTIVATIONS, ACT_SILU)  # `activation`'s: silu on the gated families' gate (NomicBERT), in torch
 
 
 def _up(t: torch.Tensor | None, upcast: bool) -> torch.Tensor | None:
@@ -70,7 +71,7 @@ def activation(x: torch.Tensor, kind: str) -> torch.Tensor:
         return F.relu(x)
     if kind == ACT_SILU:
         return F.silu(x)
-    raise ValueError(f"unknown activation {kind!r}; expected one of {ACTIVATIONS}")
+    raise ValueError(f"unknown activation {kind!r}; expected one of {GATE_ACTIVATIONS}")
 
 
 def linear(

@@ -212,7 +212,7 @@ def test_distilbert_takes_no_token_types_and_albert_shares_groups() -> None:
         fastbert.AlbertConfig(**SIZE, inner_group_num=2)
 
 
-@pytest.mark.parametrize("model_type", ["nomic_bert", "deberta"])
+@pytest.mark.parametrize("model_type", ["eurobert", "deberta"])
 def test_unsupported_architecture_is_a_clear_error(model_type: str, tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, "hidden_size": 64}))
     for loader in (fastbert.AutoModel, fastbert.BertModel, fastbert.RobertaModel):
