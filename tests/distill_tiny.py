@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from fastbert import BertConfig, BertForMaskedLM
+from fastbert import AutoModelForMaskedLM, BertConfig
 from fastbert.tokenization import WordPieceTokenizer
 
 WORDS = "the cat dog sat ran on a mat big small red blue house tree under over quickly slowly jumps sleeps".split()
@@ -20,12 +20,16 @@ def corpus(n: int = 96, seed: int = 0) -> list[str]:
     return [" ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (k,), generator=g).tolist()) for k in lengths]
 
 
-def make_teacher(directory: str, layers: int = 4, hidden: int = 32, seed: int = 0) -> str:
-    """Write a randomly initialised BertForMaskedLM teacher and its tokenizer to `directory`."""
+def make_teacher(directory: str, layers: int = 4, hidden: int = 32, seed: int = 0, model_type: str = "bert") -> str:
+    """Write a randomly initialised masked-LM teacher of `model_type`'s family (BERT's sizes; ModernBERT with a
+    4-token window) and its tokenizer to `directory`."""
     os.makedirs(directory, exist_ok=True)
     tok = WordPieceTokenizer.train(corpus(200) + WORDS, vocab_size=64, min_frequency=1)
     torch.manual_seed(seed)
-    config = BertConfig(
+    extra = {"local_attention": 4, "pad_token_id": 0} if model_type == "modernbert" else {}
+    config = BertConfig.from_dict(dict(
+        model_type=model_type,
+        **extra,
         vocab_size=tok.vocab_size,
         hidden_size=hidden,
         num_hidden_layers=layers,
@@ -34,7 +38,7 @@ def make_teacher(directory: str, layers: int = 4, hidden: int = 32, seed: int = 
         max_position_embeddings=64,
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
-    )
-    BertForMaskedLM(config).save_pretrained(directory)
+    ))  # fmt: skip
+    AutoModelForMaskedLM.from_config(config).save_pretrained(directory)
     tok.save(directory)
     return directory

@@ -8,7 +8,7 @@ import pytest
 import torch
 from distill_tiny import corpus, make_teacher
 
-from fastbert import BertForMaskedLM, BertModel
+from fastbert import BertConfig, BertForMaskedLM, BertModel
 from fastbert.distill import (
     DISTILBERT_LAYERS,
     DistillConfig,
@@ -162,7 +162,7 @@ def test_objective_mix_with_projection_and_cache(teacher_dir, tmp_path):
     obj = Objectives(hidden_mse=1.0, embedding=1.0, cosine=1.0)
     cfg = tiny(tmp_path, hidden_size=16, cache_teacher=True, max_steps=None, epochs=2, batch_size=16, objectives=obj)
     result = distill(teacher_dir, corpus(64), cfg)
-    assert result.eval_after < result.eval_before
+    assert result.eval_after < 0.8 * result.eval_before
     assert os.listdir(tmp_path / "teacher_cache")
     student = BertModel.from_pretrained(result.student_dir)
     assert student.config.hidden_size == 16
@@ -170,7 +170,7 @@ def test_objective_mix_with_projection_and_cache(teacher_dir, tmp_path):
 
 def test_attention_distillation_runs(teacher_dir, tmp_path):
     result = distill(teacher_dir, corpus(32), tiny(tmp_path, max_steps=3, objectives=Objectives(attention=1.0)))
-    assert result.eval_after < result.eval_before
+    assert result.eval_after < 0.8 * result.eval_before
 
 
 def test_crash_and_resume_equals_uninterrupted_run(teacher_dir, tmp_path):
@@ -394,7 +394,7 @@ def test_a_student_of_another_vocabulary_and_width_learns_the_teachers_similarit
     assert WordPieceTokenizer.from_pretrained(result.student_dir).backend.get_vocab() == (
         WordPieceTokenizer.from_pretrained(teacher_dir).backend.get_vocab()
     )
-    assert result.eval_after < result.eval_before
+    assert result.eval_after < 0.8 * result.eval_before
     cache = TeacherCache(str(tmp_path / "run" / "teacher_cache"), _stored_key(tmp_path / "run"))
     n_train = len(texts) - 16  # max_eval=16 of them held out (from the end)
     assert sorted(cache.entries) == list(range(n_train))  # all labelled before the first step
@@ -449,3 +449,18 @@ def test_cli_distils_across_vocabularies(teacher_dir, tmp_path):
     assert main(argv) == 0
     student = BertModel.from_pretrained(out / "student")
     assert student.config.num_hidden_layers == 2 and student.config.hidden_size == 32
+
+
+@pytest.mark.parametrize("model_type", ["modernbert", "gte"])
+def test_a_rotary_teacher_gives_a_student_of_its_family(model_type: str, tmp_path):
+    """ModernBERT (the student keeps the kinds of the layers it takes: global or sliding) and GTE teachers: the
+    student is of the teacher's family and, from a fresh start, learns the teacher's outputs."""
+    teacher_dir = make_teacher(str(tmp_path / "teacher"), model_type=model_type)
+    obj = Objectives(kl=1.0, cosine=2.0, hidden_mse=1.0)
+    cfg = tiny(tmp_path / "run", max_steps=24, init="random", objectives=obj, eval_every=6)
+    result = distill(teacher_dir, corpus(96), cfg)
+    student = BertConfig.from_pretrained(result.student_dir)
+    assert student.model_type == model_type and student.num_hidden_layers == 2
+    if model_type == "modernbert":  # layers 0 and 3 of full, sliding, sliding, full
+        assert student.layer_kinds == ["full_attention", "full_attention"]
+    assert result.eval_after < 0.8 * result.eval_before

@@ -16,7 +16,7 @@ import fastbert
 from fastbert import AutoModel
 from fastbert.config import BertConfig
 from tests.kernel_checks import assert_close
-from tests.test_mpnet import backend_errors, hidden_states_error
+from tests.test_mpnet import backend_errors, compile_matches_eager, hidden_states_error
 from tests.test_mpnet import ragged as mpnet_ragged
 
 ATOL = 1e-5
@@ -243,3 +243,12 @@ def low_precision_matches(hf: torch.nn.Module, ids: torch.Tensor, mask: torch.Te
 def test_bf16_within_the_low_precision_rule() -> None:
     ids, mask = ragged(LENGTHS)
     low_precision_matches(hf_modernbert(), ids, mask, torch.bfloat16)
+
+
+def test_torch_compile_matches_eager() -> None:
+    """torch.compile (aot_eager): graph breaks at the unpad sync only, inference and a training step's gradient of a
+    layer's fused QKV projection as eager."""
+    hf = hf_modernbert()
+    fast = AutoModel.from_config(BertConfig.from_dict(hf.config.to_dict()))
+    fast.load_checkpoint_state(hf.state_dict())
+    compile_matches_eager(fast.eval(), *ragged(LENGTHS), "encoder.layer.1.attn.Wqkv.weight")

@@ -21,7 +21,7 @@ from tests.test_modernbert import (
     probabilities_match,
     ragged,
 )
-from tests.test_mpnet import backend_errors
+from tests.test_mpnet import backend_errors, compile_matches_eager
 
 transformers = pytest.importorskip("transformers")
 FAMILIES = [name for name in ("Gte", "NomicBert", "JinaEmbeddingsV3") if hasattr(transformers, name + "Model")]
@@ -114,3 +114,11 @@ def test_bf16_within_the_low_precision_rule(family: str) -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_attention_probabilities_match(family: str) -> None:
     probabilities_match(hf_model(family))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_torch_compile_matches_eager(family: str) -> None:
+    hf = hf_model(family)
+    fast = fastbert.AutoModel.from_config(BertConfig.from_dict(hf.config.to_dict()))
+    fast.load_checkpoint_state(hf.state_dict())
+    compile_matches_eager(fast.eval(), *ragged(LENGTHS), "encoder.layer.1.attention.self.query.weight")

@@ -32,15 +32,26 @@ def block_end_map(teacher_layers: int, student_layers: int) -> dict[int, int]:
     return {k: round(k * teacher_layers / student_layers) for k in range(student_layers + 1)}
 
 
-def student_config(teacher: BertConfig, num_layers: int, hidden_size: int | None = None, **overrides) -> BertConfig:
+def student_config(
+    teacher: BertConfig,
+    num_layers: int,
+    hidden_size: int | None = None,
+    layer_map: list[int] | None = None,
+    **overrides,
+) -> BertConfig:
     """The teacher's config with fewer layers and, optionally, a narrower width or ALBERT options.
 
-    A narrower student scales intermediate_size with the width and keeps the head dimension where it divides.
+    A narrower student scales intermediate_size with the width and keeps the head dimension where it divides. A
+    family with global and sliding-window layers (ModernBERT) keeps the kind of each teacher layer `layer_map` picks
+    (default: uniform_layer_map's).
     """
     values = teacher.to_dict()
     for key in ("architectures", "dtype", "torch_dtype", "_name_or_path", "transformers_version"):
         values.pop(key, None)
     values["num_hidden_layers"] = num_layers
+    if teacher.family.pre_norm:
+        chosen = layer_map if layer_map is not None else uniform_layer_map(teacher.num_hidden_layers, num_layers)
+        values["layer_types"] = [teacher.layer_kinds[j] for j in chosen]
     if hidden_size is not None and hidden_size != teacher.hidden_size:
         values["hidden_size"] = hidden_size
         values["intermediate_size"] = teacher.intermediate_size * hidden_size // teacher.hidden_size

@@ -130,7 +130,7 @@ def build_student(teacher: PreTrainedModel, cfg: DistillConfig) -> tuple[PreTrai
     t_cfg = teacher.config
     layers = cfg.num_layers if cfg.num_layers is not None else max(1, t_cfg.num_hidden_layers // 2)
     layer_map = list(cfg.layer_map) if cfg.layer_map is not None else uniform_layer_map(t_cfg.num_hidden_layers, layers)
-    s_cfg = student_config(t_cfg, layers, cfg.hidden_size, **cfg.student_overrides)
+    s_cfg = student_config(t_cfg, layers, cfg.hidden_size, layer_map, **cfg.student_overrides)
     # the teacher's family; with a pooler where it has one, so its Model class's from_pretrained works
     student = model_class(s_cfg.model_type, "mlm" if cfg.objectives.uses_logits else "model")(s_cfg)
     if cfg.init not in ("auto", "copy", "random"):
