@@ -386,7 +386,8 @@ class BertConfig:
             if out.get(name) is None:
                 out.pop(name, None)
         for hf_name, name in family.config_names:
-            out[hf_name] = out.pop(name)
+            if name in out:  # NomicBERT's head_dim: only where the config gave one
+                out[hf_name] = out.pop(name)
         return out
 
     @classmethod

@@ -228,3 +228,25 @@ def test_optimizer_fuses_albert_style_and_tanh_gelu(overrides, tmp_path):
     assert report.fused["Attention"] == layers and report.fused["SkipLayerNormalization"] == 2 * layers
     assert report.fused[gelu] == layers and report.fused["EmbedLayerNormalization"] == 1
     assert max(report.optimized_parity.values()) <= 1e-4
+
+
+ROTARY = {"modernbert": dict(local_attention=16, pad_token_id=0), "gte": {}, "nomic_bert": {}, "jina_embeddings_v3": {}}
+
+
+@pytest.mark.parametrize("kind", ["model", "mlm", "sequence", "token", "qa", "choice"])
+@pytest.mark.parametrize("model_type", sorted(ROTARY))
+def test_rotary_families_export_with_parity(model_type: str, kind: str, tmp_path) -> None:
+    """ModernBERT (pre-norm, sliding windows narrower than the 128- and 512-token checks), GTE, NomicBERT and
+    Jina-v3 (rotary positions, gates, no biases) through the export's own parity check at batch {1, 3} x length
+    {1, 8, 128, 512}, every head each family has; the windows, rotations and gates are in the graph."""
+    from fastbert.auto import CLASSES
+
+    if (model_type, kind) not in CLASSES:
+        pytest.skip(f"{model_type} has no {kind} head")
+    config = BertConfig.from_dict(dict(model_type=model_type, vocab_size=1000, hidden_size=32, num_hidden_layers=3,
+                                       num_attention_heads=4, intermediate_size=48, initializer_range=0.3,
+                                       max_position_embeddings=512, **ROTARY[model_type]))  # fmt: skip
+    torch.manual_seed(0)
+    model = CLASSES[model_type, kind](config).eval()
+    report = export(model, tmp_path / "m.onnx", progress=False)
+    assert max(report.parity.values()) <= 1e-4

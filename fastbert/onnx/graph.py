@@ -21,6 +21,8 @@ from fastbert.auto import BY_NAME
 from fastbert.checkpoint import PreTrainedModel
 from fastbert.heads import HEADS, ClassificationHead
 from fastbert.modeling import ACT_OF_CONFIG, BertLayer, BertModel, DisentangledSelfAttention, position_pad
+from fastbert.prenorm import GLOBAL, PreNormLayer
+from fastbert.rotary import rotary_rows
 
 
 @dataclass(frozen=True)
@@ -88,18 +90,11 @@ class ReferenceGraph(nn.Module):
     def __init__(self, model: PreTrainedModel) -> None:
         super().__init__()
         spec_of(model)  # TypeError for anything but fastbert.BertModel or one of its heads
-        if model.config.family.rotary:
-            raise TypeError(
-                f"cannot export {type(model).__name__} yet: the export graph writes BERT's layers, and this family's "
-                "rotary positions, gated feed-forward and pre-norm layers are not in it (run it in fastbert, or "
-                "export with torch.onnx from transformers)"
-            )
         self.model = model
         self.bert: BertModel = model if isinstance(model, BertModel) else model.bert
         config = model.config
         self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
         self.act = ACT_OF_CONFIG[config.hidden_act]
-        self.mlm_act = ACT_OF_CONFIG[config.family.mlm_act or config.hidden_act]
         # transformers' position_ids buffer: sliced to the input length, the pattern EmbedLayerNormalization matches
         positions = torch.arange(config.max_position_embeddings).unsqueeze(0)
         self.register_buffer("position_ids", positions, persistent=False)
@@ -126,15 +121,20 @@ class ReferenceGraph(nn.Module):
             return self._mlm(m.cls.predictions, hidden), _linear(pooled, m.cls.seq_relationship)
         if name == "BertForNextSentencePrediction":
             return (_linear(pooled, m.cls.seq_relationship),)
+        head = m._modules.get("head")  # ModernBERT's transform before its classifiers
         if name == "BertForSequenceClassification":
             if isinstance(m.classifier, ClassificationHead):  # RoBERTa, ELECTRA, DistilBERT: on the first token
                 return (m.classifier(hidden[:, 0]),)
+            if head is not None:
+                return (_linear(_transform(head, _pool(m.config, hidden, attention_mask, False)), m.classifier),)
             return (_linear(pooled, m.classifier),)
         if name == "BertForTokenClassification":
-            return (_linear(hidden, m.classifier),)
+            return (_linear(hidden if head is None else _transform(head, hidden), m.classifier),)
         if name == "BertForQuestionAnswering":
-            logits = _linear(hidden, m.qa_outputs)
+            logits = _linear(hidden if head is None else _transform(head, hidden), m.qa_outputs)
             return logits[..., 0], logits[..., 1]
+        if head is not None:
+            pooled = _transform(head, _pool(m.config, hidden, attention_mask, True))
         return (_linear(pooled, m.classifier).reshape(-1, choices),)  # BertForMultipleChoice
 
     def encode(
@@ -160,8 +160,16 @@ class ReferenceGraph(nn.Module):
         if table is not None:
             additive = additive + relative_positions.dense_bias(table, input_ids.size(1)).unsqueeze(0).to(dtype)
         rows, index = self._disentangled(input_ids.size(1))
-        for layer in self.bert.encoder.layer:
-            x = self._layer(layer, x, additive, rows, index)
+        encoder = self.bert.encoder
+        rotary = _rotary_tables(encoder, input_ids.size(1), dtype)  # layer kind -> (cos, sin) [S, R/2], or {}
+        for layer in encoder.layer:
+            if isinstance(layer, PreNormLayer):
+                x = self._pre_norm_layer(layer, x, attention_mask, rotary)
+            else:
+                x = self._layer(layer, x, additive, rows, index, rotary.get(GLOBAL))
+        final = encoder._modules.get("final_norm")
+        if final is not None:
+            x = _layer_norm(x, final)
         x = x * attention_mask.unsqueeze(-1).to(dtype)  # fastbert's repad: zeros at padded positions
         pooler = self.bert.pooler
         if pooler is None:
@@ -194,11 +202,14 @@ class ReferenceGraph(nn.Module):
         additive: torch.Tensor,  # [B, 1 or nH, S, S]
         rows: torch.Tensor | None = None,  # [2 span, H] DeBERTa's relative embedding
         index: torch.Tensor | None = None,  # [S, S] its row of each (query, key)
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,  # (cos, sin) [S, R/2]: GTE, NomicBERT, Jina-v3
     ) -> torch.Tensor:  # [B, S, H]
         attn = layer.attention.self
         q = self._split_heads(_linear(x, attn.query))
         k = self._split_heads(_linear(x, attn.key))
         v = self._split_heads(_linear(x, attn.value))
+        if rotary is not None:
+            q, k = _rotate(q, *rotary), _rotate(k, *rotary)
         if isinstance(attn, DisentangledSelfAttention):
             scores = torch.matmul(q, k.transpose(-1, -2)) * attn.scale
             if rows is not None:
@@ -213,9 +224,78 @@ class ReferenceGraph(nn.Module):
         ctx = ctx.view(ctx.size()[:-2] + (self.num_heads * self.head_dim,))
         out = layer.attention.output
         h = _layer_norm(_linear(ctx, out.dense) + x, out.LayerNorm)
-        inner = reference.activation(_linear(h, layer.intermediate.dense), self.act)
+        gate = layer.intermediate._modules.get("gate")  # GTE, NomicBERT: act(gate(h)) * dense(h)
+        if gate is not None:
+            inner = reference.activation(_linear(h, gate), self.act) * _linear(h, layer.intermediate.dense)
+        else:
+            inner = reference.activation(_linear(h, layer.intermediate.dense), self.act)
         return _layer_norm(_linear(inner, layer.output.dense) + h, layer.output.LayerNorm)
 
+    def _pre_norm_layer(
+        self,
+        layer: PreNormLayer,
+        x: torch.Tensor,  # [B, S, H]
+        attention_mask: torch.Tensor,  # [B, S]
+        rotary: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:  # [B, S, H]
+        """ModernBERT's layer: x + attn(attn_norm(x)), then + mlp(mlp_norm(.)); its window as a mask."""
+        attn, h = layer.attn, x
+        if isinstance(layer.attn_norm, nn.LayerNorm):
+            h = _layer_norm(x, layer.attn_norm)
+        q, k, v = (self._split_heads(t) for t in _linear(h, attn.Wqkv).chunk(3, dim=-1))
+        q, k = _rotate(q, *rotary[attn.kind]), _rotate(k, *rotary[attn.kind])
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_dim)
+        probs = torch.softmax(scores + _window_mask(attention_mask, attn.window, scores.dtype), dim=-1)
+        ctx = torch.matmul(probs, v).permute(0, 2, 1, 3).contiguous()
+        x = x + _linear(ctx.view(ctx.size()[:-2] + (self.num_heads * self.head_dim,)), attn.Wo)
+        up, gate = _linear(_layer_norm(x, layer.mlp_norm), layer.mlp.Wi).chunk(2, dim=-1)
+        return x + _linear(reference.activation(up, layer.mlp.act) * gate, layer.mlp.Wo)
+
     def _mlm(self, head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:  # [B, S, H] -> [B, S, V]
-        x = reference.activation(_linear(hidden, head.transform.dense), self.mlm_act)
-        return _linear(_layer_norm(x, head.transform.LayerNorm), head.decoder)
+        return _linear(_transform(head.transform, hidden), head.decoder)
+
+
+def _transform(head: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A head's dense -> act -> LayerNorm (BertPredictionHeadTransform, ModernBERT's `head`)."""
+    return _layer_norm(reference.activation(_linear(x, head.dense), head.act), head.LayerNorm)
+
+
+def _pool(config: object, hidden: torch.Tensor, mask: torch.Tensor, first_real: bool) -> torch.Tensor:
+    """ModernBERT's sentence pooling (fastbert.heads' rule): the masked mean, or the first (first real) token."""
+    if getattr(config, "classifier_pooling", "cls") == "mean":
+        weights = mask.unsqueeze(-1).to(hidden.dtype)
+        return (hidden * weights).sum(dim=1) / weights.sum(dim=1)
+    if first_real:
+        return hidden[torch.arange(hidden.size(0), device=hidden.device), mask.argmax(dim=-1)]
+    return hidden[:, 0]
+
+
+def _rotary_tables(encoder: nn.Module, seqlen: int, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer kind, (cos, sin) [S, R/2] at positions 0..S-1 (a shift of every position leaves the scores as
+    they are, so left padding needs no other positions); {} without rotary positions."""
+    out = {}
+    for name, frequencies in encoder._buffers.items():
+        if name.endswith("_frequencies"):
+            positions = torch.arange(seqlen, device=frequencies.device)
+            cos, sin = rotary_rows(positions, frequencies).unbind(0)
+            out[name.removesuffix("_frequencies")] = (cos.to(dtype), sin.to(dtype))
+    return out
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # [B, nH, S, D] -> same
+    """Rotate-half over the first R dims (fastbert.reference.rotate's rule, in x's dtype)."""
+    half = cos.size(-1)
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
+
+
+def _window_mask(attention_mask: torch.Tensor, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, S, S] additive: 0 where the key is real (and within `window` of the query), the dtype's min elsewhere;
+    a padding query row with no key in reach keeps its sequence's keys (finite: no NaN before the repad)."""
+    keys = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, S]
+    if window is not None:
+        pos = torch.arange(attention_mask.size(1), device=attention_mask.device)
+        near = (pos[None, :] - pos[:, None]).abs() <= window
+        both = keys & near
+        keys = both | (keys & ~both.any(dim=-1, keepdim=True))
+    return torch.zeros(keys.shape, dtype=dtype, device=keys.device).masked_fill(~keys, torch.finfo(dtype).min)
