@@ -26,7 +26,7 @@ from fastbert.outputs import BaseModelOutputWithPooling
 from fastbert.padding import Packing, rows_with_gaps, unpad_and_read
 from fastbert.prenorm import PreNormLayer
 from fastbert.relative_positions import DisentangledRows, bias_table, distance_buckets
-from fastbert.rotary import inverse_frequencies, rotary_rows
+from fastbert.rotary import GLOBAL, inverse_frequencies, rotary_rows
 from fastbert.validation import check_inputs
 from fastbert.weight_stamp import stamp
 
@@ -217,7 +217,7 @@ class BertSelfAttention(nn.Module):
         qkv = self.project(x)
         rotary = None
         if isinstance(position_bias, dict):
-            rotary, position_bias = position_bias[prenorm.GLOBAL], None
+            rotary, position_bias = position_bias[GLOBAL], None
         cu, longest = packing.cu_seqlens, packing.max_seqlen
         if output_attentions:
             ctx, probs = reference.attention_with_probs(qkv, cu, longest, self.dropout_p, self.training, None,

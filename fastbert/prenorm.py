@@ -18,8 +18,7 @@ from fastbert import ops, reference
 from fastbert.config import ACT_KINDS
 from fastbert.execution.structure import plain
 from fastbert.padding import Packing
-
-GLOBAL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer types
+from fastbert.rotary import SLIDING
 
 
 def through(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+GLOBAL, SLIDING = "full_attention", "sliding_attention"  # transformers' layer types: every key, or a window
+
 
 def inverse_frequencies(rotary_dim: int, base: float, device: torch.device | None = None) -> torch.Tensor:
     """[R/2] fp32: 1 / base^(2i / R), the default RoPE frequencies (transformers' compute_default_rope_parameters)."""

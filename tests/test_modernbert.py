@@ -158,7 +158,7 @@ def test_explain_says_why_the_layers_run_module_by_module() -> None:
     ids, mask = ragged([6, 3])
     for _ in range(2):  # the first forward binds, the second runs on the plan
         fast(ids, attention_mask=mask)
-    assert "module by module, because its attention is rotary" in fastbert.explain()
+    assert "module by module, because its layers are pre-norm" in fastbert.explain()
 
 
 HEADS = ["ForMaskedLM", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering",

@@ -9,10 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastbert import relative_positions
+from fastbert import reference, relative_positions
 from fastbert.execution.plan import Call, FusedOp, Inputs, Plan
 from fastbert.execution.structure import Structure
 from fastbert.padding import Packing
+from fastbert.rotary import GLOBAL
 
 
 def embed(plan: Plan, structure: Structure, ids: torch.Tensor | None, types: torch.Tensor, positions: torch.Tensor,
@@ -48,20 +49,29 @@ def layers(
     cu, max_seqlen, tokens = packing.cu_seqlens, packing.max_seqlen, x.shape[0]
     relative = structure.relative_terms(max_seqlen)  # MPNet's table or DeBERTa's rows, read once a forward
     bias = relative if structure.relative is not None else None
+    rotary = structure.rotary_terms(packing, tokens)  # GTE's, NomicBERT's, Jina's tables: every layer global
+    rotary = rotary[GLOBAL] if rotary is not None else None
+    p_gate = getattr(structure.layers[0].modules[4], "dropout_p", 0.0)  # a gated intermediate's
     positions = structure.position_weights() if first.kinds and relative is not None else None
     if positions is not None and len(positions) != len(weights):
         raise ValueError("DeBERTa's layers run all together: the position projections follow the layers' order")
     qkv_shape, ctx_shape = (tokens, 3, heads, head_dim), (tokens, heads * head_dim)
-    for i, (qkv_w, qkv_b, o_w, o_b, n1_w, n1_b, eps1, i_w, i_b, act, f_w, f_b, n2_w, n2_b, eps2) in enumerate(weights):
+    for i, (qkv_w, qkv_b, o_w, o_b, n1_w, n1_b, eps1, i_w, i_b, act, f_w, f_b, n2_w, n2_b, eps2, gate_w) in enumerate(
+            weights):  # fmt: skip
         qkv = linear(x, qkv_w, qkv_b, None).view(qkv_shape)
         if positions is not None:
             scores = _disentangled(qkv, relative.rows, positions[i], first, training)
             ctx = attention(qkv, cu, max_seqlen, p_attn, training, scale, None, scores, relative.columns)
         else:
-            ctx = attention(qkv, cu, max_seqlen, p_attn, training, scale, bias)
+            ctx = attention(qkv, cu, max_seqlen, p_attn, training, scale, bias, None, None, rotary)
         ctx = ctx.reshape(ctx_shape)
         h = drl(ctx, o_w, o_b, x, n1_w, n1_b, eps1, p_hidden, training)
-        x = drl(linear(h, i_w, i_b, act), f_w, f_b, h, n2_w, n2_b, eps2, p_hidden, training)
+        if gate_w is not None:  # act(gate(h)) * dense(h), as BertIntermediate's gated forward
+            inner = reference.activation(linear(h, gate_w, None, None), act) * linear(h, i_w, i_b, None)
+            inner = F.dropout(inner, p_gate, training)
+        else:
+            inner = linear(h, i_w, i_b, act)
+        x = drl(inner, f_w, f_b, h, n2_w, n2_b, eps2, p_hidden, training)
         if hidden is not None:
             hidden.append(x)
     return x

@@ -29,7 +29,7 @@ from torch import nn
 
 from fastbert import capabilities, ops
 from fastbert.execution.mode import Mode, current_mode, words
-from fastbert.execution.structure import ROTARY, Structure
+from fastbert.execution.structure import PRE_NORM, Structure
 from fastbert.padding import Packing
 
 FusedOp = Callable[..., torch.Tensor]
@@ -150,7 +150,7 @@ class Plan:
 
 def _module_note(why: str) -> str:
     """How a forward that must run module by module ran, and why."""
-    if why == ROTARY:
+    if why == PRE_NORM:
         return f"module by module, because {why}"
     return f"module by module, because {why} (what is hooked or wrapped runs its own forward)"
 

@@ -67,6 +67,8 @@ class Stack:
             return "one layer: nothing to stack"
         if structure.rows is not None:
             return "DeBERTa's disentangled attention: the native layer stack computes no position scores"
+        if structure.rotary or structure.layers[0].gate is not None:
+            return "rotary positions and gated feed-forwards are not in the native layer stack (the loop runs them)"
         if structure.layers[0].signature() is None:
             return "the first layer is not a BERT layer with a plain weight and bias in every Linear and LayerNorm"
         if (i := same_layers(structure.layers)) is not None:
@@ -95,7 +97,7 @@ class Stack:
             return loop.layers(plan, s, weights[1:], x, packing)
         operands: list[torch.Tensor] = []
         eps: list[float] = []
-        for qkv_w, qkv_b, o_w, o_b, n1_w, n1_b, eps1, i_w, i_b, _, f_w, f_b, n2_w, n2_b, eps2 in weights[1:]:
+        for qkv_w, qkv_b, o_w, o_b, n1_w, n1_b, eps1, i_w, i_b, _, f_w, f_b, n2_w, n2_b, eps2, _ in weights[1:]:
             linears = ((qkv_w, qkv_b), (o_w, o_b), (i_w, i_b), (f_w, f_b))
             norms = (None, (n1_w, n1_b, eps1), None, (n2_w, n2_b, eps2))
             for (w, b), backend, norm in zip(linears, gemms, norms, strict=True):

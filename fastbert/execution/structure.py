@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -87,6 +87,7 @@ class LayerParts(NamedTuple):
     ffn_norm: nn.Module
     pos_key: nn.Module | None = None  # DeBERTa's projection of the relative rows for c2p (its key's when shared)
     pos_query: nn.Module | None = None  # and for p2c
+    gate: nn.Module | None = None  # a gated family's intermediate.gate (GTE, NomicBERT)
 
     @property
     def self_attention(self) -> nn.Module:
@@ -123,13 +124,13 @@ def layer_parts(layer: nn.Module) -> LayerParts | None:
         positions = self_attention.position_modules() if self_attention.kinds else (None, None)
         return LayerParts((layer, attention, self_attention, out, inter, ffn), q, k, v, out._modules["dense"],
                           out._modules["LayerNorm"], inter._modules["dense"], ffn._modules["dense"],
-                          ffn._modules["LayerNorm"], *positions)  # fmt: skip
+                          ffn._modules["LayerNorm"], *positions, inter._modules.get("gate"))  # fmt: skip
     except (KeyError, AttributeError):
         return None
 
 
-ROTARY = ("its attention is rotary (ModernBERT's, GTE's): the fused executors (layer stack, loop, CUDA graphs) take "
-          "BERT's layers without rotary positions, gates or pre-norm")
+PRE_NORM = ("its layers are pre-norm (ModernBERT's): the fused executors (layer stack, loop, CUDA graphs) take BERT's "
+            "post-norm layers")
 _DROPOUT_ROLES = (0, 2, 3, 5)  # in LayerParts.modules: the forwards that read `training` (dropout)
 _training = operator.itemgetter("training")
 _requires_grad = operator.attrgetter("requires_grad")
@@ -151,6 +152,7 @@ class Structure:
         projection = e._modules.get("projection")
         self.relative = self.encoder._modules.get("relative_attention_bias")  # MPNet's [buckets, nH] table, or None
         self.rows = self.encoder._modules.get("rel_embeddings")  # DeBERTa's relative embedding, or None
+        self.rotary = bool(getattr(self.encoder, "rotary", False))  # GTE, NomicBERT, Jina-v3: rotary positions
         rows_norm = self.encoder._modules.get("LayerNorm") if self.rows is not None else None
         leaves = {m: None for m in (*self.tables, e._modules.get("token_type_embeddings"), projection, self.relative,
                                     self.rows, rows_norm) if m is not None}  # fmt: skip
@@ -166,7 +168,9 @@ class Structure:
         self._dropout_dicts = [m.__dict__ for m in dropout]
         self._param_dicts = [m._parameters for m in leaves]  # read every forward: a parameter can be swapped in there
         self._layer_modules = [(p.self_attention, p.out_dense._parameters, p.out_norm, p.inter_dense._parameters,
-                                p.modules[4], p.ffn_dense._parameters, p.ffn_norm) for p in self.layers]  # fmt: skip
+                                p.modules[4], p.ffn_dense._parameters, p.ffn_norm, p.modules[3]._buffers,
+                                p.modules[5]._buffers, p.gate._parameters if p.gate is not None else None)
+                               for p in self.layers]  # fmt: skip
         self._layer_sources = [(p.query._parameters, p.key._parameters, p.value._parameters, *attention[1:])
                                for p, attention in zip(self.layers, self._layer_modules, strict=True)]  # fmt: skip
         self._leaves, self._layer_count = list(leaves), len(layers)
@@ -186,8 +190,8 @@ class Structure:
         """Why this structure cannot run fused whatever the call, from the modules' types (checked every forward)."""
         e, forwards = self.embeddings, self.forwards
         config = getattr(self.model, "config", None)
-        if config is not None and config.family.rotary:
-            return ROTARY
+        if config is not None and config.family.pre_norm:
+            return PRE_NORM
         word, position, norm = self.tables
         if word is None or norm is None or (position is None and "no_positions" not in e._buffers):
             return f"the embeddings ({type(e).__name__}) are not built as fastbert's BertEmbeddings"
@@ -285,29 +289,38 @@ class Structure:
             out.append((key.get("weight"), key.get("bias"), query.get("weight"), query.get("bias")))
         return out
 
+    def rotary_terms(self, packing: Any, tokens: int) -> dict[str, torch.Tensor] | None:
+        """The encoder's rotary tables for this batch (layer kind -> [2, T, R/2]), or None without rotary positions."""
+        return self.encoder.rotary_terms(packing, tokens) if self.rotary else None
+
     def layer_weights(self, concatenate: bool) -> list[tuple]:
         """Per layer, the tensors its fused ops read, in the loop's order: (QKV weight, bias, attention output weight,
         bias, LayerNorm weight, bias, eps, FFN in weight, bias, activation, FFN out weight, bias, LayerNorm weight,
-        bias, eps). `concatenate`: the QKV weight concatenated now (autograd), not the cached copy."""
+        bias, eps, gate weight or None). A GEMM built without a bias (NomicBERT's) reads its module's zero row for the
+        fused epilogue's. `concatenate`: the QKV weight concatenated now (autograd), not the cached copy."""
         if concatenate:
             return fused(self.layer_sources())
-        return [(*attention.fused_qkv(), o["weight"], o["bias"], n1._parameters["weight"], n1._parameters["bias"],
-                 n1.eps, i["weight"], i["bias"], inter.act, f["weight"], f["bias"], n2._parameters["weight"],
-                 n2._parameters["bias"], n2.eps)
-                for attention, o, n1, i, inter, f, n2 in self._layer_modules]  # fmt: skip
+        return [(*attention.fused_qkv(), o["weight"], o["bias"] if o["bias"] is not None else ob.get("no_bias"),
+                 n1._parameters["weight"], n1._parameters["bias"], n1.eps, i["weight"], i["bias"], inter.act,
+                 f["weight"], f["bias"] if f["bias"] is not None else fb.get("no_bias"), n2._parameters["weight"],
+                 n2._parameters["bias"], n2.eps, g["weight"] if g is not None else None)
+                for attention, o, n1, i, inter, f, n2, ob, fb, g in self._layer_modules]  # fmt: skip
 
     def layer_sources(self) -> list[tuple]:
         """Per layer, what `layer_weights` reads, with Q, K and V as found: ((Q, K, V weights), (Q, K, V biases),
         attention output weight, ...). A CUDA graph holds these and concatenates Q, K and V at every replay."""
-        return [((q["weight"], k["weight"], v["weight"]), (q["bias"], k["bias"], v["bias"]), o["weight"], o["bias"],
-                 n1._parameters["weight"], n1._parameters["bias"], n1.eps, i["weight"], i["bias"], inter.act,
-                 f["weight"], f["bias"], n2._parameters["weight"], n2._parameters["bias"], n2.eps)
-                for q, k, v, o, n1, i, inter, f, n2 in self._layer_sources]  # fmt: skip
+        return [((q["weight"], k["weight"], v["weight"]), (q["bias"], k["bias"], v["bias"]), o["weight"],
+                 o["bias"] if o["bias"] is not None else ob.get("no_bias"), n1._parameters["weight"],
+                 n1._parameters["bias"], n1.eps, i["weight"], i["bias"], inter.act, f["weight"],
+                 f["bias"] if f["bias"] is not None else fb.get("no_bias"), n2._parameters["weight"],
+                 n2._parameters["bias"], n2.eps, g["weight"] if g is not None else None)
+                for q, k, v, o, n1, i, inter, f, n2, ob, fb, g in self._layer_sources]  # fmt: skip
 
 
 def fused(sources: list[tuple]) -> list[tuple]:
     """`Structure.layer_sources` with Q, K and V concatenated now: `layer_weights`' form."""
-    return [(torch.cat(weights), torch.cat(biases), *rest) for weights, biases, *rest in sources]
+    return [(torch.cat(weights), None if biases[0] is None else torch.cat(biases), *rest)
+            for weights, biases, *rest in sources]  # fmt: skip
 
 
 def same_layers(layers: Sequence[LayerParts]) -> int | None:

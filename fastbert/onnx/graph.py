@@ -21,8 +21,8 @@ from fastbert.auto import BY_NAME
 from fastbert.checkpoint import PreTrainedModel
 from fastbert.heads import HEADS, ClassificationHead
 from fastbert.modeling import ACT_OF_CONFIG, BertLayer, BertModel, DisentangledSelfAttention, position_pad
-from fastbert.prenorm import GLOBAL, PreNormLayer
-from fastbert.rotary import rotary_rows
+from fastbert.prenorm import PreNormLayer
+from fastbert.rotary import GLOBAL, rotary_rows
 
 
 @dataclass(frozen=True)
