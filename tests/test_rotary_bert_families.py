@@ -14,6 +14,7 @@ import torch
 
 import fastbert
 from fastbert.config import BertConfig
+from tests.test_graph_buckets import RerunGraphs
 from tests.test_modernbert import (
     gradients_match,
     head_round_trip,
@@ -126,3 +127,21 @@ def test_torch_compile_matches_eager(family: str) -> None:
     fast = fastbert.AutoModel.from_config(BertConfig.from_dict(hf.config.to_dict()))
     fast.load_checkpoint_state(hf.state_dict())
     compile_matches_eager(fast.eval(), *ragged(LENGTHS), "encoder.layer.1.attention.self.query.weight")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_graph_replay_rotates_and_gates(family: str) -> None:
+    """The loop under (CPU stand-in) graph capture: the rotary tables are built inside the captured region from the
+    batch's cu_seqlens, the gate and the zero-bias rows are read where they lie; a replay gives transformers' output."""
+    hf = hf_model(family)
+    ids, mask = ragged(LENGTHS)
+    valid = mask.bool()
+    with torch.no_grad():
+        want = hf(ids, attention_mask=mask).last_hidden_state[valid]
+    graphed = fastbert.optimize(hf)
+    graphed.cuda_graphs = RerunGraphs(graphed)
+    captured = RerunGraphs.captures
+    with torch.inference_mode():
+        for _ in range(3):  # binds, captures, replays
+            got = graphed(ids, attention_mask=mask).last_hidden_state[valid]
+    assert RerunGraphs.captures == captured + 1 and (got - want).abs().max() <= ATOL
