@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from benchmarks.bench_kernels import window_pairs
 from fastbert import kernels, ops, reference, relative_positions
 from fastbert.padding import unpad
 from fastbert.rotary import inverse_frequencies, rotary_rows
@@ -211,16 +212,6 @@ def _rotary_table(lengths: torch.Tensor, device: str) -> torch.Tensor:
     return rotary_rows(positions, inverse_frequencies(HEAD_DIM, 10_000.0)).to(device)
 
 
-def _window_pairs(lengths: torch.Tensor, window: int) -> float:
-    """Sum over sequences of the (query, key) pairs within `window` of each other: sum_i min(L, i + w + 1) - max(0,
-    i - w), the scores a windowed kernel computes (up to its block edges)."""
-    total = 0.0
-    for n in lengths.tolist():
-        i = torch.arange(n, dtype=torch.float64)
-        total += float(((i + window + 1).clamp(max=n) - (i - window).clamp(min=0)).sum())
-    return total
-
-
 @pytest.mark.parametrize("path", ["eager", "fastbert"])
 def test_attention_rotary_window_ragged(benchmark, path: str) -> None:
     """CPU, a ModernBERT sliding layer: transformers-style eager (q and k rotated in padded [B, nH, S, D] tensors, the
@@ -263,8 +254,8 @@ def test_attention_rotary_window_ragged(benchmark, path: str) -> None:
 @pytest.mark.parametrize("path", ["triton", "torch eager"])
 def test_attention_rotary_gpu(benchmark, path: str, window: int | None, direction: str) -> None:
     """ModernBERT-base's attention (nH 12, D 64, 32 x <= 512 tokens), fp16: a global layer (rotary only) and a
-    sliding one. FLOPs count the pairs the window keeps (_window_pairs); bytes add the fp32 table, read by each kernel,
-    and in the backward dQ and dK read and written once more (their rotation back)."""
+    sliding one. FLOPs count the pairs the window keeps (bench_kernels.window_pairs); bytes add the fp32 table, read
+    by each kernel, and in the backward dQ and dK read and written once more (their rotation back)."""
     import triton.testing
 
     half = window // 2 if window else None  # keys within local_attention // 2
@@ -297,7 +288,7 @@ def test_attention_rotary_gpu(benchmark, path: str, window: int | None, directio
         ms = triton.testing.do_bench(call, return_mode="median")
         flops, nbytes = _work(lengths, False, qkv.element_size(), backward)
         if half is not None:  # the kept pairs instead of every L^2
-            flops *= _window_pairs(lengths, half) / float((lengths.double() ** 2).sum())
+            flops *= window_pairs(lengths, half) / window_pairs(lengths, None)
         kernels_reading = 3 if backward else 1
         nbytes += kernels_reading * table.numel() * 4
         if backward:  # dQ and dK rotated back: read and written once more

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from benchmarks.model_report import git_commit
 from benchmarks.plotting import pyplot
 from fastbert import reference
+from fastbert.rotary import inverse_frequencies, rotary_rows
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 HIDDEN, INTERMEDIATE, HEADS, HEAD_DIM, VOCAB, POSITIONS = 768, 3072, 12, 64, 30522, 512
@@ -128,7 +129,33 @@ def build_cases(dtype: torch.dtype, batch: int, dev: str = "cuda") -> list[Case]
             "triton": lambda t, cu=cu, s=seqlen: kernels.attention(t, cu, s),
             "torch eager": lambda t, cu=cu, s=seqlen: reference.attention(t, cu, s),
         }, flops, 2.5 * flops, "TFLOP/s"))
+
+        # ModernBERT's attention on the same ragged batch: rotary positions (the [2, T, D/2] fp32 table read as q and k
+        # load) on a global layer, and on a sliding one with a 128-token window (key blocks outside it skipped);
+        # FLOPs count the (query, key) pairs the window keeps
+        positions = torch.cat([torch.arange(int(n)) for n in lengths])
+        table = rotary_rows(positions, inverse_frequencies(HEAD_DIM, 160_000.0)).to(dev)
+        for window, label in ((None, "global"), (64, "window 128")):
+            kept = 4 * HEADS * HEAD_DIM * window_pairs(lengths, window)
+            cases.append(Case(f"attention rotary {label}", f"B={batch}, S<={seqlen}, H={HEADS}, D={HEAD_DIM}", [qkv], {
+                "triton": lambda t, cu=cu, s=seqlen, r=table, w=window: kernels.attention(t, cu, s, rotary=r, window=w),
+                "torch eager": lambda t, cu=cu, s=seqlen, r=table, w=window: reference.attention(t, cu, s, rotary=r,
+                                                                                                window=w),
+            }, kept, 2.5 * kept, "TFLOP/s"))  # fmt: skip
     return cases
+
+
+def window_pairs(lengths: torch.Tensor, window: int | None) -> float:
+    """Sum over sequences of the (query, key) pairs a kernel scores: L^2, or with a window those within `window` of
+    each other, sum_i min(L, i + w + 1) - max(0, i - w)."""
+    total = 0.0
+    for n in lengths.tolist():
+        if window is None:
+            total += float(n) ** 2
+            continue
+        i = torch.arange(n, dtype=torch.float64)
+        total += float(((i + window + 1).clamp(max=n) - (i - window).clamp(min=0)).sum())
+    return total
 
 
 def _sdpa_flash(qkv: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:

@@ -356,3 +356,18 @@ def test_onnxruntime_and_fastbert_rows_run_every_family(name: str, tmp_path) -> 
         fast = model_systems.fastbert_runner(hf, torch.device("cpu"), torch.float32)(ids, mask, types)
     valid = mask.bool()
     assert (ort - want)[valid].abs().max() < 1e-4 and (fast - want)[valid].abs().max() < 1e-4
+
+
+def test_the_kernel_suite_builds_modernberts_attention_cases_with_kept_pair_flops() -> None:
+    """bench_kernels' rotary cases (global and a 128-token window) on CPU tensors: the FLOPs are 4 nH D times the
+    pairs kept, all L^2 on a global layer and fewer with the window; each variant computes the reference's output."""
+    from benchmarks import bench_kernels
+
+    built = bench_kernels.build_cases(torch.float32, 2, dev="cpu")
+    cases = {c.op: c for c in built if c.shape.startswith("B=2, S<=128")}
+    full, windowed = cases["attention rotary global"], cases["attention rotary window 128"]
+    assert full.fwd_work == cases["attention ragged"].fwd_work and windowed.fwd_work < full.fwd_work
+    assert bench_kernels.window_pairs(torch.tensor([5]), 1) == 13  # 5 + 2 * 4 pairs within distance 1
+    qkv = windowed.inputs[0]
+    with torch.no_grad():  # the window leaves keys out: another output than the global layer's
+        assert not torch.equal(windowed.variants["torch eager"](qkv), full.variants["torch eager"](qkv))
