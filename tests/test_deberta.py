@@ -15,8 +15,7 @@ from transformers.models.deberta_v2 import modeling_deberta_v2 as hf_deberta
 import fastbert
 from fastbert import relative_positions
 from tests.conftest import NATIVE_CPU
-from tests.test_graph_buckets import RerunGraphs
-from tests.test_mpnet import backend_errors, compile_matches_eager, hidden_states_error
+from tests.test_mpnet import backend_errors, compile_matches_eager, hidden_states_error, replay_matches
 from tests.test_mpnet import ragged as mpnet_ragged
 
 ATOL = 1e-5
@@ -231,13 +230,7 @@ def test_the_loop_and_graph_replay_add_the_terms(layout: str, monkeypatch: pytes
     elif NATIVE_CPU is not None:
         assert "one loop over the layers' tensors" in said and "computes no position scores" in said
     assert (got - want).abs().max() <= ATOL
-    graphed = fastbert.optimize(hf)
-    graphed.cuda_graphs = RerunGraphs(graphed)
-    captured = RerunGraphs.captures
-    with torch.inference_mode():
-        for _ in range(3):  # binds, captures, replays
-            got = graphed(ids, attention_mask=mask).last_hidden_state[valid]
-    assert RerunGraphs.captures == captured + 1 and (got - want).abs().max() <= ATOL
+    replay_matches(hf, ids, mask, want)
     trained = fastbert.optimize(hf, freeze=False).train()
     for _ in range(2):
         got = trained(ids, attention_mask=mask).last_hidden_state[valid]

@@ -104,12 +104,18 @@ def test_the_layer_stack_and_graph_replay_add_the_bias(monkeypatch: pytest.Monke
             got = fast(ids, attention_mask=mask).last_hidden_state[valid]
     assert layer_stack._status["stacked"] >= before + 1
     assert (got - want).abs().max() <= ATOL
+    replay_matches(hf, ids, mask, want)
+
+
+def replay_matches(hf: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, want: torch.Tensor) -> None:
+    """fastbert.optimize(hf) under (CPU stand-in) graph capture: one capture, and a replay within ATOL of `want`
+    (transformers' last hidden state at the valid positions)."""
     graphed = fastbert.optimize(hf)
     graphed.cuda_graphs = RerunGraphs(graphed)
     captured = RerunGraphs.captures
     with torch.inference_mode():
         for _ in range(3):  # binds, captures, replays
-            got = graphed(ids, attention_mask=mask).last_hidden_state[valid]
+            got = graphed(ids, attention_mask=mask).last_hidden_state[mask.bool()]
     assert RerunGraphs.captures == captured + 1 and (got - want).abs().max() <= ATOL
 
 

@@ -14,7 +14,6 @@ import torch
 
 import fastbert
 from fastbert.config import BertConfig
-from tests.test_graph_buckets import RerunGraphs
 from tests.test_modernbert import (
     gradients_match,
     head_round_trip,
@@ -22,7 +21,7 @@ from tests.test_modernbert import (
     probabilities_match,
     ragged,
 )
-from tests.test_mpnet import backend_errors, compile_matches_eager
+from tests.test_mpnet import backend_errors, compile_matches_eager, replay_matches
 
 transformers = pytest.importorskip("transformers")
 FAMILIES = [name for name in ("Gte", "NomicBert", "JinaEmbeddingsV3") if hasattr(transformers, name + "Model")]
@@ -135,13 +134,6 @@ def test_graph_replay_rotates_and_gates(family: str) -> None:
     batch's cu_seqlens, the gate and the zero-bias rows are read where they lie; a replay gives transformers' output."""
     hf = hf_model(family)
     ids, mask = ragged(LENGTHS)
-    valid = mask.bool()
     with torch.no_grad():
-        want = hf(ids, attention_mask=mask).last_hidden_state[valid]
-    graphed = fastbert.optimize(hf)
-    graphed.cuda_graphs = RerunGraphs(graphed)
-    captured = RerunGraphs.captures
-    with torch.inference_mode():
-        for _ in range(3):  # binds, captures, replays
-            got = graphed(ids, attention_mask=mask).last_hidden_state[valid]
-    assert RerunGraphs.captures == captured + 1 and (got - want).abs().max() <= ATOL
+        want = hf(ids, attention_mask=mask).last_hidden_state[mask.bool()]
+    replay_matches(hf, ids, mask, want)
