@@ -1,9 +1,11 @@
 """The encoder families fastbert runs on its one model definition, and how each differs from BERT, as data.
 
-A `Family` says how transformers names the family's config fields and checkpoint keys, how positions are counted,
-whether there are token types, a pooler and an embedding projection, and how its heads are laid out. The model
-(modeling.py, heads.py) reads these flags; checkpoint.py renames keys with `to_fastbert_keys` / `to_hf_keys`.
-Inside fastbert every family keeps BERT's module names (`bert.encoder.layer.N.attention.self.query`, ...).
+A `Family` says how transformers names the family's config fields and checkpoint keys, how positions are counted
+(absolute, relative, rotary), whether there are token types, a pooler and an embedding projection, gates and biases,
+and how its heads are laid out. The model (modeling.py, prenorm.py, heads.py) reads these flags; checkpoint.py renames
+keys with `to_fastbert_keys` / `to_hf_keys` (splitting fused tensors where transformers' files hold them). Inside
+fastbert every family keeps BERT's module names (`bert.encoder.layer.N.attention.self.query`, ...); BERT has none for
+pre-norm layers, so ModernBERT's keep transformers' (`bert.encoder.layer.N.attn.Wqkv`, ...).
 This module imports nothing of fastbert's, so config, checkpoint and model can all read it.
 """
 
