@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastbert import ops, reference
-from fastbert.config import ACT_KINDS
+from fastbert.config import ACT_KINDS, BertConfig
 from fastbert.execution.structure import plain
 from fastbert.padding import Packing
 from fastbert.rotary import SLIDING
@@ -28,7 +28,7 @@ def through(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return module(x)
 
 
-def norm(config: object) -> nn.LayerNorm:
+def norm(config: BertConfig) -> nn.LayerNorm:
     """A LayerNorm of the family's: with or without a bias (`norm_bias`), eps `layer_norm_eps`."""
     return nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps, bias=bool(getattr(config, "norm_bias", True)))
 
@@ -36,7 +36,7 @@ def norm(config: object) -> nn.LayerNorm:
 class RotaryAttention(nn.Module):
     """Fused QKV projection, attention with rotary positions (and a window on sliding layers), output projection."""
 
-    def __init__(self, config: object, layer: int) -> None:
+    def __init__(self, config: BertConfig, layer: int) -> None:
         super().__init__()
         hidden, bias = config.hidden_size, bool(getattr(config, "attention_bias", False))
         self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
@@ -69,7 +69,7 @@ class RotaryAttention(nn.Module):
 class GatedMLP(nn.Module):
     """Wi to twice the intermediate width, act(first half) * second half, dropout, Wo (GeGLU with gelu)."""
 
-    def __init__(self, config: object) -> None:
+    def __init__(self, config: BertConfig) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         self.Wi = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
@@ -86,7 +86,7 @@ class PreNormLayer(nn.Module):
     """x + attn(attn_norm(x)), then + mlp(mlp_norm(.)); the first layer's attn_norm is the identity (the embeddings
     end in a norm)."""
 
-    def __init__(self, config: object, layer: int) -> None:
+    def __init__(self, config: BertConfig, layer: int) -> None:
         super().__init__()
         self.attn_norm = nn.Identity() if layer == 0 else norm(config)
         self.attn = RotaryAttention(config, layer)
