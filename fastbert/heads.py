@@ -282,9 +282,10 @@ def _head(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return hidden if head is None else head(hidden)
 
 
-def _pool(config: BertConfig, hidden: torch.Tensor, mask: torch.Tensor | None, first_real: bool) -> torch.Tensor:
+def pool(config: BertConfig, hidden: torch.Tensor, mask: torch.Tensor | None, first_real: bool) -> torch.Tensor:
     """[B, S, H] -> [B, H] by `classifier_pooling`: the mean over real tokens, or the first token (the first real one
-    where `first_real`: ModernBERT's multiple-choice head, which finds it under left padding too)."""
+    where `first_real`: ModernBERT's multiple-choice head, which finds it under left padding too). The export graph
+    pools with it too."""
     if getattr(config, "classifier_pooling", "cls") == "mean":
         if mask is None:
             return hidden.mean(dim=1)
@@ -344,7 +345,7 @@ class BertForSequenceClassification(PreTrainedModel):
         if isinstance(self.classifier, ClassificationHead):
             logits = self.classifier(out.last_hidden_state[:, 0])
         elif self.config.family.pre_norm:
-            pooled = _pool(self.config, out.last_hidden_state, kwargs.get("attention_mask"), first_real=False)
+            pooled = pool(self.config, out.last_hidden_state, kwargs.get("attention_mask"), first_real=False)
             logits = self.classifier(self.dropout(self.head(pooled)))
         else:
             logits = self.classifier(self.dropout(out.pooler_output))
@@ -499,7 +500,7 @@ class BertForMultipleChoice(PreTrainedModel):
             **_encoder_kwargs(kwargs),
         )
         if self.config.family.pre_norm:
-            pooled = self.head(_pool(self.config, out.last_hidden_state, flat(attention_mask), first_real=True))
+            pooled = self.head(pool(self.config, out.last_hidden_state, flat(attention_mask), first_real=True))
         else:
             pooled = out.pooler_output
         logits = self.classifier(self.dropout(pooled)).view(-1, num_choices)

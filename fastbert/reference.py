@@ -214,14 +214,20 @@ def rotate(qkv: torch.Tensor, rotary: torch.Tensor) -> torch.Tensor:  # [T, 3, n
         shape = tuple(rotary.shape)
         raise ValueError(f"rotary must be [2, T = {total}, R/2] with 0 < R <= head dim {dim}, got {shape}")
     wide = torch.promote_types(qkv.dtype, torch.float32)
-    qk = qkv[:, :2].to(wide)
     cos, sin = (t.to(wide)[:, None, None, :] for t in rotary.unbind(0))  # [T, 1, 1, R/2]
-    x1, x2 = qk[..., :half], qk[..., half : 2 * half]
-    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, qk[..., 2 * half :]), dim=-1)
+    rotated = rotate_half(qkv[:, :2].to(wide), cos, sin)
     return torch.cat((rotated.to(qkv.dtype), qkv[:, 2:]), dim=1)
 
 
-def _windowed(mask: torch.Tensor | None, window: int | None, max_seqlen: int, device: torch.device) -> torch.Tensor:
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., D]
+    """x[d] cos - x[d + R/2] sin and x[d + R/2] cos + x[d] sin for d < R/2 (cos, sin [..., R/2] broadcast against x),
+    the dims from R on as they are: the reference's rotation, and the export graph's."""
+    half = cos.shape[-1]
+    x1, x2 = x[..., :half], x[..., half : 2 * half]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., 2 * half :]), dim=-1)
+
+
+def windowed(mask: torch.Tensor | None, window: int, max_seqlen: int, device: torch.device) -> torch.Tensor:
     """The key mask narrowed to keys within `window` of each query: [B or 1, 1, S, S]. A padding query row the
     window leaves no key keeps the sequence's keys, so no softmax row is all -inf (its row is never read back)."""
     if window < 0:
@@ -264,7 +270,7 @@ def attention(
     qkv = rotate(qkv, rotary) if rotary is not None else qkv
     padded, mask, flat = _to_padded(_up(qkv, upcast), cu_seqlens, max_seqlen)
     if window is not None:
-        mask = _windowed(mask, window, max_seqlen, qkv.device)
+        mask = windowed(mask, window, max_seqlen, qkv.device)
     q, k, v = padded.unbind(0)
     p = dropout_p if training else 0.0
     scale = scale if scale is not None else 1.0 / math.sqrt(dim)
@@ -299,7 +305,7 @@ def attention_with_probs(
     qkv = rotate(qkv, rotary) if rotary is not None else qkv
     padded, mask, flat = _to_padded(qkv, cu_seqlens, max_seqlen)
     if window is not None:
-        mask = _windowed(mask, window, max_seqlen, qkv.device)
+        mask = windowed(mask, window, max_seqlen, qkv.device)
     q, k, v = padded.unbind(0)
     scale = scale if scale is not None else 1.0 / math.sqrt(dim)
     with no_autocast(qkv.device):

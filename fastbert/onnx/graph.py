@@ -19,7 +19,7 @@ from torch import nn
 from fastbert import outputs, reference, relative_positions
 from fastbert.auto import BY_NAME
 from fastbert.checkpoint import PreTrainedModel
-from fastbert.heads import HEADS, ClassificationHead
+from fastbert.heads import HEADS, ClassificationHead, pool
 from fastbert.modeling import ACT_OF_CONFIG, BertLayer, BertModel, DisentangledSelfAttention, position_pad
 from fastbert.prenorm import PreNormLayer
 from fastbert.rotary import GLOBAL, rotary_rows
@@ -126,7 +126,7 @@ class ReferenceGraph(nn.Module):
             if isinstance(m.classifier, ClassificationHead):  # RoBERTa, ELECTRA, DistilBERT: on the first token
                 return (m.classifier(hidden[:, 0]),)
             if head is not None:
-                return (_linear(_transform(head, _pool(m.config, hidden, attention_mask, False)), m.classifier),)
+                return (_linear(_transform(head, pool(m.config, hidden, attention_mask, False)), m.classifier),)
             return (_linear(pooled, m.classifier),)
         if name == "BertForTokenClassification":
             return (_linear(hidden if head is None else _transform(head, hidden), m.classifier),)
@@ -134,7 +134,7 @@ class ReferenceGraph(nn.Module):
             logits = _linear(hidden if head is None else _transform(head, hidden), m.qa_outputs)
             return logits[..., 0], logits[..., 1]
         if head is not None:
-            pooled = _transform(head, _pool(m.config, hidden, attention_mask, True))
+            pooled = _transform(head, pool(m.config, hidden, attention_mask, True))
         return (_linear(pooled, m.classifier).reshape(-1, choices),)  # BertForMultipleChoice
 
     def encode(
@@ -209,7 +209,7 @@ class ReferenceGraph(nn.Module):
         k = self._split_heads(_linear(x, attn.key))
         v = self._split_heads(_linear(x, attn.value))
         if rotary is not None:
-            q, k = _rotate(q, *rotary), _rotate(k, *rotary)
+            q, k = (reference.rotate_half(t, *rotary) for t in (q, k))
         if isinstance(attn, DisentangledSelfAttention):
             scores = torch.matmul(q, k.transpose(-1, -2)) * attn.scale
             if rows is not None:
@@ -243,7 +243,7 @@ class ReferenceGraph(nn.Module):
         if isinstance(layer.attn_norm, nn.LayerNorm):
             h = _layer_norm(x, layer.attn_norm)
         q, k, v = (self._split_heads(t) for t in _linear(h, attn.Wqkv).chunk(3, dim=-1))
-        q, k = _rotate(q, *rotary[attn.kind]), _rotate(k, *rotary[attn.kind])
+        q, k = (reference.rotate_half(t, *rotary[attn.kind]) for t in (q, k))
         scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_dim)
         probs = torch.softmax(scores + _window_mask(attention_mask, attn.window, scores.dtype), dim=-1)
         ctx = torch.matmul(probs, v).permute(0, 2, 1, 3).contiguous()
@@ -260,16 +260,6 @@ def _transform(head: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return _layer_norm(reference.activation(_linear(x, head.dense), head.act), head.LayerNorm)
 
 
-def _pool(config: object, hidden: torch.Tensor, mask: torch.Tensor, first_real: bool) -> torch.Tensor:
-    """ModernBERT's sentence pooling (fastbert.heads' rule): the masked mean, or the first (first real) token."""
-    if getattr(config, "classifier_pooling", "cls") == "mean":
-        weights = mask.unsqueeze(-1).to(hidden.dtype)
-        return (hidden * weights).sum(dim=1) / weights.sum(dim=1)
-    if first_real:
-        return hidden[torch.arange(hidden.size(0), device=hidden.device), mask.argmax(dim=-1)]
-    return hidden[:, 0]
-
-
 def _rotary_tables(encoder: nn.Module, seqlen: int, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Per layer kind, (cos, sin) [S, R/2] at positions 0..S-1 (a shift of every position leaves the scores as
     they are, so left padding needs no other positions); {} without rotary positions."""
@@ -282,20 +272,10 @@ def _rotary_tables(encoder: nn.Module, seqlen: int, dtype: torch.dtype) -> dict[
     return out
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # [B, nH, S, D] -> same
-    """Rotate-half over the first R dims (fastbert.reference.rotate's rule, in x's dtype)."""
-    half = cos.size(-1)
-    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
-
-
 def _window_mask(attention_mask: torch.Tensor, window: int | None, dtype: torch.dtype) -> torch.Tensor:
     """[B, 1, S, S] additive: 0 where the key is real (and within `window` of the query), the dtype's min elsewhere;
     a padding query row with no key in reach keeps its sequence's keys (finite: no NaN before the repad)."""
     keys = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, S]
     if window is not None:
-        pos = torch.arange(attention_mask.size(1), device=attention_mask.device)
-        near = (pos[None, :] - pos[:, None]).abs() <= window
-        both = keys & near
-        keys = both | (keys & ~both.any(dim=-1, keepdim=True))
+        keys = reference.windowed(keys, window, attention_mask.size(1), attention_mask.device)
     return torch.zeros(keys.shape, dtype=dtype, device=keys.device).masked_fill(~keys, torch.finfo(dtype).min)
