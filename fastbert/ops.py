@@ -37,7 +37,8 @@ __all__ = [
     "COMPOUND_OPS", "KERNEL_OPS", "OPS", "Backend", "BackendUnavailable", "backends", "decisions", "dispatch_scope",
     "exclude_backends", "explain", "forced_backend", "opt_in", "register_backend", "register_explainer",
     "select", "settle", "use_backend", "watching",
-    "attention", "bias_act", "bias_residual_layernorm", "dense_residual_layernorm", "embedding_layernorm", "linear",
+    "attention", "bias_act", "bias_residual_layernorm", "dense_residual_layernorm", "embedding_layernorm", "gated_act",
+    "gated_linear", "linear",
 ]  # fmt: skip
 
 log = logging.getLogger("fastbert.ops")
@@ -281,6 +282,30 @@ def composed_dense_residual_layernorm(
     return dense_residual_layernorm
 
 
+def composed_gated_linear(
+    linear_op: Callable[..., torch.Tensor], gated_act_op: Callable[..., torch.Tensor]
+) -> Callable[..., torch.Tensor]:
+    """The `gated_linear` op as `linear_op` (one GEMM for a stacked weight, two for a weight and an up_weight), then
+    `gated_act_op` on the two halves: the torch backend's way, with the dispatched ops here and the bound ones in a
+    plan."""
+
+    def gated_linear(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        up_weight: torch.Tensor | None = None,
+        up_bias: torch.Tensor | None = None,
+        act: str = reference.ACT_GELU,
+    ) -> torch.Tensor:
+        if up_weight is None:
+            gate, up = linear_op(x, weight, bias, None).chunk(2, dim=-1)
+        else:
+            gate, up = linear_op(x, weight, bias, None), linear_op(x, up_weight, up_bias, None)
+        return gated_act_op(gate, up, act)
+
+    return gated_linear
+
+
 def _bias_act_casting(function: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """`function` with bias_act's cast: under autocast x is the GEMM's low-precision output and F.linear adds its bias
     in that dtype, so does this."""
@@ -342,8 +367,10 @@ embedding_layernorm = _public(contract.EMBEDDING_LAYERNORM)
 bias_act = _public(contract.BIAS_ACT)
 bias_residual_layernorm = _public(contract.BIAS_RESIDUAL_LAYERNORM)
 attention = _public(contract.ATTENTION)
+gated_act = _public(contract.GATED_ACT)
 linear = _public(contract.LINEAR)
 dense_residual_layernorm = _public(contract.DENSE_RESIDUAL_LAYERNORM)
+gated_linear = _public(contract.GATED_LINEAR)
 # every op's parameter names, so that limit checks read a call by name whatever mix of positions and keywords it used
 # (a zip, not inspect's bind: select runs on every op of every layer)
 _PARAMS = {name: op.names for name, op in contract.OPS.items()}
@@ -356,6 +383,7 @@ TORCH = Backend(
     impls={
         "linear": composed_linear(bias_act),
         "dense_residual_layernorm": composed_dense_residual_layernorm(linear, bias_residual_layernorm),
+        "gated_linear": composed_gated_linear(linear, gated_act),
     },
 )
 _BACKENDS: dict[str, Backend] = {

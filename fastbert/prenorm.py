@@ -2,10 +2,11 @@
 feed-forward -> residual, with transformers' module names (`attn_norm`, `attn.Wqkv`, `attn.Wo`, `mlp_norm`, `mlp.Wi`,
 `mlp.Wo`), so its checkpoints load unchanged inside fastbert's one model (BertModel's embeddings and encoder).
 
-Every GEMM goes through `fastbert.ops.linear` (its fastest backend: oneDNN, fastbert's GEMMs, int8), attention through
-`fastbert.ops.attention` with the layer's rotary table and window (global layers: none), so the native CPU kernel
-rotates q and k as it loads them and skips the key chunks a window does not reach. These layers run module by module:
-the fused executors (the layer stack, the loop, CUDA graphs) take post-norm BERT layers.
+Every GEMM goes through `fastbert.ops.linear` (its fastest backend: oneDNN, fastbert's GEMMs, int8), the gated
+feed-forward's first through `fastbert.ops.gated_linear` (on CPU one GEMM whose tiles write act(x W^T) * (x V^T)),
+attention through `fastbert.ops.attention` with the layer's rotary table and window (global layers: none), so the
+native CPU kernel rotates q and k as it loads them and skips the key chunks a window does not reach. These layers run
+module by module: the fused executors (the layer stack, the loop, CUDA graphs) take post-norm BERT layers.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class RotaryAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """Wi to twice the intermediate width, act(first half) * second half, dropout, Wo (GeGLU with gelu)."""
+    """Wi to twice the intermediate width, act(first half) * second half (the gated_linear op), dropout, Wo (GeGLU
+    with gelu)."""
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
@@ -78,8 +80,12 @@ class GatedMLP(nn.Module):
         self.dropout_p = config.hidden_dropout_prob
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        up, gate = through(self.Wi, x).chunk(2, dim=-1)
-        return through(self.Wo, F.dropout(reference.activation(up, self.act) * gate, self.dropout_p, self.training))
+        if plain(self.Wi, nn.Linear):  # Wi stacks the activated rows over the gate's: the gated_linear op's layout
+            gated = ops.gated_linear(x, self.Wi.weight, self.Wi.bias, None, None, self.act)
+        else:
+            up, gate = self.Wi(x).chunk(2, dim=-1)
+            gated = reference.activation(up, self.act) * gate
+        return through(self.Wo, F.dropout(gated, self.dropout_p, self.training))
 
 
 class PreNormLayer(nn.Module):

@@ -19,7 +19,7 @@ from fastbert import relative_positions
 
 ACT_GELU, ACT_GELU_TANH, ACT_RELU, ACT_SILU = "gelu", "gelu_tanh", "relu", "silu"
 ACTIVATIONS = (ACT_GELU, ACT_GELU_TANH, ACT_RELU)  # the bias_act and linear ops' (every backend's)
-GATE_ACTIVATIONS = (*ACTIVATIONS, ACT_SILU)  # `activation`'s: silu on the gated families' gate (NomicBERT), in torch
+GATE_ACTIVATIONS = (*ACTIVATIONS, ACT_SILU)  # the gated ops': silu too (NomicBERT's and EuroBERT's SwiGLU)
 
 
 def _up(t: torch.Tensor | None, upcast: bool) -> torch.Tensor | None:
@@ -119,6 +119,35 @@ def bias_residual_layernorm(
     h = F.dropout(_up(x, upcast) + _up(bias, upcast), dropout_p, training) + _up(residual, upcast)
     out_dtype = torch.promote_types(x.dtype, residual.dtype)
     return layer_norm(h, _up(ln_weight, upcast), _up(ln_bias, upcast), eps).to(out_dtype)
+
+
+def gated_act(
+    x: torch.Tensor,  # [*, N]
+    up: torch.Tensor,  # [*, N]
+    kind: str = ACT_GELU,
+    upcast: bool = False,
+) -> torch.Tensor:  # [*, N]
+    """act(x) * up: a gated feed-forward's activation (GeGLU with gelu, SwiGLU with silu)."""
+    return (activation(_up(x, upcast), kind) * _up(up, upcast)).to(x.dtype)
+
+
+def gated_linear(
+    x: torch.Tensor,  # [*, K]
+    weight: torch.Tensor,  # [N, K], or [2N, K] (activated rows over up rows) with no up_weight
+    bias: torch.Tensor | None = None,  # [N] or [2N]
+    up_weight: torch.Tensor | None = None,  # [N, K]
+    up_bias: torch.Tensor | None = None,  # [N]
+    act: str = ACT_GELU,
+    upcast: bool = False,
+) -> torch.Tensor:  # [*, N]
+    """act(x @ weight^T + bias) * (x @ up_weight^T + up_bias); with no up_weight, act(first half) * second half of
+    x @ weight^T + bias (ModernBERT's Wi)."""
+    h, weight, bias, up_weight, up_bias = (_up(t, upcast) for t in (x, weight, bias, up_weight, up_bias))
+    if up_weight is None:
+        gate, up = F.linear(h, weight, bias).chunk(2, dim=-1)
+    else:
+        gate, up = F.linear(h, weight, bias), F.linear(h, up_weight, up_bias)
+    return gated_act(gate, up, act).to(x.dtype)
 
 
 def dense_residual_layernorm(

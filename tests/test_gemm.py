@@ -143,11 +143,12 @@ def test_cpu_gemm_switch_fixes_the_choice_without_timing(mode: str, monkeypatch:
 def test_grad_autocast_and_bf16_go_elsewhere() -> None:
     x, w, b = torch.randn(4, 8, requires_grad=True), torch.randn(6, 8), torch.randn(6)
     call = {"x": x, "weight": w, "bias": b}
-    assert "grad" in gemm.refuses_call(call, True, lambda: (True, ""))
+    assert "grad" in gemm.refuses_call(call, True, "linear", lambda: (True, ""))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert "autocast" in gemm.refuses_call({**call, "x": x.detach()}, True, lambda: (True, ""))
-    assert "fp32" in gemm.refuses_call({**call, "x": x.detach().bfloat16()}, True, lambda: (True, ""))
-    assert "K = 0" in gemm.refuses_call({"x": torch.randn(4, 0), "weight": torch.randn(6, 0)}, True, lambda: (True, ""))
+        assert "autocast" in gemm.refuses_call({**call, "x": x.detach()}, True, "linear", lambda: (True, ""))
+    assert "fp32" in gemm.refuses_call({**call, "x": x.detach().bfloat16()}, True, "linear", lambda: (True, ""))
+    empty = {"x": torch.randn(4, 0), "weight": torch.randn(6, 0)}
+    assert "K = 0" in gemm.refuses_call(empty, True, "linear", lambda: (True, ""))
 
 
 def test_gemm_benchmark_writes_every_system(tmp_path) -> None:

@@ -234,7 +234,7 @@ def test_bert_model_native_matches_transformers(config: dict, monkeypatch: pytes
     with torch.no_grad(), ops.use_backend("native"):
         ours = fb(ids, attention_mask=mask, token_type_ids=types).last_hidden_state
     theirs = hf(ids, attention_mask=mask, token_type_ids=types).last_hidden_state.detach()
-    for op in ops.KERNEL_OPS:
+    for op in set(ops.KERNEL_OPS) - {"gated_act"}:  # BERT has no gated feed-forward
         assert f"{op}: native (forced)" in ops.explain()
     valid = mask.bool()
     assert torch.isfinite(ours[valid]).all()

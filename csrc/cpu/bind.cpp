@@ -174,6 +174,41 @@ at::Tensor bias_act(const at::Tensor& x, const at::Tensor& bias, const std::stri
   return out;
 }
 
+// The gated ops' activations: bind_utils' codes and SiLU (SwiGLU's), which only the CPU kernels have.
+Act gate_act(const std::string& kind) {
+  if (kind == "silu") return Act::silu;
+  TORCH_CHECK_VALUE(kind == "gelu" || kind == "gelu_tanh" || kind == "relu", "unknown activation '", kind,
+                    "'; expected one of gelu, gelu_tanh, relu, silu");
+  return Act(act_code(kind));
+}
+
+at::Tensor gated_act(const at::Tensor& x, const at::Tensor& up, const std::string& kind,
+                     const std::optional<at::Tensor>& out_opt) {
+  check_device(x, kCpu, "x");
+  check_device(up, kCpu, "up");
+  const DType dtype = dtype_of(x, "x");
+  TORCH_CHECK_TYPE(up.scalar_type() == x.scalar_type(), "up must be ", x.scalar_type(), " like x, got ",
+                   up.scalar_type());
+  TORCH_CHECK_VALUE(x.dim() >= 1 && up.sizes() == x.sizes(), "x and up must be [*, N] of one shape, got ", x.sizes(),
+                    " and ", up.sizes());
+  const Act act = gate_act(kind);
+  const int64_t n = x.size(-1);
+  at::Tensor out = output(out_opt, x.sizes(), x);
+  if (x.numel() == 0) return out;
+  at::Tensor rows = as_rows(x, n), up_rows = as_rows(up, n);
+  RowsArgs a{};
+  a.x = rows.data_ptr();
+  a.x_stride = rows.stride(0);
+  a.up = up_rows.data_ptr();
+  a.up_stride = up_rows.stride(0);
+  a.act = act;
+  a.out = out.data_ptr();
+  a.rows = rows.size(0);
+  a.n = n;
+  kernels().gated_act(a, dtype, threads_for(out.nbytes() * (act == Act::relu ? 3 : 9)));
+  return out;
+}
+
 at::Tensor bias_residual_layernorm(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,
                                    const at::Tensor& ln_weight, const at::Tensor& ln_bias, double eps,
                                    const std::optional<at::Tensor>& out_opt) {
@@ -326,11 +361,14 @@ at::Tensor attention(const at::Tensor& qkv_in, const at::Tensor& cu_seqlens, int
 
 // act(x @ W^T + bias), or LayerNorm(x @ W^T + bias + residual), W packed in panels of 16 columns (linear.inc): the
 // shared checks and arguments of fp32_linear and int8_linear. `k_per_step` is 1 (fp32), 2 (int8 pairs) or 4 (quads).
+// `gated`: 0, or the group of columns the weight's activated and up rows were interleaved in (then the output is
+// act(x @ W_act^T + b_act) * (x @ W_up^T + b_up), [*, n / 2]); it must be the kernels' half tile.
 at::Tensor run_linear(void (*kernel)(const LinearArgs&, int), const at::Tensor& x, const at::Tensor& packed,
                       at::ScalarType packed_type, int64_t k_per_step, int64_t n, const float* w_scale,
                       const std::optional<at::Tensor>& bias, const std::optional<std::string>& act,
                       const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& ln_weight,
-                      const std::optional<at::Tensor>& ln_bias, double eps, const std::optional<at::Tensor>& out_opt) {
+                      const std::optional<at::Tensor>& ln_bias, double eps, const std::optional<at::Tensor>& out_opt,
+                      int64_t gated, int64_t tile_cols) {
   check_device(x, kCpu, "x");
   check_device(packed, kCpu, "packed");
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, "x must be float32, got ", x.scalar_type());
@@ -343,6 +381,13 @@ at::Tensor run_linear(void (*kernel)(const LinearArgs&, int), const at::Tensor& 
   at::Tensor b = bias ? params(*bias, n, kCpu, "bias") : at::Tensor();
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = n;
+  if (gated != 0) {
+    TORCH_CHECK_VALUE(gated == tile_cols / 2, "the weight was interleaved in groups of ", gated, " columns; these "
+                      "kernels' tiles take groups of ", tile_cols / 2);
+    TORCH_CHECK_VALUE(n % tile_cols == 0, "a gated GEMM's width must be whole tiles of ", tile_cols, ", got ", n);
+    TORCH_CHECK_VALUE(act && !residual, "a gated GEMM takes an activation and no residual");
+    shape.back() = n / 2;
+  }
   at::Tensor rows = as_rows(x, k), res, lw, lb;
   if (residual) {
     check_device(*residual, kCpu, "residual");
@@ -364,8 +409,9 @@ at::Tensor run_linear(void (*kernel)(const LinearArgs&, int), const at::Tensor& 
   a.weight = packed.data_ptr();
   a.w_scale = w_scale;
   a.bias = b.defined() ? b.data_ptr<float>() : nullptr;
+  a.gated = gated != 0;
   a.has_act = act.has_value();
-  a.act = act ? Act(act_code(*act)) : Act::gelu;
+  a.act = !act ? Act::gelu : (gated != 0 ? gate_act(*act) : Act(act_code(*act)));
   a.residual = res.defined() ? res.data_ptr<float>() : nullptr;
   a.ln_weight = lw.defined() ? lw.data_ptr<float>() : nullptr;
   a.ln_bias = lb.defined() ? lb.data_ptr<float>() : nullptr;
@@ -383,10 +429,11 @@ at::Tensor run_linear(void (*kernel)(const LinearArgs&, int), const at::Tensor& 
 at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::optional<at::Tensor>& bias,
                        const std::optional<std::string>& act, const std::optional<at::Tensor>& residual,
                        const std::optional<at::Tensor>& ln_weight, const std::optional<at::Tensor>& ln_bias,
-                       double eps, const std::optional<at::Tensor>& out) {
+                       double eps, const std::optional<at::Tensor>& out, int64_t gated) {
   TORCH_CHECK_VALUE(n >= 0, "n must be >= 0, got ", n);
-  return run_linear(kernels().fp32_linear, x, packed, at::kFloat, 1, n, nullptr, bias, act, residual, ln_weight,
-                    ln_bias, eps, out);
+  const KernelTable& k = kernels();
+  return run_linear(k.fp32_linear, x, packed, at::kFloat, 1, n, nullptr, bias, act, residual, ln_weight, ln_bias, eps,
+                    out, gated, k.tile_cols);
 }
 
 // k values per step of the int8 pack the kernels in use read fastest: 4 (int8 quads, u8 x s8 on VNNI) or 2 (pairs).
@@ -401,7 +448,8 @@ int64_t int8_max_k(bool quads) { return ((int64_t(1) << 31) - 1) / (127 * (quads
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale,
                        const std::optional<at::Tensor>& bias, const std::optional<std::string>& act,
                        const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& ln_weight,
-                       const std::optional<at::Tensor>& ln_bias, double eps, const std::optional<at::Tensor>& out) {
+                       const std::optional<at::Tensor>& ln_bias, double eps, const std::optional<at::Tensor>& out,
+                       int64_t gated) {
   const int64_t n = w_scale.numel();
   at::Tensor ws = params(w_scale, n, kCpu, "w_scale");
   const bool quads = packed.scalar_type() == at::kChar;
@@ -413,10 +461,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     TORCH_CHECK_VALUE(k.int8_quad_linear != nullptr, "an int8 quad pack needs the VNNI kernels; the ", k.isa,
                       " kernels in use read int16 pairs (see int8_k_per_step())");
     return run_linear(k.int8_quad_linear, x, packed, at::kChar, 4, n, ws.data_ptr<float>(), bias, act, residual,
-                      ln_weight, ln_bias, eps, out);
+                      ln_weight, ln_bias, eps, out, gated, k.tile_cols);
   }
   return run_linear(k.int8_linear, x, packed, at::kShort, 2, n, ws.data_ptr<float>(), bias, act, residual, ln_weight,
-                    ln_bias, eps, out);
+                    ln_bias, eps, out, gated, k.tile_cols);
 }
 
 // One GEMM of encoder_layers from its operands as fastbert's backends pack them: {packed weight, per-channel scales,
@@ -426,8 +474,8 @@ at::Tensor stack_gemm(const at::Tensor& x, const at::Tensor* w, const std::optio
                       const std::optional<at::Tensor>& ln_weight = std::nullopt,
                       const std::optional<at::Tensor>& ln_bias = std::nullopt, double eps = 0.0) {
   if (w[1].numel() == 0)
-    return fp32_linear(x, w[0], w[2].numel(), w[2], act, residual, ln_weight, ln_bias, eps, std::nullopt);
-  return int8_linear(x, w[0], w[1], w[2], act, residual, ln_weight, ln_bias, eps, std::nullopt);
+    return fp32_linear(x, w[0], w[2].numel(), w[2], act, residual, ln_weight, ln_bias, eps, std::nullopt, 0);
+  return int8_linear(x, w[0], w[1], w[2], act, residual, ln_weight, ln_bias, eps, std::nullopt, 0);
 }
 
 // Post-LN encoder layers one after another in one call, for inference: per layer the QKV GEMM, attention, the output
@@ -477,6 +525,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("inputs_embeds"), py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("bias_act", &bias_act, "act(x + bias)", py::arg("x"), py::arg("bias"), py::arg("kind"),
         py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("gated_act", &gated_act, "act(x) * up", py::arg("x"), py::arg("up"), py::arg("kind"),
+        py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("bias_residual_layernorm", &bias_residual_layernorm, "LayerNorm(x + bias + residual)", py::arg("x"),
         py::arg("bias"), py::arg("residual"), py::arg("ln_weight"), py::arg("ln_bias"), py::arg("eps"),
         py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
@@ -489,12 +539,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "act(x @ W^T + bias) or LayerNorm(x @ W^T + bias + residual), W int8 per channel, x int8 per row",
         py::arg("x"), py::arg("packed"), py::arg("w_scale"), py::arg("bias") = py::none(), py::arg("act") = py::none(),
         py::arg("residual") = py::none(), py::arg("ln_weight") = py::none(), py::arg("ln_bias") = py::none(),
-        py::arg("eps") = 1e-12, py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
+        py::arg("eps") = 1e-12, py::arg("out") = py::none(), py::arg("gated") = 0,
+        py::call_guard<py::gil_scoped_release>());
   m.def("fp32_linear", &fp32_linear,
-        "act(x @ W^T + bias) or LayerNorm(x @ W^T + bias + residual), W fp32 packed in panels of 16 columns",
+        "act(x @ W^T + bias) or LayerNorm(x @ W^T + bias + residual), W fp32 packed in panels of 16 columns; with "
+        "gated = gate_group(), W's activated and up rows interleaved in groups of that many: act(first) * second",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), py::arg("act") = py::none(),
         py::arg("residual") = py::none(), py::arg("ln_weight") = py::none(), py::arg("ln_bias") = py::none(),
-        py::arg("eps") = 1e-12, py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
+        py::arg("eps") = 1e-12, py::arg("out") = py::none(), py::arg("gated") = 0,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gate_group", [] { return kernels().tile_cols / 2; },
+        "the column group a gated GEMM's weight interleaves its activated and up rows in: half the kernels' tile");
   m.def("encoder_layers", &encoder_layers,
         "post-LN encoder layers in one call (inference), on the kernels the per-op path runs: [T, H] -> [T, H]",
         py::arg("x"), py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("heads"), py::arg("scale"),

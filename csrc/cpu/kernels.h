@@ -9,7 +9,7 @@
 namespace fastbert::cpu {
 
 enum class DType : int { f32 = 0, bf16 = 1 };
-enum class Act : int { gelu = 0, gelu_tanh = 1, relu = 2 };
+enum class Act : int { gelu = 0, gelu_tanh = 1, relu = 2, silu = 3 };  // silu: the gated ops only
 
 struct EmbeddingArgs {
   const void* words;          // [T, E] rows of inputs_embeds, or null to gather word_weight[ids]
@@ -38,7 +38,9 @@ struct RowsArgs {
   const float* ln_weight;     // [N] fp32 (bias_residual_layernorm only)
   const float* ln_bias;       // [N] fp32
   float eps;
-  Act act;                    // bias_act only
+  Act act;                    // bias_act and gated_act
+  const void* up;             // [R, N] row stride up_stride, x's dtype (gated_act only: act(x) * up)
+  int64_t up_stride;
   void* out;                  // [R, N] contiguous
   int64_t rows, n;
 };
@@ -75,6 +77,8 @@ struct LinearArgs {
                               // [ceil(N / 32) * 2][ceil(K / 4)][16][4] (int8_quad_linear)
   const float* w_scale;       // [N] per output channel (int8 only)
   const float* bias;          // [N] or null
+  bool gated;                 // columns interleaved in groups of kTileCols / 2, act group then up group: the tile
+                              // writes act(first) * second, so out is [M, N / 2] (act set, no residual)
   bool has_act;
   Act act;                    // applied when has_act
   const float* residual;      // [M, N] contiguous, or null; with it, LayerNorm(ln_weight, ln_bias, eps) follows
@@ -94,6 +98,8 @@ struct KernelTable {
   void (*fp32_linear)(const LinearArgs&, int threads);
   void (*int8_linear)(const LinearArgs&, int threads);
   void (*int8_quad_linear)(const LinearArgs&, int threads);  // null where the ISA has no u8 x s8 dot product (VNNI)
+  void (*gated_act)(const RowsArgs&, DType, int threads);
+  int64_t tile_cols;          // output columns per GEMM tile: a gated weight interleaves groups of half of it
 };
 
 const KernelTable& kernels_avx512bf16();

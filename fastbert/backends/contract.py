@@ -183,6 +183,33 @@ LINEAR = Op(
     "on the torch backend the GEMM is F.linear and the bias + activation epilogue goes to the `bias_act` op.",
     _rows_like("x", lambda call: call["weight"].shape[0]),
 )  # fmt: skip
+GATED_ACT = Op(
+    "gated_act",
+    (Param("x", "Tensor", shape="[*, N]"), Param("up", "Tensor", shape="[*, N]"), Param("kind", "str", GELU)),
+    "[*, N]",
+    "act(x) * up for act in gelu (erf), gelu_tanh, relu, silu: a gated feed-forward's (GeGLU, SwiGLU) activation "
+    "after its GEMMs; x and up may be the two halves of one GEMM's output (any row strides).",
+    _rows_like("x"),
+)
+GATED_LINEAR = Op(
+    "gated_linear",
+    (
+        Param("x", "Tensor", shape="[*, K]"),
+        Param("weight", "Tensor", shape="[N, K], or [2N, K] with no up_weight"),
+        Param("bias", "Tensor?", None, shape="[N] ([2N] with no up_weight)"),
+        Param("up_weight", "Tensor?", None, shape="[N, K]"),
+        Param("up_bias", "Tensor?", None, shape="[N]"),
+        Param("act", "str", GELU),
+    ),
+    "[*, N]",
+    "act(x @ weight^T + bias) * (x @ up_weight^T + up_bias): a gated feed-forward's first layer (GeGLU, SwiGLU). "
+    "With no up_weight, weight stacks the activated rows over the up rows ([2N, K], ModernBERT's Wi: act(first "
+    "half) * second half). A backend that fuses it (fastbert's GEMMs) computes both products on one tile and writes "
+    "only the gated [*, N]; otherwise it is the `linear` op, then the `gated_act` op.",
+    lambda call: call["x"].new_empty(
+        *call["x"].shape[:-1], call["weight"].shape[0] // (1 if call.get("up_weight") is not None else 2)
+    ),
+)
 DENSE_RESIDUAL_LAYERNORM = Op(
     "dense_residual_layernorm",
     (Param("x", "Tensor", shape="[T, K]"), Param("weight", "Tensor", shape="[N, K]"),
@@ -196,6 +223,6 @@ DENSE_RESIDUAL_LAYERNORM = Op(
     _rows_like("residual"),
 )  # fmt: skip
 
-KERNELS = (EMBEDDING_LAYERNORM, BIAS_ACT, BIAS_RESIDUAL_LAYERNORM, ATTENTION)
-COMPOUNDS = (LINEAR, DENSE_RESIDUAL_LAYERNORM)  # GEMMs with their epilogues
+KERNELS = (EMBEDDING_LAYERNORM, BIAS_ACT, BIAS_RESIDUAL_LAYERNORM, ATTENTION, GATED_ACT)
+COMPOUNDS = (LINEAR, DENSE_RESIDUAL_LAYERNORM, GATED_LINEAR)  # GEMMs with their epilogues
 OPS: dict[str, Op] = {op.name: op for op in KERNELS + COMPOUNDS}

@@ -1,6 +1,8 @@
 """The `gemm` backend: fastbert's own fp32 GEMMs on CPU (the native extension's `fp32_linear`), with the epilogues
-fused on each tile while it is in L1: bias + GELU for the FFN's first GEMM, bias + residual + LayerNorm for the output
-projections (csrc/cpu/linear.inc). Weights are packed once into panels of 16 columns and cached until they change.
+fused on each tile while it is in L1: bias + GELU for the FFN's first GEMM, act(gate) * up for a gated one (GeGLU,
+SwiGLU: the two weights interleaved, so a tile holds both products of its outputs), bias + residual + LayerNorm for
+the output projections (csrc/cpu/linear.inc). Weights are packed once into panels of 16 columns and cached until they
+change.
 
 Why its own kernel: at the encoder's shapes (a few hundred rows of K = 384..3072) torch's MKL GEMM and oneDNN leave
 15-30% of a core's FMA throughput idle, more at small M, and neither fuses LayerNorm; this tile reaches about 85% of
@@ -19,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from fastbert import reference
 from fastbert.backends import native, timing
 from fastbert.backends.spec import COMPOUND_OPS, Backend
 from fastbert.weight_stamp import WeightCache
@@ -29,7 +32,7 @@ NO_SCALES = torch.empty(0)  # an fp32 pack's per-channel scales, for `operands`
 _TIE_MARGIN = 1.0  # its epilogues are in both timings: faster outright, or the other path keeps the call
 
 _packs = WeightCache()  # (weight) -> packed fp32 panels
-# (N, K, act, residual + LayerNorm, size class) -> (gemm wins, why)
+# (N, K, act, epilogue (_EPILOGUES), size class) -> (gemm wins, why)
 _verdicts: dict[tuple, tuple[bool, str]] = {}
 
 # The path a GEMM takes without this backend: the dispatcher puts its own `linear` and `dense_residual_layernorm`
@@ -85,6 +88,66 @@ def linear(
     return cpu.fp32_linear(x, packed(weight), weight.shape[0], bias, act)
 
 
+def gate_group() -> int:
+    """The column group a gated weight's activated and up rows are interleaved in: half the kernels' tile (8 on AVX2
+    and the scalar build, 16 on AVX-512)."""
+    cpu, _ = native.load("_native_cpu")
+    return cpu.gate_group()
+
+
+def interleaved(first: torch.Tensor, second: torch.Tensor, group: int) -> torch.Tensor:
+    """Rows (or entries) of two [N, ...] tensors interleaved in groups: first[0:g], second[0:g], first[g:2g], ...:
+    a gated weight (or bias) as its GEMM's tiles read it, each tile holding both products of the same g outputs."""
+    n = first.shape[0]
+    return torch.stack((first.reshape(n // group, group, -1), second.reshape(n // group, group, -1)), 1).reshape(
+        2 * n, *first.shape[1:])  # fmt: skip
+
+
+def gated_operands(
+    weight: torch.Tensor, bias: torch.Tensor | None, up_weight: torch.Tensor | None, up_bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(activated weight, up weight, their biases interleaved or None) of a `gated_linear` call: a stacked [2N, K]
+    weight's halves when there is no up_weight; a missing bias beside a present one reads as zeros."""
+    if up_weight is None:
+        weight, up_weight = weight.chunk(2)
+        bias, up_bias = bias.chunk(2) if bias is not None else (None, None)
+    if bias is None and up_bias is None:
+        return weight, up_weight, None
+    bias = bias if bias is not None else up_bias.new_zeros(up_bias.shape)
+    up_bias = up_bias if up_bias is not None else bias.new_zeros(bias.shape)
+    return weight, up_weight, interleaved(bias.float(), up_bias.float(), gate_group())
+
+
+def gated_pack(weight: torch.Tensor, up_weight: torch.Tensor | None, build: Callable[[torch.Tensor], object],
+               cache: WeightCache, variant: tuple = ()) -> object:  # fmt: skip
+    """`build` of the interleaved [2N, K] weight of a gated call, cached in `cache` on `weight` (and `up_weight`),
+    rebuilt when either changes or the kernels' group does."""
+    group = gate_group()
+
+    def make() -> object:
+        first, second, _ = gated_operands(weight, None, up_weight, None)
+        return build(interleaved(first.detach().float(), second.detach().float(), group))
+
+    inputs = (up_weight,) if up_weight is not None else ()
+    return cache.get(weight, ("gated", group, id(up_weight), *variant), inputs, make)
+
+
+def gated_linear(
+    x: torch.Tensor,  # [*, K] fp32
+    weight: torch.Tensor,  # [N, K], or [2N, K] with no up_weight
+    bias: torch.Tensor | None = None,  # [N] or [2N]
+    up_weight: torch.Tensor | None = None,  # [N, K]
+    up_bias: torch.Tensor | None = None,  # [N]
+    act: str = "gelu",
+) -> torch.Tensor:  # [*, N] fp32
+    """act(x @ weight^T + bias) * (x @ up_weight^T + up_bias) on one GEMM over the interleaved weight: each tile
+    computes both products of its outputs and writes only the gated values."""
+    cpu, _ = native.load("_native_cpu")
+    pack = gated_pack(weight, up_weight, lambda w: pack_panels(w, 1), _packs)
+    _, up, biases = gated_operands(weight, bias, up_weight, up_bias)
+    return cpu.fp32_linear(x, pack, 2 * up.shape[0], biases, act, gated=gate_group())
+
+
 def dense_residual_layernorm(
     x: torch.Tensor,  # [T, K] fp32
     weight: torch.Tensor,  # [N, K]
@@ -102,9 +165,29 @@ def dense_residual_layernorm(
     return cpu.fp32_linear(x, packed(weight), weight.shape[0], bias, None, residual, ln_weight, ln_bias, eps)
 
 
-def refuses_call(call: dict, forced: bool, verdict: Callable[[], tuple[bool, str]]) -> str | None:
-    """The limits of fastbert's GEMM kernels (fp32 and int8): inference on fp32 CPU tensors; then, unless forced by
-    name, the measured `verdict()` for this shape."""
+# a verdict key's epilogue part: False (bias and activation), True (residual + LayerNorm), "gated" (act * up); a
+# gated call with an up_weight is keyed by one of its two [N, K] weights ("gated twice")
+_EPILOGUES = {"dense_residual_layernorm": True, "gated_linear": "gated"}
+
+
+def gated_refusal(call: dict) -> str | None:
+    """Why the gated GEMM kernel cannot take a `gated_linear` call's shapes, or None."""
+    weight, up_weight, act = call["weight"], call.get("up_weight"), call.get("act", "gelu")
+    if act not in reference.GATE_ACTIVATIONS:
+        return f"activation {act!r} is none of {reference.GATE_ACTIVATIONS}"
+    if up_weight is None and weight.shape[0] % 2:
+        return f"a stacked gated weight needs an even number of rows, got {weight.shape[0]}"
+    if up_weight is not None and up_weight.shape != weight.shape:
+        return f"up_weight {tuple(up_weight.shape)} is not shaped like weight {tuple(weight.shape)}"
+    width = weight.shape[0] // (2 if up_weight is None else 1)
+    if width % (group := gate_group()):
+        return f"gated width {width} is not a multiple of the tile's group of {group} columns"
+    return None
+
+
+def refuses_call(call: dict, forced: bool, op: str, verdict: Callable[[], tuple[bool, str]]) -> str | None:
+    """The limits of fastbert's GEMM kernels (fp32 and int8): inference on fp32 CPU tensors, a gated call's shapes;
+    then, unless forced by name, the measured `verdict()` for this shape."""
     x, weight = call["x"], call["weight"]
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in call.values()):
         return "forward only: inputs require grad"
@@ -120,6 +203,8 @@ def refuses_call(call: dict, forced: bool, verdict: Callable[[], tuple[bool, str
         return "not an [N, K] weight matching x"
     if weight.shape[1] == 0:
         return "K = 0: an empty product, left to torch"
+    if op == "gated_linear" and (why := gated_refusal(call)) is not None:
+        return why
     if forced or x.numel() == 0:
         return None
     wins, why = verdict()
@@ -140,11 +225,14 @@ def judge(
     (mine, other) in words."""
     x, weight = call["x"], call["weight"]
     rows = x.numel() // x.shape[-1]
-    key = (*weight.shape, call.get("act"), op == "dense_residual_layernorm", timing.size_class(rows))
+    key = (*weight.shape, call.get("act"), _EPILOGUES.get(op, False), timing.size_class(rows))
     verdict = verdicts.get(key)
     if verdict is not None and getattr(verdict, "evidence", None) is None:  # settled: no words to build
         return verdict
-    epilogue = " + residual + LayerNorm" if key[3] else (f" + {key[2]}" if key[2] else "")
+    if op == "gated_linear":
+        epilogue = f" gated: {key[2]}(one half) * the other" + ("" if call.get("up_weight") is None else ", twice")
+    else:
+        epilogue = " + residual + LayerNorm" if key[3] else (f" + {key[2]}" if key[2] else "")
     what = timing.gemm_words(rows, weight, epilogue)
     return timing.judge(verdicts, key, lambda: mine(**call), lambda: other(**call), names, what, margin)
 
@@ -162,15 +250,15 @@ def _refuses(op: str, call: dict, forced: bool) -> str | None:
     mode = timing.cpu_gemm_mode()
     if mode in ("onednn", "torch") and not forced:
         return f"FASTBERT_CPU_GEMM={mode}"
-    mine = linear if op == "linear" else dense_residual_layernorm
+    mine = {"linear": linear, "dense_residual_layernorm": dense_residual_layernorm, "gated_linear": gated_linear}[op]
     forced = forced or mode == "gemm"
     return refuses_call(
-        call, forced, lambda: judge(_verdicts, op, call, mine, fallback[op], ("gemm", "oneDNN/torch"), _TIE_MARGIN)
+        call, forced, op, lambda: judge(_verdicts, op, call, mine, fallback[op], ("gemm", "oneDNN/torch"), _TIE_MARGIN)
     )
 
 
 def verdicts() -> dict[tuple, tuple[bool, str]]:
-    """Every first-use timing so far: (N, K, act, residual + LayerNorm, size class) -> (gemm wins, why)."""
+    """Every first-use timing so far: (N, K, act, epilogue, size class) -> (gemm wins, why)."""
     return dict(_verdicts)
 
 

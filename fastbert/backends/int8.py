@@ -1,10 +1,10 @@
 """The `int8` backend: dynamic int8 GEMMs on CPU for models that ask for them (`fastbert.optimize(model,
 quantize="int8")`, or `quantize="int8"` in the config), on the native extension's `int8_linear` kernel.
 
-Weights are quantised once per output channel, symmetric (q = round(w * 127 / max|w_n|)), and cached until they
-change; activations are quantised per row (token) on every call, symmetric; products accumulate in int32; the
-dequantisation, bias and epilogue (GELU, or residual + LayerNorm) run in fp32 on each tile while it is in L1
-(csrc/cpu/linear.inc, shared with the fp32 `gemm` backend). Attention, softmax, LayerNorm statistics and the
+Weights are quantised once per output channel, symmetric (q = round(w * 127 / max|w_n|)), and cached until they change;
+activations are quantised per row (token) on every call, symmetric; products accumulate in int32; the dequantisation,
+bias and epilogue (GELU, a gated feed-forward's act * up, or residual + LayerNorm) run in fp32 on each tile while it is
+in L1 (csrc/cpu/linear.inc, shared with the fp32 `gemm` backend). Attention, softmax, LayerNorm statistics and the
 embedding stay fp32.
 
 Never silently slower: at first use per (weight shape, epilogue, size class) the int8 kernel is timed against the fp32
@@ -36,7 +36,7 @@ class QuantizedWeight(NamedTuple):
 
 
 _weights = WeightCache()  # (weight) -> QuantizedWeight
-# (N, K, act, residual + LayerNorm, size class) -> (int8 wins, why)
+# (N, K, act, epilogue (gemm._EPILOGUES), size class) -> (int8 wins, why)
 _verdicts: dict[tuple, tuple[bool, str]] = {}
 
 # The fp32 path a GEMM takes when int8 does not: the dispatcher puts its own `linear` and `dense_residual_layernorm`
@@ -98,6 +98,22 @@ def linear(
     return cpu.int8_linear(x, q.packed, q.scale, bias, act)
 
 
+def gated_linear(
+    x: torch.Tensor,  # [*, K] fp32
+    weight: torch.Tensor,  # [N, K], or [2N, K] with no up_weight
+    bias: torch.Tensor | None = None,  # [N] or [2N]
+    up_weight: torch.Tensor | None = None,  # [N, K]
+    up_bias: torch.Tensor | None = None,  # [N]
+    act: str = "gelu",
+) -> torch.Tensor:  # [*, N] fp32
+    """act(x @ weight^T + bias) * (x @ up_weight^T + up_bias) on one int8 GEMM over the interleaved weight (each row
+    quantised per channel as on its own), the gated values written from each tile."""
+    q = gemm.gated_pack(weight, up_weight, quantize_weight, _weights, (k_per_step(),))
+    _, _, biases = gemm.gated_operands(weight, bias, up_weight, up_bias)
+    cpu, _ = native.load("_native_cpu")
+    return cpu.int8_linear(x, q.packed, q.scale, biases, act, gated=gemm.gate_group())
+
+
 def dense_residual_layernorm(
     x: torch.Tensor,  # [T, K] fp32
     weight: torch.Tensor,  # [N, K]
@@ -126,14 +142,14 @@ def _refuses(op: str, call: dict, forced: bool) -> str | None:
     k, longest = call["x"].shape[-1], max_k()
     if k > longest:
         return f"K = {k} > {longest}: int8 products would overflow their int32 sums"
-    mine = linear if op == "linear" else dense_residual_layernorm
+    mine = {"linear": linear, "dense_residual_layernorm": dense_residual_layernorm, "gated_linear": gated_linear}[op]
     return gemm.refuses_call(
-        call, forced, lambda: gemm.judge(_verdicts, op, call, mine, fallback[op], ("int8", "fp32"), _TIE_MARGIN)
+        call, forced, op, lambda: gemm.judge(_verdicts, op, call, mine, fallback[op], ("int8", "fp32"), _TIE_MARGIN)
     )
 
 
 def verdicts() -> dict[tuple, tuple[bool, str]]:
-    """Every first-use timing so far: (N, K, act, residual + LayerNorm, size class) -> (int8 wins, why)."""
+    """Every first-use timing so far: (N, K, act, epilogue, size class) -> (int8 wins, why)."""
     return dict(_verdicts)
 
 

@@ -140,6 +140,8 @@ def _data_tensors(op: str, call: dict[str, Any]) -> tuple[torch.Tensor, ...]:
         return lead, call["position_weight"], call["type_weight"]
     if op == "bias_residual_layernorm":
         return call["x"], call["residual"]
+    if op == "gated_act":
+        return call["x"], call["up"]
     return (call["qkv"] if op == "attention" else call["x"],)
 
 
@@ -151,6 +153,10 @@ def _layout_refusal(op: str, call: dict[str, Any], big: tuple[torch.Tensor, ...]
             return "token_type_ids/position_ids broadcast against the tokens (torch only)"
     if op == "bias_residual_layernorm" and call["x"].shape != call["residual"].shape:
         return "residual broadcasts against x (torch only)"
+    if op == "gated_act" and call["x"].shape != call["up"].shape:
+        return "up broadcasts against x (torch only)"
+    if op == "gated_act" and call.get("kind", reference.ACT_GELU) not in reference.GATE_ACTIVATIONS:
+        return f"activation {call.get('kind')!r} is none of {reference.GATE_ACTIVATIONS}"
     if any(t.dtype != big[0].dtype for t in big):
         return f"mixed dtypes {sorted({str(t.dtype) for t in big})} (torch only)"
     scores = call.get("position_scores") if op == "attention" else None
@@ -231,6 +237,11 @@ def embedding_layernorm(
 def bias_act(x: torch.Tensor, bias: torch.Tensor, kind: str = reference.ACT_GELU) -> torch.Tensor:
     """act(x + bias) for act in gelu (erf), gelu_tanh, relu; x [*, N], bias [N]."""
     return _kernels(x.device).bias_act(x, bias, kind)
+
+
+def gated_act(x: torch.Tensor, up: torch.Tensor, kind: str = reference.ACT_GELU) -> torch.Tensor:
+    """act(x) * up for act in gelu (erf), gelu_tanh, relu, silu; x and up [*, N] of one dtype (CPU only)."""
+    return _kernels(x.device).gated_act(x, up, kind)
 
 
 def bias_residual_layernorm(

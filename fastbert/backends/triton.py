@@ -76,6 +76,8 @@ SPEC = Backend(
         "embedding_layernorm": lambda call, forced: _feature(call["word_weight"].shape[-1]),
         "bias_residual_layernorm": lambda call, forced: _feature(call["x"].shape[-1]),
         "attention": _attention_limit,
+        "gated_act": lambda call, forced: None if call["up"].shape == call["x"].shape and call["up"].dtype == call[
+            "x"].dtype else "up broadcasts against x or has another dtype (torch only)",
     },
     device_check=_device_check,
     auto_devices=("cuda",),  # CPU (interpreter) only when forced: tests, never a silent slow path

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastbert import reference, relative_positions
+from fastbert import relative_positions
 from fastbert.execution.plan import Call, FusedOp, Inputs, Plan
 from fastbert.execution.structure import Structure
 from fastbert.padding import Packing
@@ -41,7 +41,7 @@ def layers(
     instead: the layer stack's first layer); each layer's output appended to `hidden` when given."""
     linear = linear or plan.functions["linear"]
     drl = dense_residual_layernorm or plan.functions["dense_residual_layernorm"]
-    attention = plan.functions["attention"]
+    attention, gated_linear = plan.functions["attention"], plan.functions["gated_linear"]
     training = plan.mode.training
     first = structure.layers[0].self_attention
     heads, head_dim, scale = first.num_heads, first.head_dim, first.scale
@@ -67,8 +67,7 @@ def layers(
         ctx = ctx.reshape(ctx_shape)
         h = drl(ctx, o_w, o_b, x, n1_w, n1_b, eps1, p_hidden, training)
         if gate_w is not None:  # act(gate(h)) * dense(h), as BertIntermediate's gated forward
-            inner = reference.activation(linear(h, gate_w, None, None), act) * linear(h, i_w, i_b, None)
-            inner = F.dropout(inner, p_gate, training)
+            inner = F.dropout(gated_linear(h, gate_w, None, i_w, i_b, act), p_gate, training)
         else:
             inner = linear(h, i_w, i_b, act)
         x = drl(inner, f_w, f_b, h, n2_w, n2_b, eps2, p_hidden, training)

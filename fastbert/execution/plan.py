@@ -133,6 +133,10 @@ class Plan:
             how = f"bound to torch: F.linear + bias_act ({self.how['bias_act']})"
             return ops.composed_linear(self.functions["bias_act"], via_fp32), how + (
                 ", bf16 GEMMs as fp32 on this CPU" if via_fp32 else "")  # fmt: skip
+        if op == "gated_linear":
+            return ops.composed_gated_linear(self.functions["linear"], self.functions["gated_act"]), (
+                f"bound to torch: linear ({self.how['linear']}) + gated_act ({self.how['gated_act']})"
+            )
         gemm = self.functions["linear"] if via_fp32 else F.linear  # without bias or activation: F.linear's own
         return ops.composed_dense_residual_layernorm(gemm, self.functions["bias_residual_layernorm"]), (
             f"bound to torch: linear + bias_residual_layernorm ({self.how['bias_residual_layernorm']})"

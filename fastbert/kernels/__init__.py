@@ -18,12 +18,14 @@ try:
     from .bias_act import bias_act, bias_act_inference
     from .bias_residual_layernorm import bias_residual_layernorm, bias_residual_layernorm_inference
     from .embedding import embedding_layernorm, embedding_layernorm_inference
+    from .gated_act import gated_act, gated_act_inference
 
     INFERENCE = {
         "embedding_layernorm": embedding_layernorm_inference,
         "bias_act": bias_act_inference,
         "bias_residual_layernorm": bias_residual_layernorm_inference,
         "attention": attention_inference,
+        "gated_act": gated_act_inference,
     }
 except ImportError as exc:  # triton missing or too old: a reason to fall back, reported by unavailable_reason()
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
@@ -32,8 +34,8 @@ except ImportError as exc:  # triton missing or too old: a reason to fall back, 
 __all__ = [
     "INFERENCE", "limits",
     "attention", "attention_inference", "bias_act_inference", "bias_residual_layernorm_inference",
-    "embedding_layernorm_inference", "bias_act", "bias_residual_layernorm", "embedding_layernorm",
-    "unavailable_reason",
+    "embedding_layernorm_inference", "bias_act", "bias_residual_layernorm", "embedding_layernorm", "gated_act",
+    "gated_act_inference", "unavailable_reason",
 ]
 
 

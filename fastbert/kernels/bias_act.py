@@ -36,8 +36,10 @@ def _act(u, ACT: tl.constexpr):
         return 0.5 * u * (1.0 + tl.erf(u * SQRT1_2))
     elif ACT == 1:
         return 0.5 * u * (1.0 + _tanh((u + u * u * u * GELU_TANH_C) * SQRT_2_OVER_PI))
-    else:
+    elif ACT == 2:
         return tl.maximum(u, 0.0)
+    else:  # silu: the gated ops' only (fastbert.kernels.gated_act)
+        return u / (1.0 + tl.exp(-u))
 
 
 @triton.jit
@@ -47,8 +49,11 @@ def _act_grad(u, ACT: tl.constexpr):
     elif ACT == 1:
         t = _tanh((u + u * u * u * GELU_TANH_C) * SQRT_2_OVER_PI)
         return 0.5 * (1.0 + t) + 0.5 * u * (1.0 - t * t) * (1.0 + u * u * (3.0 * GELU_TANH_C)) * SQRT_2_OVER_PI
-    else:
+    elif ACT == 2:
         return tl.where(u > 0.0, 1.0, 0.0)
+    else:
+        s = 1.0 / (1.0 + tl.exp(-u))
+        return s * (1.0 + u * (1.0 - s))
 
 
 @triton.jit
