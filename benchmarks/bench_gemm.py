@@ -3,7 +3,9 @@ oneDNN with a prepacked weight, torch (F.linear, then the epilogue), and fastber
 kernels also as int16 pairs, the pack it reads without VNNI: what the u8 x s8 quads gain).
 
 Per layer of a BERT encoder with hidden size H on M tokens: QKV [M, H] x [H, 3H]; attention output [M, H] x [H, H]
-+ residual + LayerNorm; FFN in [M, H] x [H, 4H] + GELU; FFN out [M, 4H] x [4H, H] + residual + LayerNorm.
++ residual + LayerNorm; FFN in [M, H] x [H, 4H] + GELU; FFN out [M, 4H] x [4H, H] + residual + LayerNorm; and a gated
+FFN's first GEMM as ModernBERT's (intermediate 3H/2, rounded up to whole groups of 16): [M, H] x [H, 3H], GELU(first
+half) * second half, which the unfused systems write out whole and then combine.
 FLOPs = 2 M N K (the epilogues' few per output are not counted); bytes at least 4 (M K + N K + M N) for fp32 (and
 4 M N more for a residual), so at these sizes every GEMM is compute-bound (>= 40 FLOPs per byte): the roof is the FMA
 peak measured in the same run (`arithmetic_peak`, before and after the GEMMs, the higher kept; on a shared machine the
@@ -41,7 +43,8 @@ PAIRS = "fastbert int8 (int16 pairs)"  # on VNNI kernels only: the same int8 GEM
 def layers(hidden: int) -> list[tuple[str, int, int, str | None]]:
     """(name, K, N, epilogue) of one encoder layer's GEMMs; the epilogue is an activation or "layernorm"."""
     return [("QKV", hidden, 3 * hidden, None), ("attention out", hidden, hidden, "layernorm"),
-            ("FFN in", hidden, 4 * hidden, "gelu"), ("FFN out", 4 * hidden, hidden, "layernorm")]  # fmt: skip
+            ("FFN in", hidden, 4 * hidden, "gelu"), ("FFN out", 4 * hidden, hidden, "layernorm"),
+            ("gated FFN in", hidden, 2 * -(-3 * hidden // 32) * 16, "gated")]  # fmt: skip
 
 
 def system_calls(m: int, k: int, n: int, epilogue: str | None) -> dict[str, Callable[[], torch.Tensor]]:
@@ -61,6 +64,18 @@ def system_calls(m: int, k: int, n: int, epilogue: str | None) -> dict[str, Call
             "fastbert int8": lambda: int8.dense_residual_layernorm(x, w, b, *ln),
             PAIRS: lambda: cpu.int8_linear(x, pairs, scale, b, None, *ln),
         }
+    elif epilogue == "gated":  # ModernBERT's Wi: [2I, H] stacked, GELU(first half) * second half
+        group = gemm.gate_group()
+        first, second = w.chunk(2)
+        values, scale = int8.quantize_rows(gemm.interleaved(first, second, group))
+        pairs, scale = gemm.pack_panels(values.to(torch.int16), 2), scale[:, 0].contiguous()
+        calls = {
+            "fastbert gemm": lambda: gemm.gated_linear(x, w, None, None, None, "gelu"),
+            "oneDNN": lambda: _gelu_times_up(onednn.linear(x, w, None, None)),
+            "torch": lambda: _gelu_times_up(F.linear(x, w)),
+            "fastbert int8": lambda: int8.gated_linear(x, w, None, None, None, "gelu"),
+            PAIRS: lambda: cpu.int8_linear(x, pairs, scale, None, "gelu", gated=group),
+        }
     else:
         act = (lambda t: F.gelu(t)) if epilogue == "gelu" else (lambda t: t)
         calls = {
@@ -71,6 +86,12 @@ def system_calls(m: int, k: int, n: int, epilogue: str | None) -> dict[str, Call
             PAIRS: lambda: cpu.int8_linear(x, pairs, scale, b, epilogue),
         }
     return {name: call for name, call in calls.items() if name in systems()}
+
+
+def _gelu_times_up(y: torch.Tensor) -> torch.Tensor:
+    """GELU(first half) * second half of a gated GEMM's output: what runs after an unfused GEMM."""
+    gate, up = y.chunk(2, dim=-1)
+    return F.gelu(gate) * up
 
 
 def systems() -> tuple[str, ...]:

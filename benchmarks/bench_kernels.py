@@ -29,6 +29,7 @@ from fastbert.rotary import inverse_frequencies, rotary_rows
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 HIDDEN, INTERMEDIATE, HEADS, HEAD_DIM, VOCAB, POSITIONS = 768, 3072, 12, 64, 30522, 512
+GATED = 1152  # ModernBERT-base's gated intermediate width
 
 
 @dataclass
@@ -80,6 +81,17 @@ def build_cases(dtype: torch.dtype, batch: int, dev: str = "cuda") -> list[Case]
             "triton": kernels.bias_act, "torch eager": reference.bias_act,
             "torch.compile": _compiled(reference.bias_act),
         }, 2 * n, 3 * n, "GB/s"))
+
+        # gated activation act(x) * up on the halves of ModernBERT-base's [T, 2 x 1152] Wi output (row stride 2304):
+        # fwd reads x and up, writes y; bwd reads dy, x, up, writes dx and d(up)
+        for kind in ("gelu", "silu"):
+            x, up = torch.randn(tokens, 2 * GATED, device=dev, dtype=dtype).chunk(2, dim=-1)
+            n = tokens * GATED * es
+            cases.append(Case(f"gated {kind}", f"{shape}, N={GATED} (halves)", [x, up], {
+                "triton": lambda a, b, k=kind: kernels.gated_act(a, b, k),
+                "torch eager": lambda a, b, k=kind: reference.gated_act(a, b, k),
+                "torch.compile": _compiled(lambda a, b, k=kind: reference.gated_act(a, b, k)),
+            }, 3 * n, 5 * n, "GB/s"))  # fmt: skip
 
         # bias + residual + LayerNorm on [T, 768]: fwd reads x, residual, writes y; bwd reads dy, x, residual,
         # writes dx, d(residual)

@@ -159,7 +159,7 @@ def test_gemm_benchmark_writes_every_system(tmp_path) -> None:
 
     assert bench_gemm.main(["--hidden", "16", "--rows", "7", "--budget", "0.01", "--out", str(tmp_path)]) == 0
     doc = json.loads(next(tmp_path.glob("gemm_cpu-*.json")).read_text())
-    assert [r["layer"] for r in doc["results"]] == ["QKV", "attention out", "FFN in", "FFN out"]
+    assert [r["layer"] for r in doc["results"]] == ["QKV", "attention out", "FFN in", "FFN out", "gated FFN in"]
     assert all(set(r["gflops"]) == set(bench_gemm.systems()) for r in doc["results"])  # the pair column on VNNI
     assert all(v > 0 for r in doc["results"] for v in r["gflops"].values())
     assert all(s in next(tmp_path.glob("gemm_cpu-*.md")).read_text() for s in bench_gemm.systems())
