@@ -260,8 +260,14 @@ class BertConfig:
         if getattr(self, "sparse_prediction", False):
             raise _not_implemented("sparse_prediction", self.sparse_prediction, "MLM logits of the labelled positions "
                                    "only", "false (the loss is the same)")  # fmt: skip
-        if getattr(self, "classifier_pooling", "cls") not in ("cls", "mean"):
-            raise ValueError(f"classifier_pooling must be 'cls' or 'mean', got {self.classifier_pooling!r}")
+        poolings = self.family.classifier_poolings
+        if getattr(self, "classifier_pooling", poolings[0]) not in poolings:
+            raise ValueError(f"classifier_pooling must be one of {poolings}, got {self.classifier_pooling!r}")
+        if self.family.llama_layers and not (
+            _is_int(self.kv_heads) and self.kv_heads > 0 and self.num_attention_heads % self.kv_heads == 0
+        ):
+            raise ValueError(f"num_key_value_heads must divide num_attention_heads ({self.num_attention_heads}), got "
+                             f"{getattr(self, 'num_key_value_heads', None)!r}")  # fmt: skip
         if getattr(self, "classifier_activation", "gelu") not in ACTIVATIONS:
             raise ValueError(f"classifier_activation must be one of {ACTIVATIONS}, got {self.classifier_activation!r}")
         for kind in set(kinds):
@@ -278,10 +284,17 @@ class BertConfig:
         kinds = getattr(self, "layer_types", None)
         if kinds is not None:
             return list(kinds)
-        if not self.family.pre_norm:  # GTE: every layer global
+        if not self.family.sliding_layers:  # GTE, EuroBERT: every layer global
             return [LAYER_KINDS[0]] * self.num_hidden_layers
         every = getattr(self, "global_attn_every_n_layers", 3)
         return [LAYER_KINDS[bool(i % every)] for i in range(self.num_hidden_layers)]
+
+    @property
+    def kv_heads(self) -> int:
+        """The key and value heads (EuroBERT's num_key_value_heads, each serving a group of query heads): as many as
+        query heads unless the config says fewer."""
+        kv = getattr(self, "num_key_value_heads", None)
+        return self.num_attention_heads if kv is None else kv
 
     @property
     def sliding_window(self) -> int:
@@ -466,4 +479,5 @@ DebertaV2Config = CONFIG_CLASSES["deberta-v2"] = _config_class("deberta-v2", "De
 ModernBertConfig = CONFIG_CLASSES["modernbert"] = _config_class("modernbert", "ModernBert")
 GteConfig = CONFIG_CLASSES["gte"] = _config_class("gte", "Gte")
 NomicBertConfig = CONFIG_CLASSES["nomic_bert"] = _config_class("nomic_bert", "NomicBert")
+EuroBertConfig = CONFIG_CLASSES["eurobert"] = _config_class("eurobert", "EuroBert")
 JinaEmbeddingsV3Config = CONFIG_CLASSES["jina_embeddings_v3"] = _config_class("jina_embeddings_v3", "JinaEmbeddingsV3")

@@ -5,7 +5,8 @@ A `Family` says how transformers names the family's config fields and checkpoint
 and how its heads are laid out. The model (modeling.py, prenorm.py, heads.py) reads these flags; checkpoint.py renames
 keys with `to_fastbert_keys` / `to_hf_keys` (splitting fused tensors where transformers' files hold them). Inside
 fastbert every family keeps BERT's module names (`bert.encoder.layer.N.attention.self.query`, ...); BERT has none for
-pre-norm layers, so ModernBERT's keep transformers' (`bert.encoder.layer.N.attn.Wqkv`, ...).
+pre-norm layers, so ModernBERT's and EuroBERT's keep transformers' (`bert.encoder.layer.N.attn.Wqkv`,
+`bert.encoder.layer.N.self_attn.q_proj`, ...).
 This module imports nothing of fastbert's, so config, checkpoint and model can all read it.
 """
 
@@ -38,7 +39,12 @@ class Family:
     relative_attention: bool = False  # MPNet: a learned bias per head and relative-distance bucket on every score
     disentangled: bool = False  # DeBERTa-v2/v3: content-to-position and position-to-content scores (config says which)
     rotary: bool = False  # ModernBERT, GTE: rotary positions in the attention, no position table
-    pre_norm: bool = False  # ModernBERT: pre-norm layers (fastbert.prenorm), sliding-window layers, a final norm
+    pre_norm: bool = False  # ModernBERT, EuroBERT: pre-norm layers (fastbert.prenorm) and a final norm
+    sliding_layers: bool = False  # ModernBERT: global and sliding-window layers (layer_types); others all global
+    llama_layers: bool = False  # EuroBERT: Llama's layers (RMSNorm, q/k/v/o with grouped kv heads, SwiGLU)
+    embedding_norm: bool = True  # False: the word rows go into the first layer as they are (EuroBERT)
+    head_transform: bool = False  # ModernBERT: dense -> act -> norm (`head`) before every classifier
+    classifier_poolings: tuple[str, ...] = ("cls", "mean")  # the sentence head's classifier_pooling choices
     gated: bool = False  # GTE: act(gate(x)) * up(x) in BERT's intermediate (`intermediate.gate`)
     rope_theta: float = 10_000.0  # the rotary base where a config names none (ModernBERT's global layers: 160k)
     head_pooler: bool = False  # GTE: no pooler in the bare model, BERT's dense + tanh in the sequence head
@@ -294,6 +300,8 @@ FAMILIES: dict[str, Family] = {
                           "bos_token_id", "eos_token_id", "cls_token_id", "sep_token_id"),  # fmt: skip
             rotary=True,
             pre_norm=True,
+            sliding_layers=True,
+            head_transform=True,
             rope_theta=160_000.0,
             token_types=False,
             pooler=False,
@@ -316,6 +324,48 @@ FAMILIES: dict[str, Family] = {
                 "choice": (("head.norm", "head.LayerNorm"),),
             },
             heads=(*FAMILY_HEADS, "choice"),
+        ),
+        Family(
+            "eurobert",
+            "EuroBert",
+            "model",
+            config_names=(
+                ("rms_norm_eps", "layer_norm_eps"),
+                ("attention_dropout", "attention_probs_dropout_prob"),
+                ("head_dim", "head_dim_field"),
+            ),
+            config_defaults={
+                "vocab_size": 128256,
+                "max_position_embeddings": 8192,
+                "layer_norm_eps": 1e-5,
+                "hidden_act": "silu",
+                "pad_token_id": 128001,
+                "hidden_dropout_prob": 0.0,
+                "attention_probs_dropout_prob": 0.0,
+                "type_vocab_size": 0,
+                "attention_bias": False,
+                "mlp_bias": False,
+                "tie_word_embeddings": False,
+                "classifier_pooling": "late",
+            },
+            config_absent=("type_vocab_size", "position_embedding_type", "hidden_dropout_prob", "classifier_dropout"),
+            extra_fields=("num_key_value_heads", "rope_parameters", "bos_token_id", "eos_token_id", "mask_token_id",
+                          "use_cache", "pretraining_tp", "head_dim"),  # fmt: skip
+            rotary=True,
+            pre_norm=True,
+            llama_layers=True,
+            gated=True,
+            embedding_norm=False,
+            token_types=False,
+            pooler=False,
+            keys=(
+                ("embed_tokens", "embeddings.word_embeddings"),
+                ("layers", "encoder.layer"),
+                ("norm", "encoder.final_norm"),
+            ),
+            head_keys={"mlm": (("lm_head.bias", "cls.predictions.bias"), ("lm_head", "cls.predictions.decoder"))},
+            classifier_poolings=("bos", "mean", "late"),
+            heads=("model", "sequence", "token", "mlm"),
         ),
         Family(
             "gte",
@@ -461,7 +511,6 @@ NOT_YET = {
     "deberta": "DeBERTa: disentangled relative attention",
     "new": "GTE's remote-code checkpoints (Alibaba-NLP's `new`): their key names differ from transformers' `gte`, "
     "which is supported",
-    "eurobert": "EuroBERT: Llama's pre-norm layers (RMSNorm, SwiGLU, rotary positions), grouped-query attention",
 }
 
 

@@ -32,7 +32,7 @@ class BertPredictionHeadTransform(nn.Module):
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
-        modern = config.family.pre_norm
+        modern = config.family.head_transform
         bias = bool(getattr(config, "classifier_bias", False)) if modern else True
         self.dense = nn.Linear(config.hidden_size, config.embedding_dim, bias=bias)
         act = getattr(config, "classifier_activation", "gelu") if modern else config.family.mlm_act or config.hidden_act
@@ -46,11 +46,15 @@ class BertPredictionHeadTransform(nn.Module):
 
 
 class BertLMPredictionHead(nn.Module):
+    """transform -> decoder; EuroBERT's (Llama's) `lm_head` is the decoder alone, with a bias only where `mlp_bias`."""
+
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
-        self.transform = BertPredictionHeadTransform(config)
+        llama = config.family.llama_layers
+        self.transform = nn.Identity() if llama else BertPredictionHeadTransform(config)
         self.decoder = nn.Linear(config.embedding_dim, config.vocab_size, bias=True)
-        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+        has_bias = bool(getattr(config, "mlp_bias", False)) if llama else True
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size)) if has_bias else None
         self.decoder.bias = self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -271,7 +275,7 @@ def _classifier_dropout(config: BertConfig, head: str = "") -> float:
     own = config.family.dropouts.get(head)
     if own is not None and getattr(config, own, None) is not None:  # DeBERTa's cls_dropout may be unset
         return getattr(config, own)
-    if head == "qa" and not config.family.pre_norm:  # BERT's QA head has none; ModernBERT's takes classifier_dropout
+    if head == "qa" and not config.family.head_transform:  # BERT's QA head has none; ModernBERT's: classifier_dropout
         return 0.0
     return config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
 
@@ -289,8 +293,8 @@ def pool(config: BertConfig, hidden: torch.Tensor, mask: torch.Tensor | None, fi
     if getattr(config, "classifier_pooling", "cls") == "mean":
         if mask is None:
             return hidden.mean(dim=1)
-        mask = mask.to(hidden.dtype)
-        return (hidden * mask.unsqueeze(-1)).sum(dim=1) / mask.sum(dim=1, keepdim=True)
+        mask = mask.to(hidden.dtype)  # a fully padded row pools to zeros (transformers': NaN)
+        return (hidden * mask.unsqueeze(-1)).sum(dim=1) / mask.sum(dim=1, keepdim=True).clamp(min=1)
     if first_real and mask is not None:
         return hidden[torch.arange(hidden.shape[0], device=hidden.device), mask.argmax(dim=-1)]
     return hidden[:, 0]
@@ -326,7 +330,11 @@ class BertForSequenceClassification(PreTrainedModel):
     def __init__(self, config: BertConfig) -> None:
         super().__init__(config)
         self.num_labels = config.num_labels
-        if config.family.pre_norm:  # ModernBERT: pooled (cls or mean) -> head -> drop -> classifier
+        if config.family.llama_layers:  # EuroBERT: pooled (bos or mean) or every token ("late") -> dense -> GELU
+            self.bert = BertModel(config, add_pooling_layer=False)
+            self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+            self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        elif config.family.head_transform:  # ModernBERT: pooled (cls or mean) -> head -> drop -> classifier
             self.bert = BertModel(config, add_pooling_layer=False)
             self.head = BertPredictionHeadTransform(config)
             self.dropout = nn.Dropout(_classifier_dropout(config, "sequence"))
@@ -344,7 +352,9 @@ class BertForSequenceClassification(PreTrainedModel):
         out = self.bert(input_ids, **_encoder_kwargs(kwargs))
         if isinstance(self.classifier, ClassificationHead):
             logits = self.classifier(out.last_hidden_state[:, 0])
-        elif self.config.family.pre_norm:
+        elif self.config.family.llama_layers:
+            logits = self._llama_logits(out.last_hidden_state, kwargs.get("attention_mask"))
+        elif self.config.family.head_transform:
             pooled = pool(self.config, out.last_hidden_state, kwargs.get("attention_mask"), first_real=False)
             logits = self.classifier(self.dropout(self.head(pooled)))
         else:
@@ -354,6 +364,20 @@ class BertForSequenceClassification(PreTrainedModel):
             loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions
         )
         return _finish(result, return_dict)
+
+    def _llama_logits(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """EuroBERT's head: dense -> GELU -> classifier on the pooled state ("bos": the first token, "mean"), or on
+        every token with the logits averaged over the real ones ("late")."""
+        pooling = getattr(self.config, "classifier_pooling", "late")
+        if pooling != "late":
+            hidden = hidden[:, 0] if pooling == "bos" else pool(self.config, hidden, mask, first_real=False)
+        logits = self.classifier(F.gelu(self.dense(hidden)))
+        if pooling != "late":
+            return logits
+        if mask is None:
+            return logits.mean(dim=1)
+        mask = mask.to(logits.dtype).unsqueeze(-1)  # a fully padded row gets zeros (transformers': NaN)
+        return (logits * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
 
     def output_layer(self) -> nn.Linear:
         """The Linear that writes the logits (BERT's classifier, or the family head's out_proj)."""
@@ -402,7 +426,7 @@ class BertForTokenClassification(PreTrainedModel):
         super().__init__(config)
         self.num_labels = config.num_labels
         self.bert = BertModel(config, add_pooling_layer=False)
-        if config.family.pre_norm:  # ModernBERT's head before the dropout
+        if config.family.head_transform:  # ModernBERT's head before the dropout
             self.head = BertPredictionHeadTransform(config)
         self.dropout = nn.Dropout(_classifier_dropout(config))
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
@@ -428,7 +452,7 @@ class BertForQuestionAnswering(PreTrainedModel):
         super().__init__(config)
         self.num_labels = config.num_labels
         self.bert = BertModel(config, add_pooling_layer=False)
-        if config.family.pre_norm:  # ModernBERT's head before the dropout
+        if config.family.head_transform:  # ModernBERT's head before the dropout
             self.head = BertPredictionHeadTransform(config)
         self.dropout = nn.Dropout(_classifier_dropout(config, "qa"))  # DistilBERT's qa_dropout; 0 elsewhere
         self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
@@ -466,7 +490,7 @@ class BertForMultipleChoice(PreTrainedModel):
     def __init__(self, config: BertConfig) -> None:
         super().__init__(config)
         self.bert = BertModel(config, context_pooler=True)
-        if config.family.pre_norm:  # ModernBERT: pooled (first real token or mean) -> head -> drop -> classifier
+        if config.family.head_transform:  # ModernBERT: pooled (first real token or mean) -> head -> drop -> classifier
             self.head = BertPredictionHeadTransform(config)
         self.dropout = nn.Dropout(_classifier_dropout(config, "choice"))
         self.classifier = nn.Linear(config.hidden_size, 1)
@@ -499,7 +523,7 @@ class BertForMultipleChoice(PreTrainedModel):
             inputs_embeds=flat(inputs_embeds),
             **_encoder_kwargs(kwargs),
         )
-        if self.config.family.pre_norm:
+        if self.config.family.head_transform:
             pooled = self.head(pool(self.config, out.last_hidden_state, flat(attention_mask), first_real=True))
         else:
             pooled = out.pooler_output

@@ -24,7 +24,7 @@ from fastbert.execution import CudaGraphs, Inputs
 from fastbert.execution.structure import plain
 from fastbert.outputs import BaseModelOutputWithPooling
 from fastbert.padding import Packing, rows_with_gaps, unpad_and_read
-from fastbert.prenorm import PreNormLayer
+from fastbert.prenorm import LlamaLayer, PreNormLayer
 from fastbert.relative_positions import DisentangledRows, bias_table, distance_buckets
 from fastbert.rotary import GLOBAL, inverse_frequencies, rotary_rows
 from fastbert.validation import check_inputs
@@ -55,8 +55,11 @@ class BertEmbeddings(nn.Module):
             self.token_type_embeddings = nn.Embedding(config.type_vocab_size, dim)
         else:
             self.register_buffer("no_token_types", torch.zeros(1, dim), persistent=False)
-        self.LayerNorm = nn.LayerNorm(dim, eps=config.layer_norm_eps, bias=bool(getattr(config, "norm_bias", True)))
-        if self.LayerNorm.bias is None:  # ModernBERT: the fused op adds this zero row instead
+        if not family.embedding_norm:  # EuroBERT: the word rows as they are (no positions, types or norm either)
+            self.register_module("LayerNorm", None)
+        else:
+            self.LayerNorm = nn.LayerNorm(dim, eps=config.layer_norm_eps, bias=bool(getattr(config, "norm_bias", True)))
+        if self.LayerNorm is not None and self.LayerNorm.bias is None:  # ModernBERT: the fused op adds this zero row
             self.register_buffer("no_norm_bias", torch.zeros(dim), persistent=False)
         self.dropout_p = getattr(config, "embedding_dropout", config.hidden_dropout_prob)
         project = dim != config.hidden_size or family.always_project
@@ -92,6 +95,8 @@ class BertEmbeddings(nn.Module):
         inputs_embeds: torch.Tensor | None = None,  # [T, E]
     ) -> torch.Tensor:  # [T, H]
         """Packed tokens, or any leading shape: transformers' [B, S] when a leaf is hooked or wrapped (`fused`)."""
+        if self.LayerNorm is None:  # EuroBERT: a lookup, no sum to fuse
+            return inputs_embeds if inputs_embeds is not None else self.word_embeddings(input_ids)
         if not self.fused():
             words = inputs_embeds if inputs_embeds is not None else self.word_embeddings(input_ids)
             types = self.token_type_embeddings(token_type_ids) if hasattr(self, "token_type_embeddings") else 0
@@ -398,7 +403,8 @@ def build_layers(config: BertConfig) -> nn.ModuleList:
     """num_hidden_layers layers; with ALBERT sharing, layer i reuses group i * G // L's attention/FFN/whole layer;
     the rotary families' pre-norm layers (fastbert.prenorm)."""
     if config.family.pre_norm:
-        return nn.ModuleList(PreNormLayer(config, i) for i in range(config.num_hidden_layers))
+        kind = LlamaLayer if config.family.llama_layers else PreNormLayer
+        return nn.ModuleList(kind(config, i) for i in range(config.num_hidden_layers))
     groups = config.num_hidden_groups if config.layer_sharing != "none" else config.num_hidden_layers
     attention = [BertAttention(config) for _ in range(groups)] if config.layer_sharing == "attention" else None
     ffn = [BertFeedForward(config) for _ in range(groups)] if config.layer_sharing == "ffn" else None
@@ -478,7 +484,7 @@ class BertEncoder(nn.Module):
             if output_attentions:
                 attentions.append(probs)
         if final is not None:  # the last hidden state is the normed one, as transformers reports it
-            x = final(x)
+            x = prenorm.normed(final, x)
             if output_hidden_states:
                 hidden[-1] = x
         return x, hidden, attentions

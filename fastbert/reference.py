@@ -37,6 +37,14 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return F.layer_norm(x, x.shape[-1:], weight.to(x.dtype), None if bias is None else bias.to(x.dtype), eps)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as Llama's (EuroBERT's): x / sqrt(mean(x^2) + eps) with fp32 statistics, cast back to x's dtype, then
+    times the weight."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
 def embedding_layernorm(
     input_ids: torch.Tensor | None,  # [*] int
     token_type_ids: torch.Tensor,  # [*] int

@@ -22,11 +22,12 @@ def corpus(n: int = 96, seed: int = 0) -> list[str]:
 
 def make_teacher(directory: str, layers: int = 4, hidden: int = 32, seed: int = 0, model_type: str = "bert") -> str:
     """Write a randomly initialised masked-LM teacher of `model_type`'s family (BERT's sizes; ModernBERT with a
-    4-token window) and its tokenizer to `directory`."""
+    4-token window; ModernBERT and EuroBERT padding with id 0) and its tokenizer to `directory`."""
     os.makedirs(directory, exist_ok=True)
     tok = WordPieceTokenizer.train(corpus(200) + WORDS, vocab_size=64, min_frequency=1)
     torch.manual_seed(seed)
-    extra = {"local_attention": 4, "pad_token_id": 0} if model_type == "modernbert" else {}
+    extra = {"modernbert": {"local_attention": 4, "pad_token_id": 0}, "eurobert": {"pad_token_id": 0}}
+    extra = extra.get(model_type, {})
     config = BertConfig.from_dict(dict(
         model_type=model_type,
         **extra,

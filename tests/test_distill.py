@@ -451,10 +451,10 @@ def test_cli_distils_across_vocabularies(teacher_dir, tmp_path):
     assert student.config.num_hidden_layers == 2 and student.config.hidden_size == 32
 
 
-@pytest.mark.parametrize("model_type", ["modernbert", "gte"])
+@pytest.mark.parametrize("model_type", ["modernbert", "gte", "eurobert"])
 def test_a_rotary_teacher_gives_a_student_of_its_family(model_type: str, tmp_path):
-    """ModernBERT (the student keeps the kinds of the layers it takes: global or sliding) and GTE teachers: the
-    student is of the teacher's family and, from a fresh start, learns the teacher's outputs."""
+    """ModernBERT (the student keeps the kinds of the layers it takes: global or sliding), GTE and EuroBERT teachers:
+    the student is of the teacher's family and, from a fresh start, learns the teacher's outputs."""
     teacher_dir = make_teacher(str(tmp_path / "teacher"), model_type=model_type)
     obj = Objectives(kl=1.0, cosine=2.0, hidden_mse=1.0)
     cfg = tiny(tmp_path / "run", max_steps=24, init="random", objectives=obj, eval_every=6)

@@ -230,7 +230,8 @@ def test_optimizer_fuses_albert_style_and_tanh_gelu(overrides, tmp_path):
     assert max(report.optimized_parity.values()) <= 1e-4
 
 
-ROTARY = {"modernbert": dict(local_attention=16, pad_token_id=0), "gte": {}, "nomic_bert": {}, "jina_embeddings_v3": {}}
+ROTARY = {"modernbert": dict(local_attention=16, pad_token_id=0), "gte": {}, "nomic_bert": {}, "jina_embeddings_v3": {},
+          "eurobert": dict(num_key_value_heads=2, pad_token_id=0)}
 
 
 @pytest.mark.parametrize("kind", ["model", "mlm", "sequence", "token", "qa", "choice"])

@@ -75,10 +75,10 @@ def test_sentence_transformer_on_a_roberta_encoder(tiny_roberta_dir: Path) -> No
     assert calls and (after - before).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("family", ["ModernBert", "Gte", "NomicBert", "JinaEmbeddingsV3"])
+@pytest.mark.parametrize("family", ["ModernBert", "Gte", "NomicBert", "JinaEmbeddingsV3", "EuroBert"])
 def test_sentence_transformer_on_a_rotary_encoder(family: str, tiny_roberta_dir: Path, tmp_path: Path) -> None:
-    """A sentence-transformers model on a ModernBERT, GTE, NomicBERT or Jina-v3 encoder (random weights, the tiny
-    RoBERTa's BPE tokenizer): optimize swaps fastbert's class in and the embeddings stay within 1e-5."""
+    """A sentence-transformers model on a ModernBERT, GTE, NomicBERT, Jina-v3 or EuroBERT encoder (random weights, the
+    tiny RoBERTa's BPE tokenizer): optimize swaps fastbert's class in and the embeddings stay within 1e-5."""
     import shutil
 
     transformers = pytest.importorskip("transformers")

@@ -49,7 +49,7 @@ def student_config(
     for key in ("architectures", "dtype", "torch_dtype", "_name_or_path", "transformers_version"):
         values.pop(key, None)
     values["num_hidden_layers"] = num_layers
-    if teacher.family.pre_norm:
+    if teacher.family.sliding_layers:
         chosen = layer_map if layer_map is not None else uniform_layer_map(teacher.num_hidden_layers, num_layers)
         values["layer_types"] = [teacher.layer_kinds[j] for j in chosen]
     if hidden_size is not None and hidden_size != teacher.hidden_size:

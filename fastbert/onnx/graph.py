@@ -21,7 +21,7 @@ from fastbert.auto import BY_NAME
 from fastbert.checkpoint import PreTrainedModel
 from fastbert.heads import HEADS, ClassificationHead, pool
 from fastbert.modeling import ACT_OF_CONFIG, BertLayer, BertModel, DisentangledSelfAttention, position_pad
-from fastbert.prenorm import PreNormLayer
+from fastbert.prenorm import LlamaLayer, PreNormLayer
 from fastbert.rotary import GLOBAL, rotary_rows
 
 
@@ -84,6 +84,13 @@ def _layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
     return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
 
 
+def _norm(x: torch.Tensor, norm: nn.LayerNorm | nn.RMSNorm) -> torch.Tensor:
+    """A LayerNorm, or an RMSNorm with Llama's fp32 statistics (EuroBERT's)."""
+    if isinstance(norm, nn.RMSNorm):
+        return reference.rms_norm(x, norm.weight, norm.eps)
+    return _layer_norm(x, norm)
+
+
 class ReferenceGraph(nn.Module):
     """`forward(input_ids, attention_mask, token_type_ids)` -> the model's outputs as a tuple, padded layout."""
 
@@ -123,6 +130,8 @@ class ReferenceGraph(nn.Module):
             return (_linear(pooled, m.cls.seq_relationship),)
         head = m._modules.get("head")  # ModernBERT's transform before its classifiers
         if name == "BertForSequenceClassification":
+            if m.config.family.llama_layers:  # EuroBERT: bos, mean or late pooling around dense -> GELU
+                return (m._llama_logits(hidden, attention_mask),)
             if isinstance(m.classifier, ClassificationHead):  # RoBERTa, ELECTRA, DistilBERT: on the first token
                 return (m.classifier(hidden[:, 0]),)
             if head is not None:
@@ -151,7 +160,8 @@ class ReferenceGraph(nn.Module):
         x = F.embedding(input_ids, emb.word_embeddings.weight) + F.embedding(token_type_ids, emb.type_table())
         if self.bert.config.absolute_positions:
             x = x + F.embedding(positions, emb.position_embeddings.weight)
-        x = _layer_norm(x, emb.LayerNorm)
+        if emb.LayerNorm is not None:  # EuroBERT: the word rows (plus the zero type row: one signature for all)
+            x = _layer_norm(x, emb.LayerNorm)
         if emb.projection is not None:
             x = _linear(x, emb.projection)
         mask = attention_mask.unsqueeze(1).unsqueeze(2).to(dtype)  # [B, 1, 1, S]
@@ -165,11 +175,13 @@ class ReferenceGraph(nn.Module):
         for layer in encoder.layer:
             if isinstance(layer, PreNormLayer):
                 x = self._pre_norm_layer(layer, x, attention_mask, rotary)
+            elif isinstance(layer, LlamaLayer):
+                x = self._llama_layer(layer, x, attention_mask, rotary[GLOBAL])
             else:
                 x = self._layer(layer, x, additive, rows, index, rotary.get(GLOBAL))
         final = encoder._modules.get("final_norm")
         if final is not None:
-            x = _layer_norm(x, final)
+            x = _norm(x, final)
         x = x * attention_mask.unsqueeze(-1).to(dtype)  # fastbert's repad: zeros at padded positions
         pooler = self.bert.pooler
         if pooler is None:
@@ -252,7 +264,37 @@ class ReferenceGraph(nn.Module):
         return x + _linear(reference.activation(up, layer.mlp.act) * gate, layer.mlp.Wo)
 
     def _mlm(self, head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:  # [B, S, H] -> [B, S, V]
+        if isinstance(head.transform, nn.Identity):  # EuroBERT's lm_head: the decoder alone
+            return _linear(hidden, head.decoder)
         return _linear(_transform(head.transform, hidden), head.decoder)
+
+    def _llama_layer(
+        self,
+        layer: LlamaLayer,
+        x: torch.Tensor,  # [B, S, H]
+        attention_mask: torch.Tensor,  # [B, S]
+        rotary: tuple[torch.Tensor, torch.Tensor],  # (cos, sin) [S, R/2]
+    ) -> torch.Tensor:  # [B, S, H]
+        """EuroBERT's layer: x + self_attn(RMSNorm(x)), then + SwiGLU(RMSNorm(.)); key and value heads repeated to
+        their groups of query heads, as transformers' repeat_kv."""
+        attn, mlp = layer.self_attn, layer.mlp
+        h = _norm(x, layer.input_layernorm)
+        batch, seqlen = h.shape[:2]
+        q = self._split_heads(_linear(h, attn.q_proj))
+        k, v = (_linear(h, p).view(batch, seqlen, attn.kv_heads, self.head_dim).permute(0, 2, 1, 3)
+                for p in (attn.k_proj, attn.v_proj))  # fmt: skip
+        group = self.num_heads // attn.kv_heads
+        if group > 1:
+            k, v = (t[:, :, None].expand(batch, attn.kv_heads, group, seqlen, self.head_dim).reshape(
+                batch, self.num_heads, seqlen, self.head_dim) for t in (k, v))  # fmt: skip
+        q, k = (reference.rotate_half(t, *rotary) for t in (q, k))
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_dim)
+        probs = torch.softmax(scores + _window_mask(attention_mask, None, scores.dtype), dim=-1)
+        ctx = torch.matmul(probs, v).permute(0, 2, 1, 3).contiguous()
+        x = x + _linear(ctx.view(ctx.size()[:-2] + (self.num_heads * self.head_dim,)), attn.o_proj)
+        h = _norm(x, layer.post_attention_layernorm)
+        return x + _linear(reference.activation(_linear(h, mlp.gate_proj), mlp.act) * _linear(h, mlp.up_proj),
+                           mlp.down_proj)  # fmt: skip
 
 
 def _transform(head: nn.Module, x: torch.Tensor) -> torch.Tensor:
