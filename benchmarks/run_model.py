@@ -84,6 +84,10 @@ MODERNBERT_BASE = dict(vocab_size=50368, hidden_size=768, intermediate_size=1152
 # transformers' GteConfig defaults: gte-multilingual-base's shape (XLM-R's vocabulary, one token type, rotary base 160k)
 GTE_BASE = dict(BASE, vocab_size=250048, max_position_embeddings=8192, type_vocab_size=1, layer_norm_eps=1e-12,
                 pad_token_id=1, attention_probs_dropout_prob=0.0)  # fmt: skip
+# EuroBERT/EuroBERT-210m's shape: Llama's layers (RMSNorm, SwiGLU, rotary base 250k), one kv head per query head
+EUROBERT_210M = dict(vocab_size=128256, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                     num_attention_heads=12, num_key_value_heads=12, pad_token_id=128001, max_position_embeddings=8192,
+                     rope_parameters={"rope_type": "default", "rope_theta": 250_000.0})  # fmt: skip
 PADDED_POSITIONS = ("roberta", "xlm-roberta", "camembert")  # model types whose position ids start at pad_token_id + 1
 
 
@@ -163,6 +167,7 @@ def suite_for(device: torch.device, kind: str) -> Suite:
         # with --models modernbert-base / gte-base: issue 36's shapes (8 x 512 ragged; the encode workload's 32 x 128)
         "modernbert-base": (Shape(8, 512, True), Shape(32, 128, True)),
         "gte-base": (Shape(8, 512, True), Shape(32, 128, True)),
+        "eurobert-210m": (Shape(8, 512, True), Shape(32, 128, True)),
     }
     # torch.compile rows only where their compile time keeps the model suite near 12 minutes on 2 cores (make bench)
     compiled = {"bert-base": (), "roberta-base": (), "minilm": (headline,), "minilm-l3": ()}
@@ -191,6 +196,8 @@ def model_config(name: str) -> Any:
         return transformers.ModernBertConfig(**MODERNBERT_BASE, attn_implementation="eager")
     if name == "gte-base":
         return transformers.GteConfig(**GTE_BASE, attn_implementation="eager")
+    if name == "eurobert-210m":
+        return transformers.EuroBertConfig(**EUROBERT_210M, attn_implementation="eager")
     tiny = {**TINY, "max_position_embeddings": 128} if name == "tiny" else {}
     return transformers.BertConfig(**{**BERT_BASE, **tiny}, attn_implementation="eager")
 
@@ -212,7 +219,8 @@ def load_model(name: str) -> nn.Module:
             model.config.num_hidden_layers = len(STUDENT_LAYERS)
         return model.eval()
     family = {"roberta": transformers.RobertaModel, "deberta-v2": transformers.DebertaV2Model,
-              "modernbert": transformers.ModernBertModel, "gte": transformers.GteModel}.get(
+              "modernbert": transformers.ModernBertModel, "gte": transformers.GteModel,
+              "eurobert": transformers.EuroBertModel}.get(
         config.model_type, transformers.BertModel)  # fmt: skip
     return family(config).eval()
 
@@ -614,7 +622,8 @@ def main(argv: list[str] | None = None) -> int:
     size.add_argument("--tiny", action="store_const", const="tiny", dest="suite", help="a tiny model (smoke test)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--models", nargs="+", help="subset of the suite's models (bert-base, roberta-base, minilm, "
-                        "minilm-l3), or deberta-v3-base, modernbert-base, gte-base (8 x 512 ragged)")  # fmt: skip
+                        "minilm-l3), or deberta-v3-base, modernbert-base, gte-base, eurobert-210m (issue shapes: "
+                        "8 x 512 and 32 x 128 ragged)")  # fmt: skip
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), help="subset of the suite's dtypes")
     parser.add_argument("--systems", nargs="+", help="subset of the suite's systems (quote names with spaces)")
     parser.add_argument("--rounds", type=int, help="timed calls per system and shape (default 5; 20 on a GPU)")
