@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from fastbert import adapters
 from fastbert.config import OFF_ONLY_FIELDS, BertConfig
 from fastbert.families import family_of, to_fastbert_keys, to_hf_keys
 
@@ -365,9 +366,12 @@ class PreTrainedModel(nn.Module):
         device: torch.device | str | None = None,
         allow_pickle: bool = False,
         strict_heads: bool = False,
+        lora_task: str | None = None,
         **config_overrides: Any,
     ) -> M:
-        """Load a transformers- or fastbert-saved directory; `dtype`/`device` cast after loading."""
+        """Load a transformers- or fastbert-saved directory; `dtype`/`device` cast after loading. `lora_task`: in a
+        checkpoint with task LoRA adapters (jina-embeddings-v3's original files), the task whose update is merged
+        into the weights (fastbert.adapters); None runs the base weights."""
         if not os.path.isdir(directory):
             raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
         config = BertConfig.from_pretrained(directory)
@@ -377,7 +381,11 @@ class PreTrainedModel(nn.Module):
         config.validate()
         check_sizes(directory, config, cls.head_kind, config_overrides)
         model = cls(config)
-        model.load_checkpoint_state(load_checkpoint_dir(directory, allow_pickle), strict_heads=strict_heads)
+        state = load_checkpoint_dir(directory, allow_pickle)
+        if adapters.present(state) or lora_task is not None:
+            with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
+                state = adapters.merged(state, lora_task, json.load(f))
+        model.load_checkpoint_state(state, strict_heads=strict_heads)
         model.eval()
         return model.to(device=device, dtype=dtype) if dtype is not None or device is not None else model
 
