@@ -1,10 +1,13 @@
 """The systems the model suite compares, each built as a `Runner`: (input_ids, attention_mask, token_type_ids) -> the
 last hidden state `[B, S, H]` (padded, any dtype), on the same inputs.
 
-transformers (eager, sdpa, torch.compile of sdpa), onnxruntime on transformers' own export, and fastbert: converted
-with fastbert.optimize (with and without CUDA graphs, or with its defaults), and the drop-in path (the checkpoint
-loaded with from_pretrained, moved and cast, eval, no_grad), on CUDA with its default graphs and without; on CPU, the
-dynamic int8 paths in the fp32 table: fastbert int8, onnxruntime int8 and torch dynamic int8. Low precision is what a
+transformers (eager, sdpa, torch.compile of sdpa), onnxruntime on transformers' own export, OpenVINO on the same
+graph (f32 asked for explicitly in the fp32 table, bf16 in the bf16 table where its CPU plugin finds bf16
+instructions), and fastbert: converted with fastbert.optimize (with and without CUDA graphs, or with its defaults), and
+the drop-in path (the checkpoint loaded with from_pretrained, moved and cast, eval, no_grad), on CUDA with its default
+graphs and without; on CPU, the int8 paths in the fp32 table: fastbert int8, onnxruntime dynamic int8, OpenVINO static
+int8 as its docs recommend (NNCF, `model_type=TRANSFORMER`, calibrated on random batches of their own seed) and torch
+dynamic int8. Low precision is what a
 user would run: on CPU transformers under autocast (its supported CPU recipe) and fastbert with weights in that dtype;
 on GPU every model cast to that dtype.
 
@@ -24,6 +27,7 @@ import tempfile
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,7 +38,9 @@ from fastbert.ops import exclude_backends
 
 Runner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 EXTRA_SYSTEMS = ("benchmarks.onnx_row",)  # fastbert.onnx.Session, provided by the ONNX work
-INT8_SYSTEMS = ("fastbert int8", "onnxruntime int8", "torch dynamic int8")  # CPU rows of the fp32 table
+# CPU rows of the fp32 table
+INT8_SYSTEMS = ("fastbert int8", "onnxruntime int8", "OpenVINO int8 (NNCF)", "torch dynamic int8")
+CALIBRATION_SEED = 1234  # the random batches NNCF calibrates on: never the ones measured
 
 
 @dataclass
@@ -194,6 +200,50 @@ def onnxruntime_runner(hf: nn.Module, workdir: str, quantize: bool = False) -> R
     return run
 
 
+def openvino_runner(model: object, precision: str | None = "f32") -> Runner:
+    """OpenVINO's CPU plugin on a graph (an ONNX path or an openvino.Model), latency hint, torch's thread count;
+    `precision` the INFERENCE_PRECISION_HINT asked for, None for the plugin's own choice (bf16 on CPUs with bf16
+    instructions). The runner's `precision` says what the plugin chose."""
+    import openvino as ov
+
+    core = ov.Core()
+    config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": torch.get_num_threads()}
+    if precision is not None:
+        config["INFERENCE_PRECISION_HINT"] = precision
+    compiled = core.compile_model(core.read_model(model) if isinstance(model, str) else model, "CPU", config)
+    names = {p.get_any_name() for p in compiled.inputs}
+
+    def run(ids: torch.Tensor, mask: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
+        feed = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "token_type_ids": types.numpy()}
+        return torch.from_numpy(compiled({k: v for k, v in feed.items() if k in names})[0])
+
+    chosen = compiled.get_property("INFERENCE_PRECISION_HINT")
+    run.precision = chosen.get_type_name() if hasattr(chosen, "get_type_name") else str(chosen)
+    return run
+
+
+def openvino_bf16_reason() -> str | None:
+    """Why OpenVINO's CPU plugin would not run bf16 natively here (no bf16 instructions in its own probe), or None."""
+    import openvino as ov
+
+    if "BF16" not in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
+        return "OpenVINO finds no bf16 instructions on this CPU (its default precision here is f32: the fp32 row)"
+    return None
+
+
+def nncf_int8(path: str, batches: list[dict[str, Any]]) -> object:
+    """OpenVINO's recommended int8: static post-training quantisation of the fp32 graph at `path` with NNCF
+    (`model_type=TRANSFORMER`: SmoothQuant, bias correction), calibrated on `batches` (feeds by input name; the names
+    the graph lacks are dropped)."""
+    import nncf
+    import openvino as ov
+
+    model = ov.Core().read_model(path)
+    names = {p.get_any_name() for p in model.inputs}
+    feeds = [{k: v for k, v in batch.items() if k in names} for batch in batches]
+    return nncf.quantize(model, nncf.Dataset(feeds), model_type=nncf.ModelType.TRANSFORMER, subset_size=len(feeds))
+
+
 def torch_dynamic_int8_runner(hf: nn.Module) -> Runner:
     """transformers (sdpa) with every nn.Linear through torch.ao.quantization.quantize_dynamic (qint8 weights)."""
     model = transformers_model(hf, "sdpa", torch.device("cpu"))
@@ -201,6 +251,19 @@ def torch_dynamic_int8_runner(hf: nn.Module) -> Runner:
         warnings.simplefilter("ignore")  # deprecated upstream, and still what many CPU users run
         torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=True)
     return hf_runner(model, torch.device("cpu"), torch.float32)[0]
+
+
+def calibration(config: Any, batches: int = 8, batch: int = 8, longest: int = 128) -> list[dict[str, Any]]:
+    """Random ragged batches for static int8 calibration (lengths uniform in [longest / 4, longest], ids above the
+    special ones, token types 0), from their own seed: the model suite's inputs are random ids too."""
+    g = torch.Generator().manual_seed(CALIBRATION_SEED)
+    out = []
+    for _ in range(batches):
+        lengths = torch.randint(longest // 4, longest + 1, (batch,), generator=g)
+        mask = (torch.arange(longest)[None, :] < lengths[:, None]).long()
+        ids = torch.randint(5, config.vocab_size, (batch, longest), generator=g) * mask
+        out.append({"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "token_type_ids": (0 * ids).numpy()})
+    return out
 
 
 def failure(exc: BaseException) -> str:
@@ -247,13 +310,23 @@ def _build(name: str, hf: nn.Module, device: torch.device, dtype: torch.dtype, w
         if device.type != "cpu" or dtype != torch.float32:
             return System(name, "-", None, "the pinned onnxruntime build runs fp32 on CPU only")
         return System(name, "fp32", onnxruntime_runner(hf, workdir))
+    if name == "OpenVINO":  # on the onnxruntime row's graph: f32 asked for explicitly, bf16 its own way
+        if device.type != "cpu" or dtype == torch.float16:
+            return System(name, "-", None, "OpenVINO's CPU plugin: fp32 and bf16 rows")
+        if dtype == torch.bfloat16 and (why := openvino_bf16_reason()) is not None:
+            return System(name, "-", None, why)
+        run = openvino_runner(onnxruntime_runner(hf, workdir).path, "f32" if dtype == torch.float32 else "bf16")
+        return System(name, run.precision, run)
     if name in INT8_SYSTEMS:
         if device.type != "cpu" or dtype != torch.float32:
-            return System(name, "-", None, "int8 rows are CPU rows of the fp32 table (dynamic int8 of the fp32 model)")
+            return System(name, "-", None, "int8 rows are CPU rows of the fp32 table (int8 of the fp32 model)")
         if name == "fastbert int8":
             return System(name, "int8", fastbert_runner(hf, device, dtype, quantize="int8"))
         if name == "onnxruntime int8":
             return System(name, "int8", onnxruntime_runner(hf, workdir, quantize=True))
+        if name == "OpenVINO int8 (NNCF)":
+            graph = onnxruntime_runner(hf, workdir).path
+            return System(name, "int8 static", openvino_runner(nncf_int8(graph, calibration(hf.config)), None))
         return System(name, "int8", torch_dynamic_int8_runner(hf))
     if name == "fastbert":
         return System(name, "weights" if dtype != torch.float32 else "fp32", fastbert_runner(hf, device, dtype))

@@ -47,11 +47,13 @@ CPU_SYSTEMS = (
     "transformers sdpa",
     "transformers sdpa + compile",
     "onnxruntime",
+    "OpenVINO",
     "fastbert",
     "fastbert without native",
     "fastbert autocast",
     "fastbert int8",
     "onnxruntime int8",
+    "OpenVINO int8 (NNCF)",
     "torch dynamic int8",
 )
 GPU_SYSTEMS = (
