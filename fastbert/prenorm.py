@@ -114,9 +114,30 @@ class GatedMLP(nn.Module):
         return through(self.Wo, F.dropout(gated, self.dropout_p, self.training))
 
 
-class PreNormLayer(nn.Module):
-    """x + attn(attn_norm(x)), then + mlp(mlp_norm(.)); the first layer's attn_norm is the identity (the embeddings
-    end in a norm)."""
+class PreNormBlock(nn.Module):
+    """x + attention(norm(x)), then + feed-forward(norm(.)): the one forward of both pre-norm layers, whose modules
+    carry each family's transformers names (`parts`)."""
+
+    def parts(self) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
+        """(first norm, attention, second norm, feed-forward)."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        packing: Packing,
+        output_attentions: bool = False,
+        rotary: dict[str, torch.Tensor] | None = None,  # layer kind -> [2, T, R/2] (BertEncoder.rotary_terms)
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        first, attention, second, mlp = self.parts()
+        attended, probs = attention(normed(first, x), packing, output_attentions, rotary[attention.kind])
+        x = x + attended
+        return x + mlp(normed(second, x)), probs
+
+
+class PreNormLayer(PreNormBlock):
+    """ModernBERT's layer: x + attn(attn_norm(x)), then + mlp(mlp_norm(.)); the first layer's attn_norm is the
+    identity (the embeddings end in a norm)."""
 
     def __init__(self, config: BertConfig, layer: int) -> None:
         super().__init__()
@@ -125,16 +146,8 @@ class PreNormLayer(nn.Module):
         self.mlp_norm = norm(config)
         self.mlp = GatedMLP(config)
 
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, H]
-        packing: Packing,
-        output_attentions: bool = False,
-        rotary: dict[str, torch.Tensor] | None = None,  # layer kind -> [2, T, R/2] (BertEncoder.relative_terms)
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        attended, probs = self.attn(self.attn_norm(x), packing, output_attentions, rotary[self.attn.kind])
-        x = x + attended
-        return x + self.mlp(self.mlp_norm(x)), probs
+    def parts(self) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
+        return self.attn_norm, self.attn, self.mlp_norm, self.mlp
 
 
 class GroupedQueryAttention(nn.Module):
@@ -190,7 +203,7 @@ class SwiGLU(nn.Module):
         return through(self.down_proj, gated)
 
 
-class LlamaLayer(nn.Module):
+class LlamaLayer(PreNormBlock):
     """EuroBERT's layer (Llama's, attending both ways): x + self_attn(input_layernorm(x)), then
     + mlp(post_attention_layernorm(.)), both norms RMSNorm."""
 
@@ -201,14 +214,5 @@ class LlamaLayer(nn.Module):
         self.post_attention_layernorm = norm(config)
         self.mlp = SwiGLU(config)
 
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, H]
-        packing: Packing,
-        output_attentions: bool = False,
-        rotary: dict[str, torch.Tensor] | None = None,  # layer kind -> [2, T, R/2] (BertEncoder.rotary_terms)
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        attended, probs = self.self_attn(normed(self.input_layernorm, x), packing, output_attentions,
-                                         rotary[self.self_attn.kind])  # fmt: skip
-        x = x + attended
-        return x + self.mlp(normed(self.post_attention_layernorm, x)), probs
+    def parts(self) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module]:
+        return self.input_layernorm, self.self_attn, self.post_attention_layernorm, self.mlp
