@@ -84,12 +84,17 @@ test-oldest: $(OLD_VENV)/.installed native
 	$(OLD_PY) -m pytest -q -p no:cacheprovider $(OLDEST_TESTS)
 
 # The native CPU kernels are part of the fast path: built here too, but a machine without a compiler still benchmarks.
+# Each run writes its own folder (BENCH_OUT, ignored by git): committed results in benchmarks/results/ change only when
+# someone copies a run there on purpose.
+BENCH_TIME := $(shell date -u +%Y%m%dT%H%M%SZ)
+BENCH_OUT ?= benchmarks/results/runs/$(BENCH_TIME)
 bench: venv
 	$(PIP) -r requirements/bench.txt
 	$(MAKE) native || echo "make bench: the native CPU extension did not build (see above); fastbert runs without it"
-	$(PY) -m benchmarks.run_model $(BENCH_ARGS)
-	$(PY) -m benchmarks.bench_encode $(ENCODE_ARGS)
-	$(PY) -m benchmarks.bench_gemm
+	$(PY) -m benchmarks.run_model --out $(BENCH_OUT) $(BENCH_ARGS)
+	$(PY) -m benchmarks.bench_encode --out $(BENCH_OUT) $(ENCODE_ARGS)
+	$(PY) -m benchmarks.bench_gemm --out $(BENCH_OUT)
+	@echo "make bench: this run's tables, data and plots are in $(BENCH_OUT)/ (benchmarks/results/ is unchanged)"
 
 clean:
 	rm -rf $(VENV) $(OLD_VENV) build *.egg-info
