@@ -286,15 +286,21 @@ def _head(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return hidden if head is None else head(hidden)
 
 
+def masked_mean(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:  # [B, S, X], [B, S] -> [B, X]
+    """The mean over each row's real positions (all of them without a mask); a fully padded row gives zeros
+    (transformers': NaN)."""
+    if mask is None:
+        return values.mean(dim=1)
+    mask = mask.to(values.dtype).unsqueeze(-1)
+    return (values * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+
+
 def pool(config: BertConfig, hidden: torch.Tensor, mask: torch.Tensor | None, first_real: bool) -> torch.Tensor:
     """[B, S, H] -> [B, H] by `classifier_pooling`: the mean over real tokens, or the first token (the first real one
     where `first_real`: ModernBERT's multiple-choice head, which finds it under left padding too). The export graph
     pools with it too."""
     if getattr(config, "classifier_pooling", "cls") == "mean":
-        if mask is None:
-            return hidden.mean(dim=1)
-        mask = mask.to(hidden.dtype)  # a fully padded row pools to zeros (transformers': NaN)
-        return (hidden * mask.unsqueeze(-1)).sum(dim=1) / mask.sum(dim=1, keepdim=True).clamp(min=1)
+        return masked_mean(hidden, mask)
     if first_real and mask is not None:
         return hidden[torch.arange(hidden.shape[0], device=hidden.device), mask.argmax(dim=-1)]
     return hidden[:, 0]
@@ -372,12 +378,7 @@ class BertForSequenceClassification(PreTrainedModel):
         if pooling != "late":
             hidden = hidden[:, 0] if pooling == "bos" else pool(self.config, hidden, mask, first_real=False)
         logits = self.classifier(F.gelu(self.dense(hidden)))
-        if pooling != "late":
-            return logits
-        if mask is None:
-            return logits.mean(dim=1)
-        mask = mask.to(logits.dtype).unsqueeze(-1)  # a fully padded row gets zeros (transformers': NaN)
-        return (logits * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+        return logits if pooling != "late" else masked_mean(logits, mask)
 
     def output_layer(self) -> nn.Linear:
         """The Linear that writes the logits (BERT's classifier, or the family head's out_proj)."""

@@ -150,3 +150,15 @@ def test_bad_kernel_arguments_raise(ext) -> None:
         ext.gated_act(x, x.bfloat16(), "gelu")
     with pytest.raises(ValueError, match="expected one of gelu, gelu_tanh, relu$"):  # SiLU: the gated ops' only
         ext.bias_act(x, torch.zeros(8), "silu")
+
+
+def test_a_bias_or_weight_changed_in_place_is_read_again() -> None:
+    """The interleaved pack and biases are cached per weight: an in-place edit of any of the four tensors rebuilds
+    them, so the next call computes with the new values."""
+    x, w, b, u, c = operands(9, 24, 32)
+    with torch.inference_mode(), ops.use_backend("gemm"):
+        ops.gated_linear(x, w, b, u, c, "gelu")
+        for tensor in (b, c, u):
+            tensor.add_(0.5)
+            assert_close("gated_linear after an edit", ops.gated_linear(x, w, b, u, c, "gelu"),
+                         fp64(x, w, b, u, c, "gelu"))  # fmt: skip

@@ -105,31 +105,40 @@ def interleaved(first: torch.Tensor, second: torch.Tensor, group: int) -> torch.
 
 def gated_operands(
     weight: torch.Tensor, bias: torch.Tensor | None, up_weight: torch.Tensor | None, up_bias: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(activated weight, up weight, their biases interleaved or None) of a `gated_linear` call: a stacked [2N, K]
-    weight's halves when there is no up_weight; a missing bias beside a present one reads as zeros."""
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """(activated weight, its bias, up weight, its bias) of a `gated_linear` call: a stacked [2N, K] weight's halves
+    (and its [2N] bias's) when there is no up_weight."""
     if up_weight is None:
         weight, up_weight = weight.chunk(2)
         bias, up_bias = bias.chunk(2) if bias is not None else (None, None)
-    if bias is None and up_bias is None:
-        return weight, up_weight, None
-    bias = bias if bias is not None else up_bias.new_zeros(up_bias.shape)
-    up_bias = up_bias if up_bias is not None else bias.new_zeros(bias.shape)
-    return weight, up_weight, interleaved(bias.float(), up_bias.float(), gate_group())
+    return weight, bias, up_weight, up_bias
 
 
-def gated_pack(weight: torch.Tensor, up_weight: torch.Tensor | None, build: Callable[[torch.Tensor], object],
-               cache: WeightCache, variant: tuple = ()) -> object:  # fmt: skip
-    """`build` of the interleaved [2N, K] weight of a gated call, cached in `cache` on `weight` (and `up_weight`),
-    rebuilt when either changes or the kernels' group does."""
+def gated_pack(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    up_weight: torch.Tensor | None,
+    up_bias: torch.Tensor | None,
+    build: Callable[[torch.Tensor], object],
+    cache: WeightCache,
+    variant: tuple = (),
+) -> tuple[object, torch.Tensor | None]:
+    """(`build` of the interleaved [2N, K] weight, the interleaved fp32 [2N] biases or None) of a gated call, cached in
+    `cache` on `weight` and rebuilt when any of the four tensors or the kernels' group changes; a missing bias beside
+    a present one reads as zeros."""
     group = gate_group()
 
-    def make() -> object:
-        first, second, _ = gated_operands(weight, None, up_weight, None)
-        return build(interleaved(first.detach().float(), second.detach().float(), group))
+    def make() -> tuple[object, torch.Tensor | None]:
+        first, b, second, c = gated_operands(weight, bias, up_weight, up_bias)
+        packed_weight = build(interleaved(first.detach().float(), second.detach().float(), group))
+        if b is None and c is None:
+            return packed_weight, None
+        b = b.detach().float() if b is not None else c.new_zeros(c.shape, dtype=torch.float32)
+        c = c.detach().float() if c is not None else b.new_zeros(b.shape)
+        return packed_weight, interleaved(b, c, group)
 
-    inputs = (up_weight,) if up_weight is not None else ()
-    return cache.get(weight, ("gated", group, id(up_weight), *variant), inputs, make)
+    parts = (bias, up_weight, up_bias)
+    return cache.get(weight, ("gated", group, *map(id, parts), *variant), parts, make)
 
 
 def gated_linear(
@@ -143,9 +152,9 @@ def gated_linear(
     """act(x @ weight^T + bias) * (x @ up_weight^T + up_bias) on one GEMM over the interleaved weight: each tile
     computes both products of its outputs and writes only the gated values."""
     cpu, _ = native.load("_native_cpu")
-    pack = gated_pack(weight, up_weight, lambda w: pack_panels(w, 1), _packs)
-    _, up, biases = gated_operands(weight, bias, up_weight, up_bias)
-    return cpu.fp32_linear(x, pack, 2 * up.shape[0], biases, act, gated=gate_group())
+    pack, biases = gated_pack(weight, bias, up_weight, up_bias, lambda w: pack_panels(w, 1), _packs)
+    width = weight.shape[0] * (2 if up_weight is not None else 1)  # the interleaved weight's rows: 2N
+    return cpu.fp32_linear(x, pack, width, biases, act, gated=gate_group())
 
 
 def dense_residual_layernorm(

@@ -108,8 +108,7 @@ def gated_linear(
 ) -> torch.Tensor:  # [*, N] fp32
     """act(x @ weight^T + bias) * (x @ up_weight^T + up_bias) on one int8 GEMM over the interleaved weight (each row
     quantised per channel as on its own), the gated values written from each tile."""
-    q = gemm.gated_pack(weight, up_weight, quantize_weight, _weights, (k_per_step(),))
-    _, _, biases = gemm.gated_operands(weight, bias, up_weight, up_bias)
+    q, biases = gemm.gated_pack(weight, bias, up_weight, up_bias, quantize_weight, _weights, (k_per_step(),))
     cpu, _ = native.load("_native_cpu")
     return cpu.int8_linear(x, q.packed, q.scale, biases, act, gated=gemm.gate_group())
 
