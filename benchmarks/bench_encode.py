@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from benchmarks import model_report
+from benchmarks import model_report, neighbours
 from benchmarks.model_systems import failure, nncf_int8, onnxruntime_runner, openvino_runner
 from benchmarks.onnx_row import session_runner
 from benchmarks.plotting import pyplot
@@ -228,9 +228,17 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def run(systems: tuple[str, ...], passes: int, stsb: str, model: str = "minilm", model_dir: str | None = None) -> dict:
+def run(systems: tuple[str, ...], passes: int, stsb: str, model: str = "minilm", model_dir: str | None = None,
+        load: dict[str, int] | None = None) -> dict:  # fmt: skip
     """Every system on the same sentences; `model` a key of MODELS, `model_dir` another sentence-transformers folder of
-    that family in place of the packaged checkpoint (the tests' tiny models)."""
+    that family in place of the packaged checkpoint (the tests' tiny models); `load` the neighbours (neighbours.parse)
+    running from the first build to the last pass."""
+    with neighbours.running(load or {}):
+        doc = _run(systems, passes, stsb, model, model_dir)
+    return {**doc, "neighbours": neighbours.describe(load or {}), "neighbour_counts": dict(load or {})}
+
+
+def _run(systems: tuple[str, ...], passes: int, stsb: str, model: str, model_dir: str | None) -> dict:
     from sentence_transformers import SentenceTransformer
 
     started = time.perf_counter()
@@ -322,6 +330,7 @@ def markdown(doc: dict) -> str:
         f"{', '.join(f'{x:.2f}' for x in doc['load_average'])}; torch {doc['versions']['torch']}, onnxruntime "
         f"{doc['versions']['onnxruntime']}, openvino {doc['versions']['openvino']}",
         "",
+        *((f"**{warning}**", "") if (warning := model_report.load_warning(doc)) else ()),
         "| system | sentences/s | vs sentence-transformers | STS-B dev Spearman | min / mean cosine vs it |",
         "|---|---:|---:|---:|---:|",
     ]
@@ -369,7 +378,8 @@ def plot(doc: dict, path: str) -> bool:
     if any(doc["bound_sentences_per_s"].values()):
         ax.legend(loc="lower right", fontsize=8)
     fig.suptitle(f"Encode: STS-B dev, {doc.get('model_label', 'MiniLM-L6')}, batches of {BATCH} sorted by length\n"
-                 f"{doc['device']} ({doc['cpu_kind']})", fontsize=9)  # fmt: skip
+                 f"{doc['device']} ({doc['cpu_kind']})" + (f"\n{warning}" if (warning := model_report.load_warning(doc))
+                                                            else ""), fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -391,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(benchmarks.checkpoints.mpnet_dir())")  # fmt: skip
     parser.add_argument("--model-dir", help="a sentence-transformers folder of --model's family instead of its "
                         "checkpoint (tests use tiny ones)")  # fmt: skip
+    parser.add_argument("--neighbours", nargs="*", metavar="KIND=N", help="background load for the whole run: "
+                        "spin=N single-threaded busy loops, torch=N torch workers with a thread per core")  # fmt: skip
     parser.add_argument("--passes", type=int, default=3, help="timed passes over the 3,000 sentences per system")
     parser.add_argument("--stsb", default=STSB_DEV, help="path of sts-dev.csv")
     parser.add_argument("--out", default=RESULTS, help="directory for the results: encode_cpu-<kind>.{json,md,png} "
@@ -398,7 +410,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.passes < 1:
         parser.error("--passes must be at least 1")
-    doc = run(tuple(args.systems), args.passes, args.stsb, args.model, args.model_dir)
+    try:
+        load = neighbours.parse(args.neighbours)
+    except ValueError as exc:
+        parser.error(str(exc))
+    doc = run(tuple(args.systems), args.passes, args.stsb, args.model, args.model_dir, load)
     print(model_report.write_results(args.out, results_stem(doc["cpu_kind"], args.model), doc, markdown, plot))
     return 0
 

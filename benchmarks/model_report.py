@@ -88,6 +88,20 @@ def document(
     }
 
 
+def load_warning(doc: dict[str, Any]) -> str | None:
+    """One line for every table and plot of a run that was not alone on its CPUs: the neighbours it was given, or a
+    load average above the CPU count; None for a quiet run."""
+    load = [*(doc.get("load_average") or ()), *(doc.get("load_average_at_start") or ())]
+    cpus = os.cpu_count() or 1
+    if doc.get("neighbour_counts"):
+        return (f"Busy host on purpose: {doc['neighbours']} ran beside every system (load average up to "
+                f"{max(load, default=0):.1f} on {cpus} CPUs).")  # fmt: skip
+    if load and max(load) > cpus:
+        return (f"Warning: the machine was oversubscribed (load average up to {max(load):.1f} on {cpus} CPUs): "
+                "timings measure scheduling stalls as much as compute.")  # fmt: skip
+    return None
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -107,15 +121,8 @@ def markdown(doc: dict[str, Any]) -> str:
         + (f"; arithmetic ceiling (FMAs from registers, no memory): {ceilings}" if ceilings else ""),
         "",
     ]
-    load = [*(doc.get("load_average") or ()), *(doc.get("load_average_at_start") or ())]
-    cpus = os.cpu_count() or 1
-    if doc["device_type"] == "cpu" and load and max(load) > cpus:
-        lines += [
-            f"**Warning: the machine was oversubscribed (load average up to {max(load):.1f} on {cpus} CPUs).** "
-            "Multi-threaded timings then measure scheduling stalls at every parallel region as much as compute; "
-            "compare `cpu ms` and rerun with `--threads 1` for work-bound ratios.",
-            "",
-        ]
+    if doc["device_type"] == "cpu" and (warning := load_warning(doc)):
+        lines += [f"**{warning}**", ""]
     groups: dict[tuple[str, str], list[dict]] = {}
     for row in doc["rows"]:
         groups.setdefault((row["model"], row["dtype"]), []).append(row)
@@ -175,15 +182,25 @@ def plot(doc: dict[str, Any], path: str) -> None:
     groups: dict[tuple[str, str], list[dict]] = {}
     for row in doc["rows"]:
         groups.setdefault((row["model"], row["dtype"]), []).append(row)
-    palette = {name: f"C{i % 10}" for i, name in enumerate(dict.fromkeys(r["system"] for r in doc["rows"]))}
+    palette = _palette(dict.fromkeys(r["system"] for r in doc["rows"]))
     fig, axes = plt.subplots(len(groups) or 1, 1, figsize=(13, 3.4 * max(1, len(groups))), squeeze=False)
     for ax, ((model, dtype), rows) in zip(axes[:, 0], groups.items(), strict=False):
         _panel(ax, rows, doc["peak_flops"][dtype], palette)
         ax.set_title(f"{model} {(doc.get('dtype_labels') or {}).get(dtype, dtype)}", fontsize=10)
-    fig.suptitle(f"{doc['device']} - commit {doc['commit'][:12]}", fontsize=9)
+    warning = load_warning(doc) if doc["device_type"] == "cpu" else None
+    fig.suptitle(f"{doc['device']} - commit {doc['commit'][:12]}" + (f"\n{warning}" if warning else ""), fontsize=9)
     fig.tight_layout(rect=(0, 0, 1, 0.985))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _palette(systems: Any) -> dict[str, str]:
+    """A distinct colour per system: matplotlib's 20 paired colours, enough for the suite's systems (its default
+    cycle has 10, so the 11th system took the first one's colour)."""
+    import matplotlib
+
+    colours = matplotlib.colormaps["tab20"].colors
+    return {name: matplotlib.colors.to_hex(colours[(2 * i) % 20 + (2 * i) // 20 % 2]) for i, name in enumerate(systems)}
 
 
 def _panel(ax: Any, rows: list[dict], peak: float, palette: dict[str, str]) -> None:

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from benchmarks import model_report
+from benchmarks import model_report, neighbours
 from benchmarks.model_systems import System, build_systems, failure, scratch_dir, transformers_model
 from fastbert import capabilities
 
@@ -636,7 +636,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, help="CPU threads for every system (torch and onnxruntime); default: torch's default"
     )
+    parser.add_argument("--neighbours", nargs="*", metavar="KIND=N", help="background load for the whole run (CPU): "
+                        "spin=N single-threaded busy loops, torch=N torch workers with a thread per core")  # fmt: skip
     args = parser.parse_args(argv)
+    try:
+        load = neighbours.parse(args.neighbours)
+    except ValueError as exc:
+        parser.error(str(exc))
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -650,7 +656,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds:
         suite.rounds = args.rounds
     isolate = device.type == "cuda" if args.isolate is None else args.isolate
-    doc = run_suite(suite, device, save=lambda partial: model_report.write(partial, args.out), isolate=isolate)
+    extra = {"neighbours": neighbours.describe(load), "neighbour_counts": load}
+    with neighbours.running(load):
+        doc = run_suite(suite, device, save=lambda partial: model_report.write({**partial, **extra}, args.out),
+                        isolate=isolate)  # fmt: skip
+    doc.update(extra)
     paths = model_report.write(doc, args.out)
     print(model_report.markdown(doc))
     print("\n" + "\n".join(f"wrote {p}" for p in paths))

@@ -5,6 +5,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <atomic>
 #include <optional>
 #include <string>
@@ -14,6 +15,7 @@
 
 #include "../bind_utils.h"
 #include "kernels.h"
+#include "pool.h"
 
 namespace fastbert::cpu {
 namespace {
@@ -85,10 +87,13 @@ DType dtype_of(const at::Tensor& t, const char* what) {
 
 const at::Device kCpu(at::kCPU);
 
-// Threads for `bytes` of memory-bound work: torch's thread count, fewer when the job is too small to split.
+// The kernels' threads: torch's count within this process's affinity and cgroup quota (pool.h).
+int max_threads() { return usable_threads(at::get_num_threads()); }
+
+// Threads for `bytes` of memory-bound work: max_threads(), fewer when the job is too small to split.
 int threads_for(int64_t bytes) {
   const int64_t by_size = std::max<int64_t>(1, bytes / (64 * 1024));
-  return int(std::min<int64_t>(at::get_num_threads(), by_size));
+  return int(std::min<int64_t>(max_threads(), by_size));
 }
 
 // Flat contiguous ids of one index type, range-checked on the host (cheap on CPU; F.embedding raises the same way).
@@ -354,7 +359,7 @@ at::Tensor attention(const at::Tensor& qkv_in, const at::Tensor& cu_seqlens, int
   a.max_seqlen = longest;
   a.scale = float(scale);
   a.out = out.data_ptr();
-  kernels().attention(a, dtype, int(std::min<int64_t>(at::get_num_threads(), batch * heads)));
+  kernels().attention(a, dtype, int(std::min<int64_t>(max_threads(), batch * heads)));
   return out;
 }
 
@@ -421,7 +426,7 @@ at::Tensor run_linear(void (*kernel)(const LinearArgs&, int), const at::Tensor& 
   a.n = n;
   a.k = k;
   const int64_t macs = m * n * k;  // compute-bound: a thread per ~256k multiply-adds at least
-  kernel(a, int(std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, macs >> 18))));
+  kernel(a, int(std::min<int64_t>(max_threads(), std::max<int64_t>(1, macs >> 18))));
   return out;
 }
 
@@ -510,6 +515,22 @@ at::Tensor encoder_layers(const at::Tensor& x_in, const at::Tensor& cu_seqlens, 
   return x;
 }
 
+// The pool's claim protocol, checked: `jobs` jobs on `threads` threads, each counting its runs. Returns (every job
+// ran exactly once, every slot was below `threads`, how many slots ran a job).
+std::tuple<bool, bool, int> pool_cover(int64_t jobs, int threads) {
+  TORCH_CHECK_VALUE(jobs >= 0 && threads >= 1, "jobs must be >= 0 and threads >= 1, got ", jobs, ", ", threads);
+  std::vector<std::atomic<uint8_t>> runs(static_cast<size_t>(jobs));
+  std::atomic<uint64_t> slots{0};
+  std::atomic<bool> slots_ok{true};
+  parallel_jobs(jobs, threads, [&](int64_t job, int slot) {
+    runs[size_t(job)].fetch_add(1, std::memory_order_relaxed);
+    if (slot < 0 || slot >= threads) slots_ok.store(false);
+    slots.fetch_or(uint64_t(1) << std::min(slot, 63), std::memory_order_relaxed);
+  });
+  const bool once = std::all_of(runs.begin(), runs.end(), [](const std::atomic<uint8_t>& r) { return r.load() == 1; });
+  return {once, slots_ok.load(), __builtin_popcountll(slots.load())};
+}
+
 }  // namespace
 }  // namespace fastbert::cpu
 
@@ -576,6 +597,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "FLOP/s of fp32 FMAs or bf16 dot products from registers on torch's threads: the CPU's arithmetic ceiling; "
       "None where the CPU lacks the instruction",
       py::arg("dtype"), py::arg("seconds") = 0.5);
+  m.def(
+      "threading",
+      [] {
+        std::string why;
+        const int threads = usable_threads(at::get_num_threads(), &why);
+        return py::make_tuple(threads, why, late_region_count(), solo_policy());
+      },
+      "(threads, what set that number, regions whose team came late, whether those send the next ones solo): pool.h");
+  m.def("pool_cover", &pool_cover, "(every job ran once, every slot below threads, slots that ran): the pool's check",
+        py::arg("jobs"), py::arg("threads"), py::call_guard<py::gil_scoped_release>());
+  m.def("pool_judge", &judge_region, "end a region whose last team thread began this late (ns): pool.h's policy",
+        py::arg("latest_start_ns"));
+  m.def("pool_solo_remaining_ns", &solo_remaining_ns, "ns left of the current solo period (0: regions use threads)");
   m.def("runnable_isas", &runnable_isas, "the ISAs compiled in that this CPU can run, best first");
   m.def("l2_cache_bytes", &l2_cache_bytes, "the per-core L2 size the GEMM's row panels are sized to (probed once)");
 }

@@ -214,8 +214,9 @@ def refuses_call(call: dict, forced: bool, op: str, verdict: Callable[[], tuple[
         return "K = 0: an empty product, left to torch"
     if op == "gated_linear" and (why := gated_refusal(call)) is not None:
         return why
-    if forced or x.numel() == 0:
-        return None
+    if forced or x.numel() == 0 or native.oversubscribed():
+        return None  # oversubscribed: this kernel runs on the calling thread alone, oneDNN's team would stall (and a
+        # verdict timed now would be the load's)
     wins, why = verdict()
     return None if wins else why
 

@@ -87,10 +87,20 @@ def describe() -> str | None:
     cpu, reason = load("_native_cpu")
     if cpu is None:
         return f"CPU kernels unavailable ({reason})"
+    threads, why, late, solo = cpu.threading()
+    busy = (f"{late} parallel region(s) so far found a thread the OS had not run (a busy machine) and sent the next "
+            "ones to the calling thread alone for a while" if solo else "solo regions off (FASTBERT_BUSY_SOLO=0)")
     return (
         f"CPU kernels for {', '.join(cpu.runnable_isas())} run here; using {cpu.isa()}; GEMM row panels sized to "
-        f"half of a {cpu.l2_cache_bytes() >> 10} KiB L2"
+        f"half of a {cpu.l2_cache_bytes() >> 10} KiB L2; {threads} thread(s), set by {why}; {busy}"
     )
+
+
+def oversubscribed() -> bool:
+    """Whether the CPU kernels' regions run solo now: a recent one found a thread the OS had not run (csrc/cpu/pool.h),
+    so a GEMM on another thread team (oneDNN's) would wait on it too."""
+    cpu, _ = load("_native_cpu")
+    return cpu is not None and cpu.pool_solo_remaining_ns() > 0
 
 
 def unavailable_reason() -> str | None:
