@@ -86,14 +86,18 @@ test-oldest: $(OLD_VENV)/.installed native
 # The native CPU kernels are part of the fast path: built here too, but a machine without a compiler still benchmarks.
 # Each run writes its own folder (BENCH_OUT, ignored by git): committed results in benchmarks/results/ change only when
 # someone copies a run there on purpose.
+# Runs are keyed by CPU model (fastbert.capabilities.cpu_key: vendor, family, model), then by time.
 BENCH_TIME := $(shell date -u +%Y%m%dT%H%M%SZ)
-BENCH_OUT ?= benchmarks/results/runs/$(BENCH_TIME)
+CPU_KEY := $(shell awk -F': *' '/^vendor_id/ && !v {v=$$2} /^cpu family/ && !f {f=$$2} /^model[[:space:]]*:/ && !m \
+	{m=$$2} END {if (v != "") print tolower(v) "-family" f "-model" m; else print "unknown-cpu"}' /proc/cpuinfo 2>/dev/null)
+BENCH_OUT ?= benchmarks/results/runs/$(or $(CPU_KEY),unknown-cpu)/$(BENCH_TIME)
 bench: venv
 	$(PIP) -r requirements/bench.txt
 	$(MAKE) native || echo "make bench: the native CPU extension did not build (see above); fastbert runs without it"
 	$(PY) -m benchmarks.run_model --out $(BENCH_OUT) $(BENCH_ARGS)
 	$(PY) -m benchmarks.bench_encode --out $(BENCH_OUT) $(ENCODE_ARGS)
 	$(PY) -m benchmarks.bench_gemm --out $(BENCH_OUT)
+	$(PY) -m benchmarks.headline $(BENCH_OUT)
 	@echo "make bench: this run's tables, data and plots are in $(BENCH_OUT)/ (benchmarks/results/ is unchanged)"
 
 clean:

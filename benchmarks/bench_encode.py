@@ -301,6 +301,7 @@ def _run(systems: tuple[str, ...], passes: int, stsb: str, model: str, model_dir
         "model_label": label,
         "device": model_report.device_name(torch.device("cpu")),
         "cpu_kind": capabilities.cpu_kind(),
+        "cpu_key": capabilities.cpu_key(),
         "versions": {**model_report.versions(), "sentence_transformers": _version("sentence_transformers"),
                      "openvino": _version("openvino")},  # fmt: skip
         "commit": model_report.git_commit(),

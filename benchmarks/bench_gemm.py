@@ -120,6 +120,7 @@ def run(hiddens: list[int], rows: list[int], budget: float) -> dict:
     return {
         "device": model_report.device_name(torch.device("cpu")),
         "cpu_kind": capabilities.cpu_kind(),
+        "cpu_key": capabilities.cpu_key(),
         "threads": torch.get_num_threads(),
         "versions": model_report.versions(),
         "commit": model_report.git_commit(),

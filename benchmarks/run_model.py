@@ -434,6 +434,7 @@ def run_suite(
         doc["dtype_labels"] = {name: dtype_label(device, name) for name in suite.dtypes}
         doc["capabilities"] = capabilities.report() if device.type == "cpu" else []
         doc["cpu_kind"] = capabilities.cpu_kind() if device.type == "cpu" else None
+        doc["cpu_key"] = capabilities.cpu_key() if device.type == "cpu" else None
         return doc
 
     with scratch_dir() as workdir, tqdm(total=total, desc="model suite", unit="row", file=sys.stderr) as progress:

@@ -94,6 +94,23 @@ def cpu_model() -> str:
     return f"{name or 'unknown CPU'} ({', '.join(f for f in wanted if f in flags) or 'no AVX2'})"
 
 
+@functools.cache
+def cpu_key() -> str:
+    """The CPU model as a results key: '<vendor>-family<F>-model<M>' from /proc/cpuinfo (Zen 4 and Zen 5, both "AMD
+    EPYC" with AVX-512 BF16, are families 25 and 26), or 'unknown-cpu'."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "unknown-cpu"
+    fields: dict[str, str] = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    if not all(fields.get(k) for k in ("vendor_id", "cpu family", "model")):
+        return "unknown-cpu"
+    return f"{fields['vendor_id'].lower()}-family{fields['cpu family']}-model{fields['model']}"
+
+
 def cpu_kind() -> str:
     """A short name for the class of CPU, to label results: 'avx512-bf16', 'avx512', 'avx2' (also when forced) or
     'other'. A label only: what runs is decided by the probes."""
