@@ -141,6 +141,7 @@ def markdown(doc: dict) -> str:
         f"{doc['date_utc']}; load average {', '.join(f'{x:.2f}' for x in doc['load_average'])}; FMA peak "
         + (f"{peak:.0f} GFLOP/s" if peak else "n/a"),
         "",
+        *((f"**{warning}**", "") if (warning := model_report.load_warning(doc)) else ()),
         "GFLOP/s (2 M N K per second; int8: multiply-adds x 2), and fastbert gemm's share of the FMA peak.",
         "",
         "| H | M | layer | " + " | ".join(names) + " | gemm / oneDNN | gemm / torch | gemm % of peak |",
@@ -170,8 +171,9 @@ def plot(doc: dict, path: str) -> bool:
     ax.set_xticklabels([f"H{r['hidden']} M{r['m']} {r['layer']}" for r in rows], fontsize=7, rotation=35, ha="right")
     ax.set_ylabel("GFLOP/s (higher is better)")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    warning = model_report.load_warning(doc)
     fig.suptitle(f"Encoder GEMMs with their epilogues (int8: GOP/s, its own roof), {doc['device']} "
-                 f"({doc['cpu_kind']})", fontsize=9)  # fmt: skip
+                 f"({doc['cpu_kind']})" + (f"\n{warning}" if warning else ""), fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
