@@ -16,8 +16,8 @@ if not torch.cuda.is_available():  # before anything imports triton: the interpr
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ["FASTBERT_TIMING_CACHE"] = "0"  # each test times afresh (tests/test_timing_store.py turns it on)
-# the CI machine runs two test workers on two cores: regions would go solo (and GEMMs skip their timing) with the load;
-# tests/test_native_pool.py checks that policy in a process of its own
+# off (the default) whatever the caller's environment: on two test workers per two cores regions would go solo and
+# GEMMs skip their timing with the load; tests/test_native_pool.py checks that policy in a process of its own
 os.environ["FASTBERT_BUSY_SOLO"] = "0"
 
 

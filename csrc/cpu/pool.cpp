@@ -41,7 +41,7 @@ const int fork_handler = pthread_atfork(nullptr, nullptr, [] { forked.store(true
 bool solo_policy() {
   static const bool on = [] {
     const char* env = std::getenv("FASTBERT_BUSY_SOLO");
-    return env == nullptr || std::string(env) != "0";
+    return env != nullptr && std::string(env) == "1";
   }();
   return on;
 }

@@ -8,7 +8,7 @@
 // millisecond late (a woken idle thread starts in tens of microseconds) sends the next 50 ms of regions to the calling
 // thread alone, then a region tries the team again (the solo period doubles, to 0.8 s, while it keeps finding it
 // late); fastbert's fp32 GEMMs also stay on its own kernel meanwhile (a oneDNN GEMM would wait on a team thread the
-// same way). Quiet, no region is ever solo. The team is torch's own, so no second set of threads competes with the one
+// same way). Opt-in (solo_policy): FASTBERT_BUSY_SOLO=1. The team is torch's own, so no second set of threads competes with the one
 // oneDNN's GEMMs run on.
 #pragma once
 
@@ -86,8 +86,9 @@ class LineBuffer {
 // CPU quota (a container given 2 CPUs of a 64-core host); `why` says which of the three set it.
 int usable_threads(int torch_threads, std::string* why = nullptr);
 
-// Whether late regions start solo periods: FASTBERT_BUSY_SOLO=0 turns that off (a run that must not change its
-// threads or its GEMM choices with the load, as the test suite on a shared CI machine), read once.
+// Whether late regions start solo periods: only with FASTBERT_BUSY_SOLO=1 (read once). Off by default: another
+// runtime's threads in the same process (OpenVINO's, after its own inference) make a team thread late on a quiet
+// machine too, and the encode benchmark then ran fastbert fp32 at 452 sentences/s instead of 698.
 bool solo_policy();
 
 // Regions so far whose team came late (each started a solo period).

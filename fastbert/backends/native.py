@@ -89,7 +89,8 @@ def describe() -> str | None:
         return f"CPU kernels unavailable ({reason})"
     threads, why, late, solo = cpu.threading()
     busy = (f"{late} parallel region(s) so far found a thread the OS had not run (a busy machine) and sent the next "
-            "ones to the calling thread alone for a while" if solo else "solo regions off (FASTBERT_BUSY_SOLO=0)")
+            "ones to the calling thread alone for a while" if solo else
+            f"busy-host solo regions off ({late} late region(s) seen; FASTBERT_BUSY_SOLO=1 turns them on)")
     return (
         f"CPU kernels for {', '.join(cpu.runnable_isas())} run here; using {cpu.isa()}; GEMM row panels sized to "
         f"half of a {cpu.l2_cache_bytes() >> 10} KiB L2; {threads} thread(s), set by {why}; {busy}"
