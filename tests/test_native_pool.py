@@ -151,5 +151,7 @@ def test_a_late_team_sends_regions_solo_and_a_prompt_one_ends_it() -> None:
 def test_the_policy_is_off_unless_asked_for() -> None:
     """Without FASTBERT_BUSY_SOLO=1 (this suite sets 0) a late region starts no solo period."""
     assert not EXT.threading()[3]
+    late = EXT.threading()[2]
     EXT.pool_judge(2_000_000)
-    assert EXT.pool_solo_remaining_ns() == 0
+    assert EXT.pool_solo_remaining_ns() == 0 and not native.oversubscribed()
+    assert EXT.threading()[2] == late + 1  # still counted, for explain()

@@ -47,12 +47,13 @@ bool solo_policy() {
 }
 
 void judge_region(int64_t latest_start_ns) {
-  if (latest_start_ns < kLateNs || !solo_policy()) {
-    solo_span.store(kSoloFirstNs, std::memory_order_relaxed);
-    solo_until.store(0, std::memory_order_relaxed);
+  if (latest_start_ns < kLateNs) {  // prompt: end any backing off (stores only then: every region ends here)
+    if (solo_span.load(std::memory_order_relaxed) != kSoloFirstNs) solo_span.store(kSoloFirstNs);
+    if (solo_until.load(std::memory_order_relaxed) != 0) solo_until.store(0);
     return;
   }
-  late_regions.fetch_add(1, std::memory_order_relaxed);
+  late_regions.fetch_add(1, std::memory_order_relaxed);  // counted with the policy off too (explain() says how many)
+  if (!solo_policy()) return;
   const int64_t span = solo_span.load(std::memory_order_relaxed);
   solo_until.store(now_ns() + span, std::memory_order_relaxed);
   solo_span.store(std::min(2 * span, kSoloMaxNs), std::memory_order_relaxed);

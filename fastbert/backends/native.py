@@ -8,6 +8,7 @@ limits, says why one call is not taken, so the dispatch falls back with that rea
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import json
@@ -100,8 +101,15 @@ def describe() -> str | None:
 def oversubscribed() -> bool:
     """Whether the CPU kernels' regions run solo now: a recent one found a thread the OS had not run (csrc/cpu/pool.h),
     so a GEMM on another thread team (oneDNN's) would wait on it too."""
+    return _solo_policy() and load("_native_cpu")[0].pool_solo_remaining_ns() > 0
+
+
+@functools.cache
+def _solo_policy() -> bool:
+    """FASTBERT_BUSY_SOLO=1 as the extension read it, once: with it off (the default) oversubscribed() is one cached
+    call, not an extension call per GEMM dispatch."""
     cpu, _ = load("_native_cpu")
-    return cpu is not None and cpu.pool_solo_remaining_ns() > 0
+    return cpu is not None and bool(cpu.threading()[3])
 
 
 def unavailable_reason() -> str | None:
