@@ -10,9 +10,12 @@ embeddings.
 
 Systems, all fed by the same tokenizer (tokenisation is part of every timing): sentence-transformers as shipped
 (transformers underneath), the same with fastbert's encoder (`fastbert.optimize(st)`), and with fastbert int8
-(`quantize="int8"`); onnxruntime fp32 on fastbert's optimized export and on a plain torch.onnx export of transformers'
-model; OpenVINO fp32 (the `openvino` package, on the plain export, inference precision pinned to f32) and OpenVINO
-default (the plugin's own precision: bf16 on CPUs with bf16 instructions; the row says which ran); and the int8 paths
+(`quantize="int8"`); both in bf16 (`.to(torch.bfloat16)`, `fastbert.optimize(st, dtype=torch.bfloat16)`: on a CPU
+without bf16 instructions sentence-transformers' bf16 is emulated, minutes a pass, and its row says so instead, while
+fastbert's runs fp32 GEMMs on bf16-rounded operands and says that); onnxruntime fp32 on fastbert's optimized export and
+on a plain torch.onnx export of transformers' model; OpenVINO fp32 (the `openvino` package, on the plain export,
+inference precision pinned to f32) and OpenVINO default (the plugin's own precision: bf16 on CPUs with bf16
+instructions; the row says which ran); and the int8 paths
 CPU users take: onnxruntime dynamic int8 (`quantize_dynamic`, QInt8 weights), OpenVINO int8 the way its docs recommend
 (NNCF static post-training quantisation with `model_type=TRANSFORMER`, calibrated on 512 STS-B train sentences, never on
 the dev sentences measured) and torch dynamic int8 (`torch.ao.quantization.quantize_dynamic`). Passes are interleaved
@@ -149,6 +152,15 @@ def build(name: str, st_model, workdir: str) -> Embedder:
         return st_embedder(copy.deepcopy(st_model))
     if name == "fastbert fp32":
         return st_embedder(fastbert.optimize(copy.deepcopy(st_model)))
+    if name == "fastbert bf16":  # without bf16 instructions: fp32 GEMMs on bf16-rounded operands (the note says so)
+        embed = st_embedder(fastbert.optimize(copy.deepcopy(st_model), dtype=torch.bfloat16))
+        if capabilities.bf16_via_fp32(torch.device("cpu")):
+            embed = _noted(embed, "fp32 GEMMs here: no bf16 instructions")
+        return embed
+    if name == "sentence-transformers bf16":
+        if capabilities.bf16_via_fp32(torch.device("cpu")):
+            raise RuntimeError("bf16 is emulated on this CPU (no bf16 instructions): minutes per pass; see fp32")
+        return st_embedder(copy.deepcopy(st_model).to(torch.bfloat16))
     if name == "fastbert int8":
         return st_embedder(fastbert.optimize(copy.deepcopy(st_model), quantize="int8"))
     if name == "torch dynamic int8":
@@ -167,9 +179,7 @@ def build(name: str, st_model, workdir: str) -> Embedder:
         return sorted_batches(st_model, openvino_runner(onnxruntime_runner(st_model[0].model, workdir).path))
     if name == "OpenVINO default":  # the plugin's own precision: bf16 where the CPU has bf16 instructions
         runner = openvino_runner(onnxruntime_runner(st_model[0].model, workdir).path, precision=None)
-        embed = sorted_batches(st_model, runner)
-        embed.note = f"ran {runner.precision} here"
-        return embed
+        return _noted(sorted_batches(st_model, runner), f"ran {runner.precision} here")
     if name == "OpenVINO int8 (NNCF)":  # static int8, calibrated on STS-B train sentences (never the measured dev)
         a, b, _ = read_pairs(os.path.join(os.path.dirname(STSB_DEV), "sts-train.csv"))
         graph = onnxruntime_runner(st_model[0].model, workdir).path
@@ -180,10 +190,22 @@ def build(name: str, st_model, workdir: str) -> Embedder:
     raise ValueError(f"unknown system {name!r}")
 
 
+def _noted(embed: Embedder, note: str) -> Embedder:
+    """`embed` with the note its row prints beside the system's name."""
+
+    def run(sentences: list[str]) -> torch.Tensor:
+        return embed(sentences)
+
+    run.note = note
+    return run
+
+
 SYSTEMS = (
     "sentence-transformers",
     "fastbert fp32",
     "fastbert int8",
+    "sentence-transformers bf16",
+    "fastbert bf16",
     "onnxruntime fp32 (fastbert export)",
     "onnxruntime fp32 (plain export)",
     "OpenVINO fp32",

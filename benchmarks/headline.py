@@ -23,6 +23,7 @@ from benchmarks import model_report
 ENCODE = {
     "fastbert fp32": ("fastbert", "fp32"),
     "fastbert int8": ("fastbert", "int8"),
+    "fastbert bf16": ("fastbert", "bf16"),
     "onnxruntime fp32 (fastbert export)": ("onnxruntime", "fp32"),
     "onnxruntime fp32 (plain export)": ("onnxruntime", "fp32"),
     "onnxruntime dynamic int8": ("onnxruntime", "int8"),
@@ -31,6 +32,7 @@ ENCODE = {
     "OpenVINO int8 (NNCF)": ("OpenVINO", "int8"),
     "OpenVINO int8": ("OpenVINO", "int8"),
     "sentence-transformers": ("transformers", "fp32"),
+    "sentence-transformers bf16": ("transformers", "bf16"),
     "torch dynamic int8": ("transformers", "int8"),
 }
 MODEL = {

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,9 +47,11 @@ _PROBE_REPEATS = 5
 
 # oneDNN keeps a primitive (JIT code and a weight layout for it) per GEMM row count in two caches (oneDNN's and
 # ideep's, 1024 entries each by default); a server that sees a new token count on every call then grows by hundreds
-# of MB (benchmarks/bench_memory.py). 64 entries hold every GEMM of a dozen shapes in rotation and bound the growth.
+# of MB (benchmarks/bench_memory.py). 256 entries bound that growth and still hold a whole rotation of bucketed row
+# counts (fastbert.execution.rows: all-MiniLM-L6-v2's encode workload uses 20 buckets x 4 GEMMs); an LRU cache smaller
+# than the rotation it serves misses on every call.
 ONEDNN_CACHE_ENV = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
-ONEDNN_CACHE_DEFAULT = "64"
+ONEDNN_CACHE_DEFAULT = "256"
 
 
 def bound_onednn_caches() -> None:
@@ -202,6 +205,47 @@ def _time_bf16_gemm() -> Finding:
     shape = f"[{_PROBE_M}, {_PROBE_K}] x [{_PROBE_K}, {_PROBE_N}]"
     verdict = "native bf16 dot products" if ratio >= 1 else "emulated: no bf16 dot-product instructions"
     return Finding(ratio >= 1, f"{verdict} (bf16 GEMM {ratio:.2f}x fp32's speed on {shape})")
+
+
+def new_row_count_cost(dtype: torch.dtype) -> Finding:
+    """Does a GEMM at a row count this process has not seen cost over four times one it has, in `dtype` (fp32 or
+    bf16, as oneDNN runs it)? oneDNN compiles a kernel per shape: with AMX a new bf16 row count took 10-20x the GEMM
+    itself, an fp32 one 1.7-1.9x (an AVX-512 Xeon), where rounding row counts up would cost more than it saves.
+    Timed once per dtype; `FASTBERT_ROW_BUCKETS` (fastbert.execution.rows) overrides."""
+    return _time_new_row_counts(dtype)
+
+
+_ROW_PROBE_K, _ROW_PROBE_N = 512, 1024
+_ROW_PROBE_FRESH = (317, 331, 347)  # row counts no bucket of fastbert.execution.rows is: unseen unless timed here
+_ROW_PROBE_PRIME = 300
+
+
+def _seconds(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+@functools.cache
+def _time_new_row_counts(dtype: torch.dtype) -> Finding:
+    with _real_tensors(), torch.no_grad(), torch.autocast("cpu", enabled=False):
+        if dtype == torch.bfloat16 and not onednn_bf16_prepack().ok:
+            return Finding(False, "bf16 GEMMs do not run on oneDNN's bf16 kernels here")
+        w = _cpu_randn(_ROW_PROBE_N, _ROW_PROBE_K).to(dtype)
+        x = _cpu_randn(max(_ROW_PROBE_FRESH), _ROW_PROBE_K).to(dtype)
+        if onednn_bf16_prepack().ok or dtype == torch.float32 and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+            packed = torch.ops.mkldnn._reorder_linear_weight(w)
+            run = lambda rows: torch.ops.mkldnn._linear_pointwise(x[:rows], packed, None, "none", [], "")  # noqa: E731
+        else:
+            run = lambda rows: F.linear(x[:rows], w)  # noqa: E731
+        run(_ROW_PROBE_PRIME)  # one-time set-up (the weight's layout, thread pools) out of the timings
+        fresh = [_seconds(functools.partial(run, rows)) for rows in _ROW_PROBE_FRESH]
+        seen = min(_seconds(functools.partial(run, rows)) for _ in range(_PROBE_REPEATS) for rows in _ROW_PROBE_FRESH)
+    first = statistics.median(fresh)
+    name = str(dtype).removeprefix("torch.")
+    words = (f"a {name} GEMM at a new row count took {first * 1e3:.2f} ms, {first / seen:.1f}x one already seen "
+             f"([{_ROW_PROBE_FRESH[0]}, {_ROW_PROBE_K}] x [{_ROW_PROBE_K}, {_ROW_PROBE_N}])")
+    return Finding(first > 4 * seen, words)
 
 
 def _best_seconds(runs: dict) -> dict[str, float]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fastbert
-from fastbert import BertConfig, BertModel, ops
+from fastbert import BertConfig, BertModel, capabilities, ops
 
 TINY = dict(vocab_size=99, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
 
@@ -107,10 +107,10 @@ def test_importing_fastbert_bounds_onednn_caches_unless_the_user_set_them() -> N
     code = "import os, fastbert; print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'], os.environ['LRU_CACHE_CAPACITY'])"
     env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["64", "64"]
+    assert out.stdout.split() == [capabilities.ONEDNN_CACHE_DEFAULT] * 2
     env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = "8"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["8", "64"]
+    assert out.stdout.split() == ["8", capabilities.ONEDNN_CACHE_DEFAULT]
 
 
 def test_config_backend_names_come_from_the_registry(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastbert import relative_positions
+from fastbert.execution import rows
 from fastbert.execution.plan import Call, FusedOp, Inputs, Plan
 from fastbert.execution.structure import Structure
 from fastbert.padding import Packing
@@ -110,9 +111,11 @@ class Loop:
     def run(self, plan: Plan, call: Call, packing: Packing) -> torch.Tensor:
         s, grad = call.structure, plan.mode.grad
         x = embed(plan, s, *packed(call.inputs, packing))
+        total = x.shape[0]
+        x, laid = rows.lay(plan, x, packing)
         if call.hidden is not None:
             call.hidden.append(x)
-        return layers(plan, s, s.layer_weights(grad), x, packing, call.hidden)
+        return rows.cut(layers(plan, s, s.layer_weights(grad), x, laid, call.hidden), total, call.hidden)
 
     def note(self, plan: Plan) -> str:
         return "one loop over the layers' tensors with the bound ops"

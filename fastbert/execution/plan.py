@@ -101,6 +101,7 @@ class Plan:
         self.note = "bound after its first forward, which ran module by module"  # how the last forward ran, and why
         self.provisional = False  # bound from a forward whose ops did not all go through the dispatch
         self.details: Callable[[], str | None] = lambda: None  # an executor's own line for explain() (graphs)
+        self.row_buckets: tuple[bool, str] | None = None  # whether the loop rounds token counts up, and why (.rows)
 
     def _bind(self, op: str, names: set[str]) -> tuple[FusedOp, str, str | None]:
         dispatched = getattr(ops, op)
@@ -149,6 +150,8 @@ class Plan:
         lines.append(f"  executors, in order: {order}" + (f" (not bound: {skipped})" if skipped else ""))
         if (details := self.details()) is not None:
             lines.append(f"  {details}")
+        if self.row_buckets is not None:
+            lines.append(f"  token rows {'bucketed' if self.row_buckets[0] else 'not bucketed'}: {self.row_buckets[1]}")
         return "\n".join(lines + [f"  {op} -> {self.how[op]}" for op in ops.OPS])
 
 

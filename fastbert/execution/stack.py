@@ -27,7 +27,7 @@ from torch import nn
 
 from fastbert import ops
 from fastbert.backends import gemm, int8, native
-from fastbert.execution import loop
+from fastbert.execution import loop, rows
 from fastbert.execution.plan import Call, Plan
 from fastbert.execution.structure import Structure, same_layers
 from fastbert.padding import Packing
@@ -85,6 +85,8 @@ class Stack:
     def run(self, plan: Plan, call: Call, packing: Packing) -> torch.Tensor | str:
         s = call.structure
         x = loop.embed(plan, s, *loop.packed(call.inputs, packing))
+        total = x.shape[0]
+        x, packing = rows.lay(plan, x, packing)
         weights = s.layer_weights(False)
         chosen: list[str] = []
         x = loop.layers(plan, s, weights[:1], x, packing, None, _choosing("linear", chosen),
@@ -94,7 +96,7 @@ class Stack:
         if elsewhere := [(what, name) for what, name in zip(GEMMS, gemms, strict=True) if name not in OPERANDS]:
             _status["last"] = (f"the rest in the loop, because the first layer ran its {elsewhere[0][0]} GEMM on "
                                f"{elsewhere[0][1]} (the native call has the gemm/int8 GEMMs)")  # fmt: skip
-            return loop.layers(plan, s, weights[1:], x, packing)
+            return rows.cut(loop.layers(plan, s, weights[1:], x, packing), total, None)
         operands: list[torch.Tensor] = []
         eps: list[float] = []
         for qkv_w, qkv_b, o_w, o_b, n1_w, n1_b, eps1, i_w, i_b, _, f_w, f_b, n2_w, n2_b, eps2, _ in weights[1:]:
@@ -109,7 +111,7 @@ class Stack:
         cpu, _ = native.load("_native_cpu")
         scale = first.scale if first.scale is not None else 1.0 / math.sqrt(first.head_dim)  # DeBERTa's 1/sqrt(3D)
         x = cpu.encoder_layers(x, packing.cu_seqlens, int(packing.max_seqlen), first.num_heads, scale, operands,
-                               s.layers[0].act, eps, s.position_bias())  # fmt: skip
+                               s.layers[0].act, eps, s.position_bias())[:total]  # fmt: skip
         _status["stacked"] += 1
         on = (f"every GEMM on {gemms[0]}" if len(set(gemms)) == 1
               else ", ".join(f"{what} on {name}" for what, name in zip(GEMMS, gemms, strict=True)))  # fmt: skip
