@@ -21,7 +21,7 @@ from setuptools import find_packages, setup
 # ISA flags live in csrc/cpu/isa_*.cpp (runtime dispatch). -fno-trapping-math / -fno-math-errno change no result (we
 # never read FP exception flags or errno) but let GCC if-convert clamps and inline sqrt, so the loops vectorise.
 CPU_FLAGS = ["-O3", "-std=c++20", "-fopenmp", "-fno-trapping-math", "-fno-math-errno"]
-CPU_ISAS = "runtime dispatch: avx512bf16, avx512vnni, avx512, avx2, generic"  # csrc/cpu/isa_*.cpp
+CPU_ISAS = "runtime dispatch: avx512amx, avx512bf16, avx512vnni, avx512, avx2, generic"  # csrc/cpu/isa_*.cpp
 CUDA_ARCH_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a", "-gencode=arch=compute_80,code=compute_80"]
 NVCC_FLAGS = ["-O3", "-std=c++20", *CUDA_ARCH_FLAGS]
 # The C++ runtime linked the way torch links it: libstdc++ and libgcc_s as shared libraries, named before the

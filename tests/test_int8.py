@@ -113,6 +113,31 @@ def test_quad_and_pair_packs_give_the_same_numbers(ext) -> None:
         assert torch.equal(ext.int8_linear(x, quads, scale, b, act), ext.int8_linear(x, pairs, scale, b, act))
 
 
+@pytest.mark.parametrize("k", [64, 384, 768])
+@pytest.mark.parametrize("m", [1, 31, 33, 130])
+def test_amx_tiles_give_the_vnni_tiles_numbers_bit_for_bit(m: int, k: int) -> None:
+    """Both sum the same u8 x s8 quads in exact int32 and share the epilogue: every output (bias, activation, residual
+    + LayerNorm, gated, a partial last column tile) equal, at row counts below, at and past a 32-row block."""
+    if "avx512amx" not in EXT.runnable_isas():
+        pytest.skip(f"no AMX tiles here (kernels for {', '.join(EXT.runnable_isas())})")
+    default = EXT.isa()
+    x, w, b = torch.randn(m, k), torch.randn(77, k), torch.randn(77)
+    gated, gated_scale = gemm.pack_panels(int8.quantize_rows(torch.randn(64, k))[0].to(torch.int8), 4), torch.rand(64)
+    residual, lw, lb = torch.randn(m, 77), torch.randn(77), torch.randn(77)
+    q = int8.quantize_weight(w)
+    outs = {}
+    try:
+        for isa in ("avx512amx", "avx512bf16"):
+            assert EXT.set_isa(isa)
+            outs[isa] = [EXT.int8_linear(x, q.packed, q.scale, b, act) for act in ACTS]
+            outs[isa].append(EXT.int8_linear(x, q.packed, q.scale, b, None, residual, lw, lb, 1e-12))
+            outs[isa].append(EXT.int8_linear(x, gated, gated_scale, None, "gelu", gated=EXT.gate_group()))
+    finally:
+        EXT.set_isa(default)
+    for amx, vnni in zip(outs["avx512amx"], outs["avx512bf16"], strict=True):
+        assert torch.equal(amx, vnni)
+
+
 def test_bad_kernel_arguments_raise() -> None:
     q = int8.quantize_weight(torch.randn(8, 16))
     with pytest.raises(TypeError, match="float32"):

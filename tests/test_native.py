@@ -1,8 +1,8 @@
 """Native CPU kernels (csrc/cpu) against the fp64 reference, the dispatch's fallback and forcing, BertModel end to end.
 
-Kernel tests run once per ISA the CPU can execute (avx512bf16, avx512vnni, avx512, avx2, generic) and skip, with the
-reason, when the extension is not built. fp32: rtol/atol 1e-5 vs fp64. bf16: error vs fp64 at most 2x plain torch's
-bf16 error + 1e-3.
+Kernel tests run once per ISA the CPU can execute (avx512amx, avx512bf16, avx512vnni, avx512, avx2, generic) and skip,
+with the reason, when the extension is not built. fp32: rtol/atol 1e-5 vs fp64. bf16: error vs fp64 at most 2x plain
+torch's bf16 error + 1e-3.
 """
 
 from __future__ import annotations

@@ -4,6 +4,10 @@
 #include <torch/python.h>
 
 #include <ATen/Parallel.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -20,14 +24,26 @@
 namespace fastbert::cpu {
 namespace {
 
+// Linux hands a process the AMX tile state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA); asked once.
+bool amx_granted() {
+#if defined(__x86_64__) && defined(__linux__)
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return granted;
+#else
+  return false;
+#endif
+}
+
 bool cpu_has(const char* isa) {
 #if defined(__x86_64__)
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  if (std::string(isa) == "avx512bf16")
-    return avx512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
+  const bool bf16 = avx512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
+  if (std::string(isa) == "avx512amx")
+    return bf16 && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") && amx_granted();
+  if (std::string(isa) == "avx512bf16") return bf16;
   if (std::string(isa) == "avx512vnni") return avx512 && __builtin_cpu_supports("avx512vnni");
   if (std::string(isa) == "avx512") return avx512;
   if (std::string(isa) == "avx2") return avx2;
@@ -37,6 +53,7 @@ bool cpu_has(const char* isa) {
 
 const KernelTable* table_of(const std::string& isa) {
 #if defined(__x86_64__)
+  if (isa == "avx512amx") return &kernels_avx512amx();
   if (isa == "avx512bf16") return &kernels_avx512bf16();
   if (isa == "avx512vnni") return &kernels_avx512vnni();
   if (isa == "avx512") return &kernels_avx512();
@@ -53,7 +70,7 @@ std::atomic<const KernelTable*> active{nullptr};
 const KernelTable& kernels() {
   const KernelTable* table = active.load();
   if (table == nullptr) {
-    for (const char* isa : {"avx512bf16", "avx512vnni", "avx512", "avx2", "generic"}) {
+    for (const char* isa : {"avx512amx", "avx512bf16", "avx512vnni", "avx512", "avx2", "generic"}) {
       if (cpu_has(isa)) {
         table = table_of(isa);
         break;
@@ -74,7 +91,7 @@ bool set_isa(const std::string& isa) {
 
 std::vector<std::string> runnable_isas() {
   std::vector<std::string> out;
-  for (const char* isa : {"avx512bf16", "avx512vnni", "avx512", "avx2", "generic"})
+  for (const char* isa : {"avx512amx", "avx512bf16", "avx512vnni", "avx512", "avx2", "generic"})
     if (cpu_has(isa) && table_of(isa) != nullptr) out.emplace_back(isa);
   return out;
 }

@@ -102,6 +102,7 @@ struct KernelTable {
   int64_t tile_cols;          // output columns per GEMM tile: a gated weight interleaves groups of half of it
 };
 
+const KernelTable& kernels_avx512amx();
 const KernelTable& kernels_avx512bf16();
 const KernelTable& kernels_avx512vnni();
 const KernelTable& kernels_avx512();
