@@ -115,13 +115,15 @@ def cpu_key() -> str:
 
 
 def cpu_kind() -> str:
-    """A short name for the class of CPU, to label results: 'avx512-bf16', 'avx512', 'avx2' (also when forced) or
-    'other'. A label only: what runs is decided by the probes."""
+    """A short name for the class of CPU, to label results: 'avx512-amx', 'avx512-bf16', 'avx512', 'avx2' (also when
+    forced) or 'other'. A label only: what runs is decided by the probes."""
     flags = _cpuinfo()[1]
     if forced_isa() == "avx2":  # the AVX2 kernels run; a forced avx512bf16 changes decisions, not what this CPU is
         return "avx2"
     if "avx512f" in flags:
-        return "avx512-bf16" if "avx512_bf16" in flags else "avx512"
+        if "avx512_bf16" not in flags:
+            return "avx512"
+        return "avx512-amx" if {"amx_tile", "amx_int8", "amx_bf16"} <= flags else "avx512-bf16"
     return "avx2" if "avx2" in flags else "other"
 
 
