@@ -123,7 +123,7 @@ def cpu_kind() -> str:
     if "avx512f" in flags:
         if "avx512_bf16" not in flags:
             return "avx512"
-        return "avx512-amx" if {"amx_tile", "amx_int8", "amx_bf16"} <= flags else "avx512-bf16"
+        return "avx512-amx" if {"amx_tile", "amx_int8"} <= flags else "avx512-bf16"  # the avx512amx kernels' need
     return "avx2" if "avx2" in flags else "other"
 
 
@@ -156,8 +156,9 @@ def _real_tensors() -> contextlib.AbstractContextManager:
 
 
 def _cpu_randn(*shape: int) -> torch.Tensor:
-    """fp32 noise on the CPU whatever the caller's default device and dtype."""
-    return torch.randn(*shape, device="cpu", dtype=torch.float32)
+    """fp32 noise on the CPU whatever the caller's default device and dtype, from a generator of its own: a probe that
+    runs mid-training (the row-count probe runs at a plan's first forward) must not move the caller's random stream."""
+    return torch.randn(*shape, device="cpu", dtype=torch.float32, generator=torch.Generator().manual_seed(0))
 
 
 @_probe
@@ -230,17 +231,19 @@ def _seconds(fn: Callable[[], object]) -> float:
 
 @functools.cache
 def _time_new_row_counts(dtype: torch.dtype) -> Finding:
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return Finding(False, "this torch has no oneDNN prepacked linear: no GEMM is compiled per row count")
+    if dtype == torch.bfloat16 and not onednn_bf16_prepack().ok:
+        return Finding(False, "bf16 GEMMs do not run on oneDNN's bf16 kernels here")
     with _real_tensors(), torch.no_grad(), torch.autocast("cpu", enabled=False):
-        if dtype == torch.bfloat16 and not onednn_bf16_prepack().ok:
-            return Finding(False, "bf16 GEMMs do not run on oneDNN's bf16 kernels here")
         w = _cpu_randn(_ROW_PROBE_N, _ROW_PROBE_K).to(dtype)
         x = _cpu_randn(max(_ROW_PROBE_FRESH), _ROW_PROBE_K).to(dtype)
-        if onednn_bf16_prepack().ok or dtype == torch.float32 and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        try:
             packed = torch.ops.mkldnn._reorder_linear_weight(w)
             run = lambda rows: torch.ops.mkldnn._linear_pointwise(x[:rows], packed, None, "none", [], "")  # noqa: E731
-        else:
-            run = lambda rows: F.linear(x[:rows], w)  # noqa: E731
-        run(_ROW_PROBE_PRIME)  # one-time set-up (the weight's layout, thread pools) out of the timings
+            run(_ROW_PROBE_PRIME)  # one-time set-up (the weight's layout, thread pools) out of the timings
+        except RuntimeError as exc:
+            return Finding(False, f"oneDNN refused the probe GEMM: {str(exc).splitlines()[0][:160]}")
         fresh = [_seconds(functools.partial(run, rows)) for rows in _ROW_PROBE_FRESH]
         seen = min(_seconds(functools.partial(run, rows)) for _ in range(_PROBE_REPEATS) for rows in _ROW_PROBE_FRESH)
     first = statistics.median(fresh)

@@ -48,22 +48,47 @@ def test_the_decision_says_why_in_each_mode(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.delenv(rows.ENV, raising=False)
     costly = capabilities.Finding(True, "a new row count took 9x")
     cheap = capabilities.Finding(False, "a new row count took 1.2x")
+    onednn, own = {"linear": frozenset({"onednn"})}, {"linear": frozenset({"int8"}), "dense_residual_layernorm":
+                                                       frozenset({"gemm", "int8"})}  # fmt: skip
     monkeypatch.setattr(capabilities, "new_row_count_cost", lambda dtype: costly)
-    assert rows._decide(_mode(), {"linear": None}) == (True, f"{costly.why}: row counts rounded up to eight steps "
-                                                             "per octave")  # fmt: skip
-    assert rows._decide(_mode("cuda"), {"linear": None})[0] is False
-    assert "inference only" in rows._decide(_mode(training=True), {"linear": None})[1]
-    assert "inference only" in rows._decide(_mode(grad=True), {"linear": None})[1]
-    assert "int8" in rows._decide(_mode(), {"linear": "int8"})[1]
-    assert rows._decide(_mode(dtype=torch.float16), {"linear": None})[0] is False
+    assert rows._decide(_mode(), onednn) == (True, f"{costly.why}: row counts rounded up to eight steps per octave")
+    assert rows._decide(_mode(), {"linear": frozenset({"gemm", "onednn"})})[0] is True
+    assert rows._decide(_mode("cuda"), onednn)[0] is False
+    assert "inference only" in rows._decide(_mode(training=True), onednn)[1]
+    assert "inference only" in rows._decide(_mode(grad=True), onednn)[1]
+    assert rows._decide(_mode(), own) == (False, "the first forward's GEMMs ran on gemm and int8, which compile "
+                                                 "nothing per row count")  # fmt: skip
+    assert rows._decide(_mode(dtype=torch.float16), onednn)[0] is False
     monkeypatch.setattr(capabilities, "new_row_count_cost", lambda dtype: cheap)
-    assert rows._decide(_mode(), {"linear": None}) == (False, f"{cheap.why}: row counts as they come")
+    assert rows._decide(_mode(), onednn) == (False, f"{cheap.why}: row counts as they come")
     monkeypatch.setenv(rows.ENV, "1")
-    assert rows._decide(_mode(), {"linear": "int8"}) == (True, f"{rows.ENV}=1")
-    assert rows._decide(_mode(training=True), {"linear": None})[0] is False
+    assert rows._decide(_mode(), own) == (True, f"{rows.ENV}=1")
+    assert rows._decide(_mode(training=True), onednn)[0] is False
     monkeypatch.setenv(rows.ENV, "0")
     monkeypatch.setattr(capabilities, "new_row_count_cost", lambda dtype: costly)
-    assert rows._decide(_mode(), {"linear": None}) == (False, f"{rows.ENV}=0")
+    assert rows._decide(_mode(), onednn) == (False, f"{rows.ENV}=0")
+
+
+def test_a_plan_on_fastbert_gemms_is_not_bucketed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the first forward's GEMMs ran on, as the plan recorded it, decides: not a value the test makes up."""
+    monkeypatch.delenv(rows.ENV, raising=False)
+    monkeypatch.setenv("FASTBERT_CPU_GEMM", "gemm")
+    monkeypatch.setattr(capabilities, "new_row_count_cost", lambda dtype: capabilities.Finding(True, "costly"))
+    ids, mask = _ragged(99, [5, 2], 5, 0)
+    model = tiny_bert()
+    with torch.inference_mode():
+        for _ in range(2):
+            model(ids, attention_mask=mask)
+    assert "token rows not bucketed: the first forward's GEMMs ran on gemm, which compile nothing" in fastbert.explain()
+
+
+def test_the_probe_leaves_the_callers_random_stream_alone() -> None:
+    """It runs at a plan's first forward, mid-training too: a resumed run must draw what the uninterrupted one drew."""
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    capabilities._time_new_row_counts.__wrapped__(torch.float32)
+    assert torch.equal(torch.rand(3), expected)
 
 
 def _runs(model: torch.nn.Module, setting: str, monkeypatch: pytest.MonkeyPatch, ids: torch.Tensor,

@@ -90,6 +90,7 @@ class Plan:
             ran.setdefault(op, set()).add(name)
         for op in ops.OPS:
             self.functions[op], self.how[op], self.backends[op] = self._bind(op, ran.get(op, set()))
+        self.ran = {op: frozenset(names) for op, names in ran.items()}  # op -> the backends its first forward took
         self.executors: list[Executor] = []
         self.skipped: list[tuple[str, str]] = []  # (executor, why it does not take this mode)
         for executor in executors:

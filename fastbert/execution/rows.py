@@ -23,7 +23,7 @@ from fastbert.backends import onednn
 from fastbert.padding import Packing
 
 ENV = "FASTBERT_ROW_BUCKETS"
-OWN_GEMMS = ("gemm", "int8")  # fastbert's GEMM backends: kernels built once, for any row count
+OWN_GEMMS = frozenset({"gemm", "int8"})  # fastbert's GEMM backends: kernels built once, for any row count
 
 
 def bucket(total: int) -> int:
@@ -37,11 +37,12 @@ def decide(plan: object) -> tuple[bool, str]:
     times GEMMs) and kept on the plan for explain()."""
     decided = getattr(plan, "row_buckets", None)
     if decided is None:
-        decided = plan.row_buckets = _decide(plan.mode, plan.backends)
+        decided = plan.row_buckets = _decide(plan.mode, plan.ran)
     return decided
 
 
-def _decide(mode: object, backends: dict[str, str | None]) -> tuple[bool, str]:
+def _decide(mode: object, ran: dict[str, frozenset[str]]) -> tuple[bool, str]:
+    """The decision for a plan's mode, given the backends each op took in its first forward."""
     forced = os.environ.get(ENV, "").strip()
     if forced == "0":
         return False, f"{ENV}=0"
@@ -51,8 +52,10 @@ def _decide(mode: object, backends: dict[str, str | None]) -> tuple[bool, str]:
         return False, "inference only: a training forward keeps its rows (dropout draws per row)"
     if forced == "1":
         return True, f"{ENV}=1"
-    if backends.get("linear") in OWN_GEMMS:
-        return False, f"the GEMMs are bound to {backends['linear']}, which compiles nothing per row count"
+    gemms = ran.get("linear", frozenset()) | ran.get("dense_residual_layernorm", frozenset())
+    if gemms and gemms <= OWN_GEMMS:
+        return False, (f"the first forward's GEMMs ran on {' and '.join(sorted(gemms))}, which compile nothing per row "
+                       "count")
     dtype = mode.autocast or mode.dtype
     if dtype not in (torch.float32, torch.bfloat16):
         return False, f"no {str(dtype).removeprefix('torch.')} GEMM is compiled per row count here"
