@@ -224,6 +224,7 @@ _ROW_PROBE_PRIME = 300
 
 
 def _seconds(fn: Callable[[], object]) -> float:
+    """Wall seconds of one call: the compile runs on the calling thread, the GEMM on torch's whole team."""
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
