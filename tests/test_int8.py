@@ -103,7 +103,7 @@ def test_quad_and_pair_packs_give_the_same_numbers(ext) -> None:
     g = torch.Generator().manual_seed(3)
     x, w, b = torch.randn(37, 70, generator=g) * 2, torch.randn(45, 70, generator=g) * 0.1, torch.randn(45, generator=g)
     values, scale = int8.quantize_rows(w)
-    quads, pairs = gemm.pack_panels(values.to(torch.int8), 4), gemm.pack_panels(values.to(torch.int16), 2)
+    quads, pairs = int8.pack_quads(values), gemm.pack_panels(values.to(torch.int16), 2)
     scale = scale[:, 0].contiguous()
     if ext.int8_k_per_step() != 4:
         with pytest.raises(ValueError, match="VNNI"):
@@ -111,6 +111,18 @@ def test_quad_and_pair_packs_give_the_same_numbers(ext) -> None:
         return
     for act in ACTS:
         assert torch.equal(ext.int8_linear(x, quads, scale, b, act), ext.int8_linear(x, pairs, scale, b, act))
+    with pytest.raises(ValueError, match="pack of an"):  # quad panels without their column sums
+        ext.int8_linear(x, gemm.pack_panels(values.to(torch.int8), 4), scale, b)
+
+
+def test_a_quad_pack_ends_each_panel_with_its_column_sums() -> None:
+    """The step after each panel's k holds 128 * sum_k q[n, k] per column as int32 (the u8 shift's correction),
+    zero for the padding columns; the kernels read it instead of summing the weight on every call."""
+    values, _ = int8.quantize_rows(torch.randn(45, 70, generator=torch.Generator().manual_seed(5)))
+    pack = int8.pack_quads(values)
+    assert pack.shape == (4, 70 // 4 + 1 + 1, gemm.PANEL, 4)  # K = 70: 18 quad steps, then the sums
+    sums = pack[:, -1].contiguous().view(torch.int32).reshape(-1)
+    assert torch.equal(sums[:45], 128 * values.sum(1).to(torch.int32)) and not sums[45:].any()
 
 
 @pytest.mark.parametrize("k", [64, 384, 768])
@@ -122,7 +134,7 @@ def test_amx_tiles_give_the_vnni_tiles_numbers_bit_for_bit(m: int, k: int) -> No
         pytest.skip(f"no AMX tiles here (kernels for {', '.join(EXT.runnable_isas())})")
     default = EXT.isa()
     x, w, b = torch.randn(m, k), torch.randn(77, k), torch.randn(77)
-    gated, gated_scale = gemm.pack_panels(int8.quantize_rows(torch.randn(64, k))[0].to(torch.int8), 4), torch.rand(64)
+    gated, gated_scale = int8.pack_quads(int8.quantize_rows(torch.randn(64, k))[0]), torch.rand(64)
     residual, lw, lb = torch.randn(m, 77), torch.randn(77), torch.randn(77)
     q = int8.quantize_weight(w)
     outs = {}

@@ -396,7 +396,8 @@ at::Tensor run_linear(void (*kernel)(const LinearArgs&, int), const at::Tensor& 
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, "x must be float32, got ", x.scalar_type());
   TORCH_CHECK_VALUE(x.dim() >= 1, "x must be [*, K], got a scalar");
   const int64_t k = x.size(-1);
-  const int64_t expected = (n + 31) / 32 * 32 * ((k + k_per_step - 1) / k_per_step) * k_per_step;
+  const int64_t sum_steps = k_per_step == 4 ? 1 : 0;  // a quad pack's column sums, a step after each panel's k
+  const int64_t expected = (n + 31) / 32 * 32 * ((k + k_per_step - 1) / k_per_step + sum_steps) * k_per_step;
   TORCH_CHECK_VALUE(packed.scalar_type() == packed_type && packed.is_contiguous() && packed.numel() == expected,
                     "packed must be the ", c10::toString(packed_type), " pack of an [", n, ", ", k, "] weight (",
                     expected, " elements), got ", packed.scalar_type(), " with ", packed.numel());

@@ -74,7 +74,8 @@ struct LinearArgs {
   int64_t x_stride;
   const void* weight;         // packed panels: fp32 [ceil(N / 32) * 2][K][16] (fp32_linear), int8 values as int16
                               // [ceil(N / 32) * 2][ceil(K / 2)][16][2] (int8_linear), or as int8
-                              // [ceil(N / 32) * 2][ceil(K / 4)][16][4] (int8_quad_linear)
+                              // [ceil(N / 32) * 2][ceil(K / 4) + 1][16][4] (int8_quad_linear; the last step of
+                              // each panel: its 16 columns' 128 sum_k qw[n, k] as int32)
   const float* w_scale;       // [N] per output channel (int8 only)
   const float* bias;          // [N] or null
   bool gated;                 // columns interleaved in groups of kTileCols / 2, act group then up group: the tile

@@ -31,7 +31,9 @@ _TIE_MARGIN = 1.0  # int8 changes the numbers: it must be faster outright to be 
 class QuantizedWeight(NamedTuple):
     """A weight quantised per output channel, as the kernel reads it (the integers: `quantize_rows(weight)`)."""
 
-    packed: torch.Tensor  # [ceil(N / 32) * 2, ceil(K / s), 16, s]: int16 pairs (s = 2) or, with VNNI, int8 quads (4)
+    # [ceil(N / 32) * 2, ceil(K / s), 16, s]: int16 pairs (s = 2) or, with VNNI, int8 quads (s = 4, `pack_quads`: one
+    # more step per panel, its column sums)
+    packed: torch.Tensor
     scale: torch.Tensor  # [N] fp32: w ~ values * scale[:, None]
 
 
@@ -61,9 +63,18 @@ def quantize_weight(weight: torch.Tensor) -> QuantizedWeight:
     the kernels in use. Only the pack and the scales are kept: the integers are needed by references, not at run
     time."""
     values, scale = quantize_rows(weight.detach().float())
-    step = k_per_step()
-    return QuantizedWeight(gemm.pack_panels(values.to(torch.int8 if step == 4 else torch.int16), step),
-                           scale[:, 0].contiguous())  # fmt: skip
+    packed = pack_quads(values) if k_per_step() == 4 else gemm.pack_panels(values.to(torch.int16), 2)
+    return QuantizedWeight(packed, scale[:, 0].contiguous())
+
+
+def pack_quads(values: torch.Tensor) -> torch.Tensor:
+    """[N, K] int8 values (any dtype holding them) as the VNNI and AMX kernels read them: the quad panels, each
+    followed by one step of its 16 columns' 128 * sum_k values[n, k] as int32, the correction for x's u8 shift (x + 128)
+    that would otherwise be summed from the whole weight on every call. [ceil(N / 32) * 2, ceil(K / 4) + 1, 16, 4]"""
+    panels = gemm.pack_panels(values.to(torch.int8), 4)
+    sums = torch.zeros(panels.shape[0] * gemm.PANEL, dtype=torch.int32)
+    sums[: values.shape[0]] = 128 * values.to(torch.int32).sum(1)
+    return torch.cat((panels, sums.view(torch.int8).view(panels.shape[0], 1, gemm.PANEL, 4)), 1)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
