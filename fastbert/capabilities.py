@@ -123,7 +123,7 @@ def cpu_kind() -> str:
     if "avx512f" in flags:
         if "avx512_bf16" not in flags:
             return "avx512"
-        return "avx512-amx" if {"amx_tile", "amx_int8"} <= flags else "avx512-bf16"  # the avx512amx kernels' need
+        return "avx512-amx" if {"amx_tile", "amx_int8", "amx_bf16"} <= flags else "avx512-bf16"  # avx512amx's need
     return "avx2" if "avx2" in flags else "other"
 
 

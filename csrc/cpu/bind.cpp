@@ -42,7 +42,8 @@ bool cpu_has(const char* isa) {
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   const bool bf16 = avx512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
   if (std::string(isa) == "avx512amx")
-    return bf16 && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") && amx_granted();
+    return bf16 && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") &&
+           __builtin_cpu_supports("amx-bf16") && amx_granted();
   if (std::string(isa) == "avx512bf16") return bf16;
   if (std::string(isa) == "avx512vnni") return avx512 && __builtin_cpu_supports("avx512vnni");
   if (std::string(isa) == "avx512") return avx512;

@@ -1,6 +1,7 @@
 // CPU kernels compiled for the avx512bf16 set plus AMX tiles (Sapphire Rapids, Emerald Rapids, Granite Rapids): the
-// int8 quad GEMM runs on tdpbusd where K is whole tiles (linear.inc), everything else as in avx512bf16. bind.cpp prefers
-// this table when the CPU has AMX-TILE and AMX-INT8 and the kernel grants this process the tile state.
+// int8 quad GEMM runs on tdpbusd where K is whole tiles (linear.inc), bf16 attention on tdpbf16ps where the head dim is
+// (attention.inc), everything else as in avx512bf16. bind.cpp prefers this table when the CPU has AMX-TILE, AMX-INT8
+// and AMX-BF16 and the kernel grants this process the tile state.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -14,11 +15,12 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #pragma GCC target( \
-    "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,amx-tile,amx-int8,avx2,fma,prefer-vector-width=512")
+    "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vnni,amx-tile,amx-int8,amx-bf16,avx2,fma," \
+    "prefer-vector-width=512")
 #define FASTBERT_ISA avx512amx
 #define FASTBERT_VEC_BITS 512  // linear.inc's vectors (0: scalar)
 #define FASTBERT_VNNI 1        // linear.inc: vpdpwssd, multiply-add-accumulate in one instruction
 #define FASTBERT_BF16_PAIRS 1  // attention.inc: bf16 attention on vdpbf16ps
-#define FASTBERT_AMX 1         // linear.inc: the int8 quad GEMM on AMX tiles (tdpbusd)
+#define FASTBERT_AMX 1         // the int8 quad GEMM (tdpbusd) and bf16 attention (tdpbf16ps) on AMX tiles
 #include "isa_body.inc"
 #endif
