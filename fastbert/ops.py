@@ -406,3 +406,4 @@ def _without(backend: str, op: str) -> Callable[..., torch.Tensor]:
 
 for _measured in (int8, gemm):
     _measured.fallback.update({op: _without(_measured.SPEC.name, op) for op in _measured.SPEC.ops})
+onednn.fallback["dense_residual_layernorm"] = _without("onednn", "dense_residual_layernorm")

@@ -10,7 +10,7 @@ import torch
 
 import fastbert
 from fastbert import ops, reference
-from fastbert.backends import onednn
+from fastbert.backends import onednn, timing, timing_store
 from fastbert.execution.graphs import _Graph, bucket_key
 from fastbert.padding import unpad, unpad_and_read
 
@@ -158,6 +158,36 @@ def test_gemm_calibration_times_the_path_it_would_replace(monkeypatch: pytest.Mo
     verdict = onednn.verdicts()[(torch.float32, 20, 40, True, True, "small")]
     assert " ms vs F.linear + bias_act " in verdict[1]
     assert calls and torch.equal(calls[0][1], b) and calls[0][2] == "gelu"
+
+
+def test_residual_calibration_times_whole_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """dense_residual_layernorm is timed as a whole against the op without oneDNN (a GEMM, then bias + residual +
+    LayerNorm in one pass): the bare GEMMs would leave out the epilogues, where the two paths differ. The verdict
+    follows the timings either way."""
+    monkeypatch.setenv("FASTBERT_CPU_GEMM", "auto")
+    x, w, b, res = torch.randn(7, 40), torch.randn(20, 40), torch.randn(20), torch.randn(7, 20)
+    lw, lb = torch.rand(20) + 0.5, torch.randn(20)
+    for onednn_faster in (True, False):
+        monkeypatch.setattr(onednn, "_verdicts", {})
+        ran = []
+
+        def timed(*fns, repeats: int = 9, faster: bool = onednn_faster, ran: list = ran) -> list[list[float]]:
+            with ops.watching() as seen:
+                for fn in fns:
+                    fn()
+            ran.extend(seen)
+            return [[1.0], [2.0]] if faster else [[2.0], [1.0]]
+
+        monkeypatch.setattr(timing, "samples", timed)
+        monkeypatch.setattr(timing_store, "lookup", lambda *a: None)  # no verdict kept from an earlier run
+        with torch.no_grad(), ops.exclude_backends("gemm"), ops.watching() as chosen:
+            out = ops.dense_residual_layernorm(x, w, b, res, lw, lb, 1e-12)
+        key = (torch.float32, 20, 40, "residual", "small")
+        assert onednn.verdicts()[key][0] == onednn_faster and "the op without it" in onednn.verdicts()[key][1]
+        assert chosen[0] == ("dense_residual_layernorm", "onednn" if onednn_faster else "torch")
+        assert ("bias_residual_layernorm", "native") in ran and ("linear", "onednn") not in ran  # the rival
+        reference_out = reference.dense_residual_layernorm(x, w, b, res, lw, lb, 1e-12)
+        torch.testing.assert_close(out, reference_out, rtol=1e-5, atol=1e-5)
 
 
 def test_training_uses_autograd_path_and_gets_gradients() -> None:

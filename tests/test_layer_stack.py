@@ -218,6 +218,19 @@ def test_benchmark_times_both_paths_and_writes_its_table(tmp_path) -> None:
 
     assert bench_layer_stack.main(["--iters", "1", "--shapes", "2x5", "--out", str(tmp_path)]) == 0
     doc = json.loads(next(tmp_path.glob("layer_stack_cpu-*.json")).read_text())
-    assert [(r["precision"], r["batch"], r["tokens"]) for r in doc["results"]] == [("fp32", 2, 5), ("int8", 2, 5)]
+    assert [(r["precision"], r["batch"], r["tokens"]) for r in doc["results"]] == [
+        ("fp32", 2, 5), ("int8", 2, 5), ("bf16", 2, 5), ("bf16, FASTBERT_CPU_GEMM=onednn", 2, 5)]  # fmt: skip
     assert all(r["ms"]["op by op"] > 0 and r["ms"]["stacked"] > 0 for r in doc["results"])
     assert "| int8 | 2 x 5 |" in next(tmp_path.glob("layer_stack_cpu-*.md")).read_text()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_gemms_stack_through_torch_registry(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model whose GEMMs run on oneDNN's prepacked weights (fp32, and bf16 models, which fastbert's own GEMMs do not
+    take): the native call makes the onednn backend's calls itself, so the output is bitwise the per-op path's."""
+    monkeypatch.setenv("FASTBERT_CPU_GEMM", "onednn")  # oneDNN for every GEMM, untimed
+    model = tiny_model().to(dtype)
+    per_op, _ = run(model, False, monkeypatch)
+    stacked, ran = run(model, True, monkeypatch)
+    assert ran and "(every GEMM on onednn, attention on native)" in layer_stack.describe()
+    assert per_op.dtype == dtype and torch.equal(per_op, stacked)

@@ -1,6 +1,7 @@
 // The torch-facing side of the CPU kernels: checks arguments, lays tensors out as the kernels expect, picks the
 // kernel table for this CPU's ISA once at load, and binds with pybind11. Kernels live in *.inc (see kernels.h).
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/python.h>
 
 #include <ATen/Parallel.h>
@@ -491,12 +492,47 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                     ln_bias, eps, out, gated, k.tile_cols);
 }
 
+// `op` of torch's registry called with `args` (boxed: the schema's own argument conversions), its one result
+at::Tensor call_op(const char* op, const char* overload, std::vector<c10::IValue> args) {
+  const c10::OperatorHandle handle = c10::Dispatcher::singleton().findSchemaOrThrow(op, overload);
+  torch::jit::Stack stack(std::move(args));
+  handle.callBoxed(&stack);
+  return stack.at(0).toTensor();
+}
+
+// A oneDNN GEMM of encoder_layers: the calls fastbert.backends.onednn makes from Python, in its order, so the result is
+// bitwise the per-op path's. `packed` is its prepacked weight (an MKLDNN tensor in the dtype the GEMM runs in), `bias`
+// in that dtype; x, the residual and the output keep the model's dtype. With a residual: bias + residual in the GEMM's
+// epilogue, then LayerNorm.
+at::Tensor onednn_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias,
+                       const std::optional<std::string>& act, const std::optional<at::Tensor>& residual,
+                       const std::optional<at::Tensor>& ln_weight, const std::optional<at::Tensor>& ln_bias,
+                       double eps) {
+  const at::ScalarType dtype = x.scalar_type(), run = bias.scalar_type();
+  const at::Tensor rows = x.to(run).contiguous();
+  if (residual) {
+    const at::Tensor h =
+        call_op("mkldnn::_linear_pointwise", "binary", {rows, residual->to(run).contiguous(), packed, bias, "add"});
+    return at::layer_norm(h, {h.size(-1)}, ln_weight->to(run), ln_bias->to(run), eps).to(dtype);
+  }
+  std::string attr = "none", algorithm;  // fastbert.backends.onednn's _POST_OPS
+  if (act == "gelu") attr = "gelu", algorithm = "none";
+  if (act == "gelu_tanh") attr = "gelu", algorithm = "tanh";
+  if (act == "relu") attr = "relu";
+  TORCH_CHECK_VALUE(!act || attr != "none", "oneDNN GEMMs in encoder_layers take gelu, gelu_tanh or relu, got ", *act);
+  return call_op("mkldnn::_linear_pointwise", "",
+                 {rows, packed, bias, attr, c10::List<std::optional<at::Scalar>>(), algorithm})
+      .to(dtype);
+}
+
 // One GEMM of encoder_layers from its operands as fastbert's backends pack them: {packed weight, per-channel scales,
-// bias}, the scales empty for an fp32 pack (the `gemm` backend) and set for an int8 one (the `int8` backend).
+// bias}, the scales empty for an fp32 pack (the `gemm` backend) and set for an int8 one (the `int8` backend); an MKLDNN
+// weight is the `onednn` backend's, its bias in the GEMM's dtype.
 at::Tensor stack_gemm(const at::Tensor& x, const at::Tensor* w, const std::optional<std::string>& act,
                       const std::optional<at::Tensor>& residual = std::nullopt,
                       const std::optional<at::Tensor>& ln_weight = std::nullopt,
                       const std::optional<at::Tensor>& ln_bias = std::nullopt, double eps = 0.0) {
+  if (w[0].is_mkldnn()) return onednn_gemm(x, w[0], w[2], act, residual, ln_weight, ln_bias, eps);
   if (w[1].numel() == 0)
     return fp32_linear(x, w[0], w[2].numel(), w[2], act, residual, ln_weight, ln_bias, eps, std::nullopt, 0);
   return int8_linear(x, w[0], w[1], w[2], act, residual, ln_weight, ln_bias, eps, std::nullopt, 0);

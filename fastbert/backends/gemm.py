@@ -71,10 +71,9 @@ def packed(weight: torch.Tensor) -> torch.Tensor:
     return _packs.get(weight, (), (), lambda: pack_panels(weight.detach().float(), 1))
 
 
-def operands(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weight as the native `encoder_layers` takes a GEMM's (fastbert.execution.stack): (packed panels, no
-    scales)."""
-    return packed(weight), NO_SCALES
+def operands(weight: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A GEMM as the native `encoder_layers` takes it (fastbert.execution.stack): (packed panels, no scales, bias)."""
+    return packed(weight), NO_SCALES, bias
 
 
 def linear(

@@ -91,10 +91,10 @@ def quantized(weight: torch.Tensor) -> QuantizedWeight:
     return _weights.get(weight, (k_per_step(),), (), lambda: quantize_weight(weight))
 
 
-def operands(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weight as the native `encoder_layers` takes a GEMM's (fastbert.execution.stack): (int8 pack, scales)."""
+def operands(weight: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A GEMM as the native `encoder_layers` takes it (fastbert.execution.stack): (int8 pack, scales, bias)."""
     q = quantized(weight)
-    return q.packed, q.scale
+    return q.packed, q.scale, bias
 
 
 def linear(

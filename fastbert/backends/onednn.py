@@ -66,9 +66,10 @@ def refuses_linear(
     bias: torch.Tensor | None = None,
     act: str | None = None,
     forced: bool = False,
+    residual: dict | None = None,
 ) -> str | None:
     """The dispatch limit check: why oneDNN should not take this call, or None. Forced by name, it takes every call
-    it can run, without the first-use timing."""
+    it can run, without the first-use timing; `residual`: a dense_residual_layernorm call, timed as a whole."""
     if torch.compiler.is_compiling():
         return "under torch.compile/export tracing"
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
@@ -85,7 +86,10 @@ def refuses_linear(
         return "FASTBERT_CPU_GEMM=torch"
     if mode in ("gemm", "onednn") or forced or x.numel() == 0:  # gemm: what fastbert's GEMM refuses, oneDNN takes
         return None
-    wins, why = _verdict(x, weight, bias, act, dtype)
+    if residual is not None:
+        wins, why = _residual_verdict(residual)
+    else:
+        wins, why = _verdict(x, weight, bias, act, dtype)
     return None if wins else why
 
 
@@ -144,6 +148,38 @@ def _packed(
         return packed, bias.detach().to(dtype).to(run).contiguous() if bias is not None else None
 
     return _packs.get(weight, (dtype, run), (bias,), build)
+
+
+def operands(weight: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A GEMM as the native `encoder_layers` takes it (fastbert.execution.stack): (the prepacked MKLDNN weight, no
+    scales, the bias in the GEMM's dtype); the native call makes this module's calls, in its order."""
+    dtype = weight.dtype if weight.dtype == torch.bfloat16 else torch.float32
+    packed, b = _packed(weight, bias, dtype, gemm_dtype(dtype))
+    return packed, _NO_SCALES, b
+
+
+_NO_SCALES = torch.empty(0)
+
+
+# The dense_residual_layernorm a call takes without this backend: the dispatcher puts its own here, with oneDNN
+# excluded (a GEMM, then bias + residual + LayerNorm in one pass), so the timing compares the two whole ops.
+fallback: dict[str, Callable[..., torch.Tensor]] = {}
+
+
+def _residual_verdict(call: dict) -> tuple[bool, str]:
+    """oneDNN's dense_residual_layernorm (bias and residual in the GEMM's epilogue, then LayerNorm) against the op
+    without oneDNN, on this very call, once per size class: the bare GEMMs alone would leave out the epilogues, which
+    differ between the two."""
+    x, weight = call["x"], call["weight"]
+    rows, run = x.numel() // x.shape[-1], gemm_dtype(reference.autocast_dtype(x))
+    key = (run, *weight.shape, "residual", timing.size_class(rows))
+    verdict = _verdicts.get(key)
+    if verdict is not None and getattr(verdict, "evidence", None) is None:  # settled (timing.judge re-checks the rest)
+        return verdict
+    what = timing.gemm_words(rows, weight, f" {str(run).removeprefix('torch.')} + residual + LayerNorm")
+    op = fallback["dense_residual_layernorm"]
+    return timing.judge(_verdicts, key, lambda: dense_residual_layernorm(**call), lambda: op(**call),
+                        ("oneDNN", "the op without it"), what, 1 / _TIE_MARGIN)  # fmt: skip
 
 
 # What runs a GEMM's bias + activation when oneDNN does not take the GEMM: the dispatcher puts its `bias_act` op here
@@ -230,7 +266,7 @@ def refuses_dense_residual_layernorm(call: dict, forced: bool) -> str | None:
     x, weight, residual = call["x"], call["weight"], call["residual"]
     if not x.dtype == residual.dtype == weight.dtype or torch.is_autocast_enabled(x.device.type):
         return "mixed dtypes or autocast (the epilogue adds the residual in the GEMM's dtype)"
-    return refuses_linear(x, weight, forced=forced)
+    return refuses_linear(x, weight, forced=forced, residual=call)
 
 
 def _refuses_attention(call: dict, forced: bool) -> str | None:
