@@ -98,7 +98,7 @@ def packed_qkv(lengths: list[int], heads: int, dim: int, dtype: torch.dtype) -> 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("dim", [26, 48, 64, 80, 96])
+@pytest.mark.parametrize("dim", [26, 32, 48, 64, 80, 96, 128])
 @pytest.mark.parametrize("lengths", [[9], [16, 0, 7], [5, 0, 17, 1, 33], [16, 8, 15, 31], [0, 0], [47, 0, 130, 1]])
 def test_attention(ext, dtype: torch.dtype, dim: int, lengths: list[int]) -> None:
     qkv, cu = packed_qkv(lengths, 3, dim, dtype)

@@ -492,11 +492,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                     ln_bias, eps, out, gated, k.tile_cols);
 }
 
-// `op` of torch's registry called with `args` (boxed: the schema's own argument conversions), its one result
-at::Tensor call_op(const char* op, const char* overload, std::vector<c10::IValue> args) {
-  const c10::OperatorHandle handle = c10::Dispatcher::singleton().findSchemaOrThrow(op, overload);
+// An operator of torch's registry called with `args` (boxed: the schema's own argument conversions), its one result
+at::Tensor call_op(const c10::OperatorHandle& op, std::vector<c10::IValue> args) {
   torch::jit::Stack stack(std::move(args));
-  handle.callBoxed(&stack);
+  op.callBoxed(&stack);
   return stack.at(0).toTensor();
 }
 
@@ -508,11 +507,14 @@ at::Tensor onednn_gemm(const at::Tensor& x, const at::Tensor& packed, const at::
                        const std::optional<std::string>& act, const std::optional<at::Tensor>& residual,
                        const std::optional<at::Tensor>& ln_weight, const std::optional<at::Tensor>& ln_bias,
                        double eps) {
+  static const c10::OperatorHandle linear =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  static const c10::OperatorHandle binary =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "binary");
   const at::ScalarType dtype = x.scalar_type(), run = bias.scalar_type();
   const at::Tensor rows = x.to(run).contiguous();
   if (residual) {
-    const at::Tensor h =
-        call_op("mkldnn::_linear_pointwise", "binary", {rows, residual->to(run).contiguous(), packed, bias, "add"});
+    const at::Tensor h = call_op(binary, {rows, residual->to(run).contiguous(), packed, bias, "add"});
     return at::layer_norm(h, {h.size(-1)}, ln_weight->to(run), ln_bias->to(run), eps).to(dtype);
   }
   std::string attr = "none", algorithm;  // fastbert.backends.onednn's _POST_OPS
@@ -520,9 +522,7 @@ at::Tensor onednn_gemm(const at::Tensor& x, const at::Tensor& packed, const at::
   if (act == "gelu_tanh") attr = "gelu", algorithm = "tanh";
   if (act == "relu") attr = "relu";
   TORCH_CHECK_VALUE(!act || attr != "none", "oneDNN GEMMs in encoder_layers take gelu, gelu_tanh or relu, got ", *act);
-  return call_op("mkldnn::_linear_pointwise", "",
-                 {rows, packed, bias, attr, c10::List<std::optional<at::Scalar>>(), algorithm})
-      .to(dtype);
+  return call_op(linear, {rows, packed, bias, attr, c10::List<std::optional<at::Scalar>>(), algorithm}).to(dtype);
 }
 
 // One GEMM of encoder_layers from its operands as fastbert's backends pack them: {packed weight, per-channel scales,

@@ -37,7 +37,8 @@ _TIE_MARGIN = 1.1
 
 # (weight, dtype, GEMM dtype) -> (packed weight, bias in the GEMM dtype)
 _packs = WeightCache()
-# (GEMM dtype, N, K, fused act, bias, small M) -> (oneDNN wins, why)
+# (GEMM dtype, N, K, fused act, bias, size class) -> (oneDNN wins, why), and for dense_residual_layernorm
+# (dtype, GEMM dtype, N, K, 'residual', size class)
 _verdicts: dict[tuple, tuple[bool, str]] = {}
 
 
@@ -171,8 +172,9 @@ def _residual_verdict(call: dict) -> tuple[bool, str]:
     without oneDNN, on this very call, once per size class: the bare GEMMs alone would leave out the epilogues, which
     differ between the two."""
     x, weight = call["x"], call["weight"]
-    rows, run = x.numel() // x.shape[-1], gemm_dtype(reference.autocast_dtype(x))
-    key = (run, *weight.shape, "residual", timing.size_class(rows))
+    dtype = reference.autocast_dtype(x)  # in the key: the rival differs by dtype even where the GEMM's does not
+    rows, run = x.numel() // x.shape[-1], gemm_dtype(dtype)
+    key = (dtype, run, *weight.shape, "residual", timing.size_class(rows))
     verdict = _verdicts.get(key)
     if verdict is not None and getattr(verdict, "evidence", None) is None:  # settled (timing.judge re-checks the rest)
         return verdict
@@ -220,7 +222,8 @@ def _verdict(
 
 
 def verdicts() -> dict[tuple, tuple[bool, str]]:
-    """Every calibration made so far: (GEMM dtype, N, K, fused act, bias, size class) -> (oneDNN wins, timings)."""
+    """Every calibration made so far: (GEMM dtype, N, K, fused act, bias, size class), or (dtype, GEMM dtype, N, K,
+    'residual', size class) for dense_residual_layernorm -> (oneDNN wins, timings)."""
     return dict(_verdicts)
 
 
@@ -285,7 +288,7 @@ SPEC = Backend(
     module=sys.modules[__name__],
     ops=("linear", "dense_residual_layernorm", "attention"),
     forward_only=True,
-    decides_per_call="times each GEMM size class at first use against F.linear",
+    decides_per_call="times each GEMM size class at first use against the path without it",
     limits={
         "linear": lambda call, forced: refuses_linear(**call, forced=forced),
         "dense_residual_layernorm": refuses_dense_residual_layernorm,
