@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from fastbert.backends import gemm, int8, native
+from fastbert.backends import gemm, int8, native, timing
 
 EXT, EXT_REASON = native.load("_native_cpu")
 pytestmark = pytest.mark.skipif(EXT is None, reason=f"native CPU extension unavailable: {EXT_REASON}")
@@ -84,11 +84,15 @@ def test_encoder_layers_release_the_gil() -> None:
 
 
 @pytest.mark.parametrize("quantize", [None, "int8"])
-def test_forwards_in_two_threads_match_one_at_a_time(quantize: str | None) -> None:
+def test_forwards_in_two_threads_match_one_at_a_time(quantize: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two threads sharing one model (as a threaded server does) get each input's own output, bitwise, every time:
-    the packed-weight cache, the first-use timings, the layer stack's trace and status are shared between them."""
+    the packed-weight cache, the first-use timings, the layer stack's trace and status are shared between them.
+    A verdict the two threads' concurrent timing left provisional keeps its path here: its re-check, due 3 s later,
+    may settle on the other path, which legitimately changes the numbers (1 run in ~30 failed that way)."""
     import fastbert
     from tests.conftest import tiny_bert
+
+    monkeypatch.setattr(timing, "RECHECK_AFTER_S", 1e9)
 
     model = tiny_bert(num_hidden_layers=3)
     if quantize:
