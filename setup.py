@@ -121,6 +121,7 @@ setup(
     description="Fused kernels and a drop-in, faster BertModel for BERT-family encoders",
     python_requires=">=3.10",
     packages=find_packages(include=["fastbert", "fastbert.*"]),
+    package_data={"fastbert.kernels": ["configs/*.json"]},  # measured launch settings per GPU (kernels/tuning.py)
     # Lower bounds are the versions `make test-oldest` runs (requirements/oldest.txt); CI runs both ends.
     install_requires=["torch>=2.13", "safetensors>=0.4.3", "numpy", "tqdm"],
     extras_require={

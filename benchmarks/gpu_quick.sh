@@ -11,7 +11,7 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-benchmarks/results/gpu_quick}
 BUDGET=${BUDGET:-540}
 PACK=${PACK:-}
-STAGES=${STAGES:-"env model16 probe graphs compile16 kernels model_bf16 train"}
+STAGES=${STAGES:-"env model16 probe graphs compile16 kernels model_bf16 train tune"}
 MIN_LEFT=${MIN_LEFT:-40}  # a stage starts only with this many seconds of the budget left
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30 TOKENIZERS_PARALLELISM=false
@@ -68,6 +68,10 @@ for s in $STAGES; do
         train)  # bf16 autocast, fwd + bwd + AdamW, 32 x 128
             stage train 120 "$PY" -m benchmarks.bench_train_step --quick --systems "transformers sdpa" fastbert \
                 --rounds 5 --warmup 2 --max-minutes 1.5 --out "$OUT/train" ;;
+        tune)  # the kernels' launch settings, measured (the table is written after every key); ends 40 s inside its cap
+            cap=$((BUDGET - (SECONDS - start))); [ "$cap" -gt 300 ] && cap=300
+            stage tune 300 "$PY" -m benchmarks.tune_kernels --out "$OUT/configs" \
+                --max-minutes "$(awk "BEGIN { print ($cap - 40) / 60 }")" ;;
         *) echo "unknown stage $s"; status=2 ;;
     esac
 done

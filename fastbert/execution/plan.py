@@ -30,6 +30,7 @@ from torch import nn
 from fastbert import capabilities, ops
 from fastbert.execution.mode import Mode, current_mode, words
 from fastbert.execution.structure import PRE_NORM, Structure
+from fastbert.kernels import tuning
 from fastbert.padding import Packing
 
 FusedOp = Callable[..., torch.Tensor]
@@ -91,6 +92,8 @@ class Plan:
         for op in ops.OPS:
             self.functions[op], self.how[op], self.backends[op] = self._bind(op, ran.get(op, set()))
         self.ran = {op: frozenset(names) for op, names in ran.items()}  # op -> the backends its first forward took
+        # the Triton kernels' launch settings: the device's measured table where it has one (read here, at bind time)
+        self.launches = tuning.note(mode.device) if "triton" in self.backends.values() else None
         self.executors: list[Executor] = []
         self.skipped: list[tuple[str, str]] = []  # (executor, why it does not take this mode)
         for executor in executors:
@@ -151,6 +154,8 @@ class Plan:
         lines.append(f"  executors, in order: {order}" + (f" (not bound: {skipped})" if skipped else ""))
         if (details := self.details()) is not None:
             lines.append(f"  {details}")
+        if self.launches is not None:
+            lines.append(f"  {self.launches}")
         if self.row_buckets is not None:
             lines.append(f"  token rows {'bucketed' if self.row_buckets[0] else 'not bucketed'}: {self.row_buckets[1]}")
         return "\n".join(lines + [f"  {op} -> {self.how[op]}" for op in ops.OPS])

@@ -10,7 +10,7 @@ kernels run under TRITON_INTERPRET=1 (tests).
 
 from __future__ import annotations
 
-from . import limits  # plain Python: what the kernels take, readable without Triton
+from . import limits, tuning  # plain Python: what the kernels take and their measured launch settings
 
 _IMPORT_ERROR: str | None = None
 try:
@@ -35,10 +35,15 @@ __all__ = [
     "INFERENCE", "limits",
     "attention", "attention_inference", "bias_act_inference", "bias_residual_layernorm_inference",
     "embedding_layernorm_inference", "bias_act", "bias_residual_layernorm", "embedding_layernorm", "gated_act",
-    "gated_act_inference", "unavailable_reason",
+    "gated_act_inference", "tuning", "unavailable_reason", "describe",
 ]
 
 
 def unavailable_reason() -> str | None:
     """Why the Triton backend cannot run here, or None."""
     return _IMPORT_ERROR
+
+
+def describe() -> str | None:
+    """explain()'s line: the launch settings each kernel launch used (a measured table's entry or the rule)."""
+    return tuning.describe()

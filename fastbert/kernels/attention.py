@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from . import _common as C
+from . import tuning
 from ._device import dot, dropout_keep
 from .attention_positions import LOG2E, add_by_column, bias_tile, distance_sums, scores_tile
 from .attention_rotary import check_rotary, load_qk, load_rows, rotary_args, span, unrotate
@@ -380,6 +381,12 @@ def _tiles(head_dim: int, cap: int) -> tuple[int, int, int, int]:
     return min(block_m, cap), min(block_n, cap), block_d, 4 if block_d <= 64 else 8
 
 
+def _rule(head_dim: int, cap: int) -> tuning.Launch:
+    """The fallback where no measured table entry fits: _tiles' blocks and warps, Triton's default pipelining."""
+    block_m, block_n, _, warps = _tiles(head_dim, cap)
+    return block_m, block_n, warps, None
+
+
 def _dot_modes(qkv: torch.Tensor) -> tuple[str, bool]:
     """(PRECISION, UPCAST) of the dots: TF32 for fp32 where torch allows it (16-bit inputs ignore it); fp32 operands
     for bf16 on the interpreter (see _device.dot)."""
@@ -407,7 +414,9 @@ def _forward(
     out = torch.empty(total, heads, dim, dtype=qkv.dtype, device=qkv.device)
     batch = cu_seqlens.numel() - 1
     if total and batch and max_seqlen:
-        block_m, block_n, block_d, warps = _blocks(dim, max_seqlen)
+        cap = max(16, 1 << (max_seqlen - 1).bit_length())  # the longest sequence's power of two: a shape class
+        block_m, block_n, warps, stages = tuning.settings("attention", qkv.device, qkv.dtype, dim, cap, _rule)
+        block_m, block_n, block_d = min(block_m, cap), min(block_n, cap), max(16, 1 << (dim - 1).bit_length())
         precision, upcast = modes or _dot_modes(qkv)
         # the tables and their R, or stand-ins the kernel never reads (BIAS, SCORES off); inline: this runs every launch
         bias_ptr, radius = (bias, (bias.shape[1] - 1) // 2) if bias is not None else (qkv, 0)
@@ -418,6 +427,7 @@ def _forward(
             *rotary_args(qkv, rotary, window), DROPOUT=p > 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
             PRECISION=precision, UPCAST=upcast, STATS=lse is not None, BIAS=bias is not None,
             SCORES=scores is not None, ROTARY=rotary is not None, WINDOW=window is not None, num_warps=warps,
+            num_stages=stages,
         )  # fmt: skip
     return out
 

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from . import _common as C
+from . import tuning
 
 ACT_IDS = {"gelu": 0, "gelu_tanh": 1, "relu": 2}
 SQRT1_2 = tl.constexpr(0.7071067811865476)  # 1/sqrt(2)
@@ -118,6 +119,11 @@ def _blocks(n: int) -> tuple[int, int, int]:
     return block_m, block_n, C.warps_for(block_m * block_n)
 
 
+def _rule(n: int, rows: int) -> tuning.Launch:
+    """The fallback where no measured table entry fits: _blocks(n), Triton's default pipelining."""
+    return (*_blocks(n), None)
+
+
 class BiasAct(torch.autograd.Function):
     """act(x + bias) with the pre-activation recomputed in backward (saves x, not x + bias)."""
 
@@ -127,13 +133,14 @@ class BiasAct(torch.autograd.Function):
         rows = C.as_rows(x, n)
         y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
         m = rows.shape[0]
-        block_m, block_n, warps = _blocks(n)
         if m:
+            block_m, block_n, warps, stages = tuning.settings(
+                "bias_act", x.device, x.dtype, n, 1 << (m - 1).bit_length(), _rule)
             grid = (-(-m // block_m), -(-n // block_n))
             _bias_act_fwd[grid](
                 rows, bias, y, m, n, rows.stride(0), ACT=ACT_IDS[kind], BLOCK_M=block_m, BLOCK_N=block_n,
-                num_warps=warps,
-            )
+                num_warps=warps, num_stages=stages,
+            )  # fmt: skip
         ctx.save_for_backward(rows, bias)
         ctx.kind, ctx.shape = kind, x.shape
         return y.view(x.shape)
@@ -181,10 +188,12 @@ def bias_act_inference(x: torch.Tensor, bias: torch.Tensor, kind: str = "gelu") 
     y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     m = rows.shape[0]
     if m:
-        block_m, block_n, warps = _blocks(n)
+        block_m, block_n, warps, stages = tuning.settings(
+            "bias_act", x.device, x.dtype, n, 1 << (m - 1).bit_length(), _rule)
         _bias_act_fwd[(-(-m // block_m), -(-n // block_n))](
             rows, bias, y, m, n, rows.stride(0), ACT=ACT_IDS[kind], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-        )
+            num_stages=stages,
+        )  # fmt: skip
     return y.view(x.shape)
 
 

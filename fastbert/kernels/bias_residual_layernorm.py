@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from . import _common as C
+from . import tuning
 from ._device import dropout_keep, layernorm_tile, layernorm_tile_bwd
 
 
@@ -135,6 +136,11 @@ def _blocks(n: int) -> tuple[int, int, int]:
     return block_m, block_n, C.warps_for(block_m * block_n)
 
 
+def _rule(n: int, rows: int) -> tuning.Launch:
+    """The fallback where no measured table entry fits: _blocks(n), Triton's default pipelining."""
+    return (*_blocks(n), None)
+
+
 def _forward(
     xr: torch.Tensor,  # [M, N] rows
     bias: torch.Tensor,  # [N]
@@ -151,12 +157,13 @@ def _forward(
     m, n = xr.shape
     y = torch.empty(xr.shape, dtype=xr.dtype, device=xr.device)
     if m:
-        block_m, block_n, warps = _blocks(n)
+        block_m, block_n, warps, stages = tuning.settings(
+            "bias_residual_layernorm", xr.device, xr.dtype, n, 1 << (m - 1).bit_length(), _rule)
         mean, rstd = stats if stats is not None else (y, y)
         _brln_fwd[(-(-m // block_m),)](
             xr, bias, rr, ln_weight, ln_bias, y, mean, rstd, m, n, xr.stride(0), rr.stride(0), eps, p,
             keep, seed, DROPOUT=p > 0, BLOCK_M=block_m, BLOCK_N=block_n,
-            STATS=stats is not None, num_warps=warps,
+            STATS=stats is not None, num_warps=warps, num_stages=stages,
         )  # fmt: skip
     return y
 

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from . import _common as C
+from . import tuning
 from ._device import dropout_keep, layernorm_tile, layernorm_tile_bwd
 
 
@@ -159,6 +160,11 @@ def _blocks(n: int) -> tuple[int, int, int]:
     return block_m, block_n, C.warps_for(block_m * block_n)
 
 
+def _rule(n: int, rows: int) -> tuning.Launch:
+    """The fallback where no measured table entry fits: _blocks(n), Triton's default pipelining."""
+    return (*_blocks(n), None)
+
+
 @triton.jit
 def _segment_pieces(
     key_ptr,  # [M] ids sorted (stable)
@@ -285,14 +291,15 @@ def _forward(
     m, e = tt.numel(), tables[0].shape[-1]
     y = torch.empty(m, e, dtype=dtype, device=tables[0].device)
     if m:
-        block_m, block_n, warps = _blocks(e)
+        block_m, block_n, warps, stages = tuning.settings(
+            "embedding_layernorm", y.device, dtype, e, 1 << (m - 1).bit_length(), _rule)
         mean, rstd = stats if stats is not None else (y, y)
         word, posw, typew = tables
         _embedding_ln_fwd[(-(-m // block_m),)](
             ids, emb if emb is not None else y, tt, pos, word, posw, typew, ln_w, ln_b, y, mean, rstd, m, e,
             word.stride(0), posw.stride(0), typew.stride(0), emb.stride(0) if emb is not None else 0, eps, p,
             keep, seed, HAS_EMBEDS=emb is not None, DROPOUT=p > 0, BLOCK_M=block_m,
-            BLOCK_N=block_n, STATS=stats is not None, num_warps=warps,
+            BLOCK_N=block_n, STATS=stats is not None, num_warps=warps, num_stages=stages,
         )  # fmt: skip
     return y
 

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from . import _common as C
+from . import tuning
 from .bias_act import _act, _act_grad
 
 ACT_IDS = {"gelu": 0, "gelu_tanh": 1, "relu": 2, "silu": 3}
@@ -78,6 +79,11 @@ def _blocks(n: int) -> tuple[int, int, int]:
     return block_m, block_n, C.warps_for(block_m * block_n)
 
 
+def _rule(n: int, rows: int) -> tuning.Launch:
+    """The fallback where no measured table entry fits: _blocks(n), Triton's default pipelining."""
+    return (*_blocks(n), None)
+
+
 def _forward(x: torch.Tensor, up: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y [*, N], x rows, up rows): the forward launch on [M, N] views of x and up."""
     n = x.shape[-1]
@@ -85,10 +91,11 @@ def _forward(x: torch.Tensor, up: torch.Tensor, kind: str) -> tuple[torch.Tensor
     y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     m = rows.shape[0]
     if m:
-        block_m, block_n, warps = _blocks(n)
+        block_m, block_n, warps, stages = tuning.settings(
+            "gated_act", x.device, x.dtype, n, 1 << (m - 1).bit_length(), _rule)
         _gated_act_fwd[(C.cdiv(m, block_m), C.cdiv(n, block_n))](
             rows, up_rows, y, m, n, rows.stride(0), up_rows.stride(0), ACT=ACT_IDS[kind], BLOCK_M=block_m,
-            BLOCK_N=block_n, num_warps=warps,
+            BLOCK_N=block_n, num_warps=warps, num_stages=stages,
         )  # fmt: skip
     return y.view(x.shape), rows, up_rows
 
