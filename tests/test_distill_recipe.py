@@ -48,9 +48,16 @@ def test_mpnet_recipe_student_loads_in_sentence_transformers_with_fastberts_embe
     out = tmp_path / "run"
     args = ["--output", str(out), "--data", str(shared_data), "--teacher", str(mpnet_dir), "--max-length", "32"]
     args += ["--max-sentences", "96", "--batch-size", "16", "--max-steps", "2", "--eval-every", "0", "--passes", "1"]
-    assert mpnet_sts.main([*args, "--dev-pairs", "24", "--threads", "1"]) == 0
+    assert mpnet_sts.main([*args, "--dev-pairs", "24", "--threads", "1", "--gold-steps", "2"]) == 0
     results = json.loads((out / "results.json").read_text())
-    assert results["steps"] == 2 and set(results["dev_spearman"]) >= {"all-mpnet-base-v2 (teacher)", "student fp32"}
+    assert results["steps"] == 2 and results["gold_stage"]["steps"] == 2
+    scored = {"all-mpnet-base-v2 (teacher)", "student fp32", "student fp32, distilled only"}
+    assert set(results["dev_spearman"]) >= scored
+    distilled = BertModel.from_pretrained(str(out / "student.distilled")).state_dict()
+    tuned = BertModel.from_pretrained(str(out / "student")).state_dict()
+    assert not torch.equal(distilled["encoder.layer.0.intermediate.dense.weight"],
+                           tuned["encoder.layer.0.intermediate.dense.weight"])  # the gold stage moved the weights
+    assert torch.equal(distilled["embeddings.word_embeddings.weight"], tuned["embeddings.word_embeddings.weight"])
     assert results["encode_speed"]["student fp32"]["sentences_per_s"] > 0
     student_dir = str(out / "student")
     sentences = [*read_sts(str(shared_data / "stsb" / "sts-dev.csv"))[0][:16], "x"]
@@ -70,7 +77,7 @@ def test_mpnet_recipe_resumes_a_killed_run_with_the_labels_it_kept(mpnet_dir, mi
     out = tmp_path / "run"
     args = ["--output", str(out), "--data", str(shared_data), "--teacher", str(mpnet_dir), "--max-length", "32"]
     args += ["--max-sentences", "64", "--batch-size", "16", "--eval-every", "0", "--skip-eval", "--threads", "1"]
-    args += ["--checkpoint-every", "1"]
+    args += ["--checkpoint-every", "1", "--gold-steps", "1"]
 
     def killed(step, record):
         if step == 2:

@@ -1,16 +1,17 @@
-"""Recipe: a 3-layer BERT sentence encoder distilled from all-mpnet-base-v2 (12 layers, width 768, MPNet), starting
-from three layers of all-MiniLM-L6-v2 (width 384, BERT vocabulary), on STS-B train sentences and WikiText-2.
+"""Recipe: a 2-layer BERT sentence encoder distilled from all-mpnet-base-v2 (12 layers, width 768, MPNet), starting
+from layers 0 and 5 of all-MiniLM-L6-v2 (width 384, BERT vocabulary), on STS-B train sentences and WikiText-2.
 
 The teacher labels every text once from its own tokenization (on fastbert's fast path, cached: a killed run keeps
 what it labelled), and so does all-MiniLM-L6-v2 from the student's; the student learns the teacher's cosine
 similarities between the sentences of each batch (the similarity objective: any width, any vocabulary, no projection)
-while staying close to all-MiniLM-L6-v2's embeddings (the anchor objective: the space it started in). Then both are
-scored on STS-B dev (mean pooling, cosine, Spearman x100; the student in fp32 and int8), the student's agreement with
-its teacher is measured (Spearman between their cosines on the dev pairs), and all-MiniLM-L6-v2 and the student are
-timed on the encode workload (every STS-B dev sentence, batches of 32 sorted by length, tokenisation included;
-fastbert fp32, passes interleaved).
+while staying close to all-MiniLM-L6-v2's embeddings (the anchor objective: the space it started in). Then the
+student is fine-tuned on STS-B train's gold scores (the cosine of each pair against score / 5; STS-B dev is never
+trained on). Then teacher and student are scored on STS-B dev (mean pooling, cosine, Spearman x100; the student in
+fp32 and int8, and before the gold stage), the student's agreement with its teacher is measured (Spearman between
+their cosines on the dev pairs), and all-MiniLM-L6-v2 and the student are timed on the encode workload (every STS-B
+dev sentence, batches of 32 sorted by length, tokenisation included; fastbert fp32, passes interleaved).
 
-    python -m fastbert.distill.recipes.mpnet_sts --teacher path/to/all-mpnet-base-v2 --output runs/mpnet-l3
+    python -m fastbert.distill.recipes.mpnet_sts --teacher path/to/all-mpnet-base-v2 --output runs/mpnet-l2
 
 The student folder (<output>/student) loads in transformers (BertModel) and sentence-transformers (mean pooling,
 normalisation) unchanged. Writes <output>/results.json; with --docs, the plot and results JSON under that folder.
@@ -30,7 +31,7 @@ import fastbert
 from fastbert import AutoModel, BertModel, capabilities
 from fastbert.backends import int8
 from fastbert.distill import DistillConfig, Objectives, distill
-from fastbert.distill.recipes.sts import build_corpus, copy_pipeline, encode, encode_speed, read_sts
+from fastbert.distill.recipes.sts import build_corpus, copy_pipeline, encode, encode_speed, fit_gold, read_sts
 from fastbert.tokenization import WordPieceTokenizer
 from fastbert.train import PRECISION_CHOICES
 
@@ -59,19 +60,21 @@ def dev_scores(
     return scores, cosines
 
 
-def plot(results: dict, history: list[dict], png: str) -> None:
-    """Left: STS-B dev Spearman of teacher, MiniLM-L6 and the student; right: the held-out loss over training."""
+def plot(results: dict, history: list[dict], gold: list[dict], png: str) -> None:
+    """Left: STS-B dev Spearman of teacher, MiniLM-L6 and the student; middle: the distillation loss over training;
+    right: the gold stage's loss."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, (left, right, last) = plt.subplots(1, 3, figsize=(14, 3.8), width_ratios=(1.2, 1, 0.8))
     names = list(results["dev_spearman"])
     values = [results["dev_spearman"][n] for n in names]
     speed = results.get("encode_speed", {})
     labels = [f"{n}\n{speed[n]['sentences_per_s']:.0f} sent/s" if n in speed else n for n in names]
-    bars = left.barh(labels, values, color=["#888888", "#4c72b0", "#dd8452", "#c44e52", "#55a868"][: len(names)])
+    colors = ["#888888", "#4c72b0", "#dd8452", "#c44e52", "#55a868", "#8172b3"]
+    bars = left.barh(labels, values, color=colors[: len(names)])
     left.bar_label(bars, fmt="%.2f", padding=3)
     left.set_xlim(min(values) - 3, max(values) + 1.5)
     left.invert_yaxis()
@@ -84,18 +87,28 @@ def plot(results: dict, history: list[dict], png: str) -> None:
     right.set_ylabel("10 x MSE of cosines + anchor (1 - cos)")
     right.set_yscale("log")
     right.legend()
-    fig.suptitle("all-mpnet-base-v2 -> 3-layer BERT student")
+    if gold:
+        smooth = [sum(r["loss"] for r in gold[max(0, i - 19) : i + 1]) / len(gold[max(0, i - 19) : i + 1])
+                  for i in range(len(gold))]  # fmt: skip
+        last.plot([r["step"] for r in gold], [r["loss"] for r in gold], alpha=0.3, label="batch")
+        last.plot([r["step"] for r in gold], smooth, label="mean of 20")
+        last.set_xlabel("gold stage step (STS-B train)")
+        last.set_ylabel("MSE of cosine vs score / 5")
+        last.legend()
+    else:
+        last.set_axis_off()
+    fig.suptitle(f"all-mpnet-base-v2 -> {len(results['layers'])}-layer BERT student")
     fig.tight_layout()
     fig.savefig(png, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--output", default="runs/mpnet-l3")
+    p.add_argument("--output", default="runs/mpnet-l2")
     p.add_argument("--data", default="../shared/data")
     p.add_argument("--teacher", required=True, help="the sentence-transformers folder of all-mpnet-base-v2")
     p.add_argument("--student-init", default=None, help="checkpoint the student starts from (all-MiniLM-L6-v2)")
-    p.add_argument("--layers", type=int, nargs="+", default=[0, 3, 5], help="student_init layers copied")
+    p.add_argument("--layers", type=int, nargs="+", default=[0, 5], help="student_init layers copied")
     p.add_argument("--anchor", type=float, default=1.0, help="weight of the anchor to --student-init's embeddings")
     p.add_argument("--epochs", type=float, default=2.0)
     p.add_argument("--max-steps", type=int, default=None)
@@ -103,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--max-length", type=int, default=128)
+    p.add_argument("--gold-epochs", type=float, default=4.0, help="epochs on STS-B train's gold scores (0: none)")
+    p.add_argument("--gold-lr", type=float, default=2e-5)
+    p.add_argument("--gold-steps", type=int, default=None, help="cap on the gold stage's steps (tests)")
     p.add_argument("--max-sentences", type=int, default=None)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--precision", choices=PRECISION_CHOICES, default="auto",
@@ -147,6 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     result = distill(teacher_dir, corpus, config)
     copy_pipeline(init_dir, result.student_dir, result.student.config.hidden_size)
+    distill_wall = time.perf_counter() - wall0  # labelling and distillation
+    gold: list[dict] = []
+    if args.gold_epochs > 0:
+        start = time.perf_counter()
+        train_csv = os.path.join(args.data, "stsb", "sts-train.csv")
+        gold = fit_gold(result.student_dir, train_csv, args.gold_epochs, args.gold_lr, max_length=args.max_length,
+                        max_steps=args.gold_steps)  # fmt: skip
+        gold_seconds = time.perf_counter() - start
     results: dict = {
         "teacher": teacher_dir,
         "student_init": init_dir,
@@ -156,8 +180,12 @@ def main(argv: list[str] | None = None) -> int:
         "train_seconds": result.train_seconds,
         "held_out_loss_before": result.eval_before,
         "held_out_loss_after": result.eval_after,
-        "distill_wall_seconds": time.perf_counter() - wall0,
+        "distill_wall_seconds": distill_wall,
     }
+    if gold:
+        results["gold_stage"] = {"steps": len(gold), "seconds": gold_seconds, "lr": args.gold_lr,
+                                 "loss_first_10": sum(r["loss"] for r in gold[:10]) / len(gold[:10]),
+                                 "loss_last_10": sum(r["loss"] for r in gold[-10:]) / len(gold[-10:])}  # fmt: skip
     if not args.skip_eval:
         results.update(evaluate(teacher_dir, init_dir, result.student_dir, args))
     results["wall_seconds"] = time.perf_counter() - wall0
@@ -166,9 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.docs:
         os.makedirs(args.docs, exist_ok=True)
         if not args.skip_eval:
-            plot(results, result.history, os.path.join(args.docs, "distill_mpnet.png"))
+            plot(results, result.history, gold, os.path.join(args.docs, "distill_mpnet.png"))
         with open(os.path.join(args.docs, "distill_mpnet_results.json"), "w", encoding="utf-8") as f:
-            json.dump({**results, "history": result.history}, f, indent=2)
+            json.dump({**results, "history": result.history, "gold_history": gold}, f, indent=2)
     print(json.dumps(results, indent=2))
     return 0
 
@@ -184,6 +212,8 @@ def evaluate(teacher_dir: str, init_dir: str, student_dir: str, args: argparse.N
         "all-MiniLM-L6-v2": minilm,
         "student fp32": (student, tok_s),
     }
+    if os.path.isdir(distilled := student_dir.rstrip(os.sep) + ".distilled"):  # before the gold stage
+        models["student fp32, distilled only"] = (BertModel.from_pretrained(distilled).eval(), tok_s)
     if int8.unavailable_reason() is None:
         models["student int8"] = (fastbert.optimize(student, quantize="int8"), tok_s)
     a, b, gold = (column[: args.dev_pairs] for column in read_sts(dev))

@@ -134,3 +134,60 @@ def copy_pipeline(source: str, student_dir: str, width: int) -> None:
                 values["word_embedding_dimension"] = width
             with open(os.path.join(student_dir, module["path"], "config.json"), "w", encoding="utf-8") as f:
                 json.dump(values, f, indent=2)
+
+
+def fit_gold(
+    student_dir: str, train_csv: str, epochs: float = 1.0, lr: float = 1e-5, batch: int = 32, max_length: int = 128,
+    max_steps: int | None = None, seed: int = 0,
+) -> list[dict]:
+    """Fine-tune a sentence encoder in place on STS-B train's gold scores: the MSE between each pair's cosine and
+    score / 5 (sentence-transformers' CosineSimilarityLoss), word embeddings frozen, 10 % linear warm-up then linear
+    decay, fp32. The folder is replaced only when the stage ends (a killed run repeats the stage from the model it
+    had). Returns the loss per step."""
+    from tqdm import tqdm
+
+    from fastbert import BertModel
+
+    a, b, scores = read_sts(train_csv)
+    gold = torch.tensor(scores) / 5.0
+    steps = max(1, int(epochs * len(a) // batch)) if max_steps is None else max_steps
+    tokenizer, model = WordPieceTokenizer.from_pretrained(student_dir), BertModel.from_pretrained(student_dir)
+    model.embeddings.word_embeddings.weight.requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    warmup = max(1, steps // 10)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min((s + 1) / warmup, max(0.0, (steps - s) / max(1, steps - warmup))))
+    gen, history, step = torch.Generator().manual_seed(seed), [], 0
+    model.train()
+    with tqdm(total=steps, desc="gold", unit="step", mininterval=5) as bar:
+        while step < steps:
+            order = torch.randperm(len(a), generator=gen).tolist()
+            for start in range(0, len(order) - batch + 1, batch):
+                if step >= steps:
+                    break
+                idx = order[start : start + batch]
+                enc = tokenizer([a[i] for i in idx] + [b[i] for i in idx], max_length=max_length)
+                out = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+                            token_type_ids=enc["token_type_ids"]).last_hidden_state  # fmt: skip
+                emb = mean_pool(out, enc["attention_mask"])
+                loss = torch.nn.functional.mse_loss(torch.cosine_similarity(emb[:batch], emb[batch:]), gold[idx])
+                loss.backward()
+                optimizer.step()
+                schedule.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                value = loss.detach().item()
+                history.append({"step": step, "loss": value})
+                bar.update(1)
+                bar.set_postfix(loss=f"{value:.4f}")
+    model.eval()
+    staging = student_dir.rstrip(os.sep) + ".gold"
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(student_dir, staging)  # tokenizer and sentence-transformers files as they were
+    model.save_pretrained(staging)
+    previous = student_dir.rstrip(os.sep) + ".distilled"
+    shutil.rmtree(previous, ignore_errors=True)
+    os.replace(student_dir, previous)
+    os.replace(staging, student_dir)
+    return history
