@@ -103,7 +103,7 @@ def settings(kernel: str, device: torch.device, dtype: torch.dtype, n: int, rows
     if kernel in _trial:
         launch, source = _trial[kernel], "a tuner's trial"
     else:
-        launch, source = rule(n, rows), "the rule"
+        launch = rule(n, rows)
         table, why = _table(name)
         entry, reason = _entry(table, kernel, dtype_name, n, rows) if table is not None else (None, why)
         if entry is not None:
