@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from .limits import MAX_DIAGONALS
+
 Launch = tuple[int, int, int, int | None]  # (BLOCK_M, BLOCK_N, num_warps, num_stages): None stages = Triton's default
 Rule = Callable[[int, int], Launch]  # (n, rows) -> the kernel file's own settings
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -28,7 +30,6 @@ ENV = "FASTBERT_KERNEL_CONFIGS"
 KERNELS = ("embedding_layernorm", "bias_act", "bias_residual_layernorm", "gated_act", "attention")
 WHOLE_ROW = ("embedding_layernorm", "bias_residual_layernorm")  # a LayerNorm needs the whole row in one program
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-MAX_ATTENTION_DIAGONALS = 128  # attention's BLOCK_M + BLOCK_N (fastbert.kernels.limits.MAX_DIAGONALS)
 
 _lock = threading.Lock()
 _tables: dict[str, tuple[dict | None, str]] = {}  # device name -> (table or None, where it came from or why not)
@@ -68,6 +69,11 @@ def _table(name: str) -> tuple[dict | None, str]:
         return _tables[name]
 
 
+def row_rule(blocks: Callable[[int], tuple[int, int, int]]) -> Rule:
+    """A row kernel's fallback from its `blocks(n) -> (BLOCK_M, BLOCK_N, num_warps)`, Triton's default pipelining."""
+    return lambda n, rows: (*blocks(n), None)
+
+
 def problem(kernel: str, n: int, launch: Launch) -> str | None:
     """Why these settings cannot run this kernel at feature (head) dim n, or None."""
     block_m, block_n, warps, stages = launch
@@ -80,8 +86,8 @@ def problem(kernel: str, n: int, launch: Launch) -> str | None:
         return f"num_stages={stages!r} is not a positive int"
     if kernel in WHOLE_ROW and block_n < n:
         return f"BLOCK_N={block_n} < {n}: the LayerNorm needs the whole row"
-    if kernel == "attention" and (min(block_m, block_n) < 16 or block_m + block_n > MAX_ATTENTION_DIAGONALS):
-        return f"attention tiles {block_m}x{block_n}: each side >= 16, together <= {MAX_ATTENTION_DIAGONALS}"
+    if kernel == "attention" and (min(block_m, block_n) < 16 or block_m + block_n > MAX_DIAGONALS):
+        return f"attention tiles {block_m}x{block_n}: each side >= 16, together <= {MAX_DIAGONALS}"
     return None
 
 
