@@ -9,7 +9,7 @@ import torch
 
 import fastbert
 from fastbert import BertModel, ops
-from fastbert.backends import gemm, int8, timing
+from fastbert.backends import gemm, int8, onednn, timing
 from fastbert.execution import stack as layer_stack
 from tests.conftest import NATIVE_CPU, NATIVE_CPU_REASON, tiny_bert
 
@@ -171,6 +171,33 @@ def test_the_forward_that_times_a_gemm_shape_stacks_too(monkeypatch: pytest.Monk
     layer_shapes = {(234, 78, None, False), (78, 78, None, True), (160, 78, "gelu", False), (78, 160, None, True)}
     assert layer_shapes <= {key[:4] for key in gemm._verdicts}  # all four timed in this forward
     assert ran and torch.equal(per_op, stacked)
+
+
+def test_the_first_layer_runs_the_ops_the_plan_bound_not_the_dispatchs_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan binds the GEMM ops to torch where its first forward found every GEMM faster there (a busy machine's
+    verdicts, say); the dispatch may choose otherwise later. The stack's first layer runs the plan's ops, as the loop
+    does, and so stays in the loop: bitwise the per-op output (the dispatch's choice differed by 4e-6 in fp32)."""
+    monkeypatch.delenv("FASTBERT_CPU_GEMM", raising=False)
+
+    def timed(gemm_s: float) -> None:  # fresh verdicts, each GEMM's first use timed at gemm_s against 1.5 s
+        def samples(*fns, repeats: int = 9) -> list[list[float]]:
+            for fn in fns:
+                fn()
+            return [[gemm_s], [1.5]]
+
+        monkeypatch.setattr(timing, "samples", samples)
+        monkeypatch.setattr(gemm, "_verdicts", {})
+        monkeypatch.setattr(onednn, "_verdicts", {})
+
+    timed(2.0)
+    model = tiny_bert(num_hidden_layers=3, hidden_size=192, num_attention_heads=3, intermediate_size=768,
+                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # K of 192 and 768: sums reorder
+    run(model, False, monkeypatch)  # module by module, every GEMM on torch: the plan binds linear and the residual op
+    timed(1.0)  # now fastbert's GEMM wins every shape
+    per_op, _ = run(model, False, monkeypatch)
+    stacked, ran = run(model, True, monkeypatch)
+    assert not ran and "because the first layer ran its QKV GEMM on torch" in layer_stack.describe()
+    assert torch.equal(per_op, stacked)
 
 
 def test_grad_forced_backends_and_hidden_states_run_op_by_op(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -113,3 +113,23 @@ def test_small_gemms_are_not_rechecked_for_noise_below_the_floor(clock: FakeCloc
     other = clock.path(10e-6, False)
     wins, why = timing.judge(verdicts, ("shape",), mine, other, ("gemm", "oneDNN/torch"), "[5, 24] x [24, 12]")
     assert why.endswith("; settled")
+
+
+def test_a_held_verdict_waits_for_the_end_of_the_block_to_be_rechecked(clock: FakeClock) -> None:
+    """Two forwards compared bitwise must run the same GEMMs: a re-check that falls due inside `held()` (the burst on
+    int8 has passed, so it would flip the path mid-forward) waits, and runs at the first call after the block."""
+    verdicts: dict[tuple, tuple[bool, str]] = {}
+    mine, other = clock.path(0.5e-3, True), clock.path(1.0e-3, False)
+
+    def call() -> bool:
+        wins, _ = timing.judge(verdicts, ("shape",), mine, other, ("int8", "fp32"), "[T, K] x [K, N]")
+        return wins
+
+    assert not call()  # timed during the burst: provisional, fp32 kept
+    clock.now = clock.burst_s + 60.0  # the burst has passed and the re-check is due
+    with timing.held():
+        during = [call() for _ in range(3 * timing.RECHECK_CALLS)]
+        timed_during = clock.now != clock.burst_s + 60.0
+    after = [call() for _ in range(timing.RECHECK_CALLS)]
+    assert during == [False] * len(during) and not timed_during
+    assert after[-1] and verdicts[("shape",)].evidence is None  # re-checked quietly after the block: int8, settled

@@ -17,10 +17,11 @@ again as at first use, so a store written under load never makes a quiet process
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,7 @@ PROBE_REPEATS = 2  # interleaved samples of each path confirming a verdict read 
 CONTRADICTED = 1.25  # a probe contradicts a stored verdict when the path it turned down is this much faster
 
 _recheck = threading.Lock()  # one re-check at a time; other threads meanwhile run the provisional verdict's path
+_held = [0]  # > 0 inside held(): provisional verdicts are not re-checked
 
 
 CPU_GEMM_MODES = ("auto", "gemm", "onednn", "torch")
@@ -58,6 +60,17 @@ def cpu_gemm_mode() -> str:
 def size_class(rows: int) -> str:
     """The size class a GEMM of `rows` rows is judged in: one verdict per class and weight shape."""
     return "small" if rows < SMALL_M else "large"
+
+
+@contextlib.contextmanager
+def held() -> Iterator[None]:
+    """Inside the block a provisional verdict keeps its path (a re-check that falls due waits for the block's end), so
+    forwards compared bitwise run the same GEMMs in every layer; a shape never timed is still timed at first use."""
+    _held[0] += 1
+    try:
+        yield
+    finally:
+        _held[0] -= 1
 
 
 def samples(*fns: Callable[[], object], repeats: int = REPEATS) -> list[list[float]]:
@@ -197,7 +210,7 @@ def judge(
             return verdicts.setdefault(key, Verdict(kept[0], f"{kept[1]}, confirmed by a probe", None))
         timing_store.note(f"a kept verdict was contradicted by a probe and timed again ({what})")
     evidence = getattr(verdict, "evidence", None)
-    if verdict is not None and (evidence is None or not evidence.due()):
+    if verdict is not None and (evidence is None or _held[0] or not evidence.due()):
         return verdict
     if verdict is not None and not _recheck.acquire(blocking=False):
         return verdict  # another thread is re-checking it

@@ -9,11 +9,12 @@ Python a larger share, the STS-B dev batches (32 sentences each, sorted by lengt
 
 The plan binds it where attention is bound to the native kernel, without grad or training, when every layer is built
 like the first (`LayerParts.signature`). On CPU the GEMMs stay dispatched per call (fastbert's and oneDNN's GEMMs are
-timed per shape and size class at first use), so the first layer runs as the loop runs it, each GEMM asking the
-dispatch which backend takes it; when all four went to a GEMM the native call has (`gemm`, `int8`, or `onednn`'s
-prepacked weights, which it calls through torch's operator registry), the layers after it go to the extension's
-`encoder_layers`, each GEMM on the backend the first layer's ran on. The output is bitwise the loop's
-(tests/test_layer_stack.py). `FASTBERT_LAYER_STACK=0` turns it off (every layer in the loop, as when profiling per op).
+timed per shape and size class at first use), so the first layer runs as the loop runs it, each GEMM asking the dispatch
+which backend takes it (or on the backend the plan bound it to, where it did); when all four went to a GEMM the native
+call has (`gemm`, `int8`, or `onednn`'s prepacked weights, which it calls through torch's operator registry), the layers
+after it go to the extension's `encoder_layers`, each GEMM on the backend the first layer's ran on. The output is
+bitwise the loop's (tests/test_layer_stack.py). `FASTBERT_LAYER_STACK=0` turns it off (every layer in the loop, as when
+profiling per op).
 """
 
 from __future__ import annotations
@@ -40,8 +41,17 @@ OPERANDS = {"gemm": gemm.operands, "int8": int8.operands, "onednn": onednn.opera
 _status = {"tried": 0, "stacked": 0, "last": ""}  # for explain(): forwards that tried, that stacked, the last outcome
 
 
-def _choosing(op: str, chosen: list[str]) -> Callable[..., torch.Tensor]:
-    """`op` through the dispatch, keeping the backend each call took."""
+def _choosing(plan: Plan, op: str, chosen: list[str]) -> Callable[..., torch.Tensor]:
+    """`op` as the loop runs it, keeping the backend each call took: the plan's function where the op is bound to one
+    backend (not the dispatch, whose choice can differ from the bound one's), else the dispatch."""
+    if (bound := plan.backends[op]) is not None:
+        function = plan.functions[op]
+
+        def run_bound(*args: Any) -> torch.Tensor:
+            chosen.append(bound)
+            return function(*args)
+
+        return run_bound
 
     def run(*args: Any) -> torch.Tensor:
         function, name = ops.select(op, args, {})
@@ -91,8 +101,8 @@ class Stack:
         x, packing = rows.lay(plan, x, packing)
         weights = s.layer_weights(False)
         chosen: list[str] = []
-        x = loop.layers(plan, s, weights[:1], x, packing, None, _choosing("linear", chosen),
-                        _choosing("dense_residual_layernorm", chosen))  # fmt: skip
+        x = loop.layers(plan, s, weights[:1], x, packing, None, _choosing(plan, "linear", chosen),
+                        _choosing(plan, "dense_residual_layernorm", chosen))  # fmt: skip
         gemms = (chosen[0], chosen[1], chosen[2], chosen[3])  # QKV, attention out, FFN in, FFN out, in call order
         _status["tried"] += 1
         if elsewhere := [(what, name) for what, name in zip(GEMMS, gemms, strict=True) if name not in OPERANDS]:
