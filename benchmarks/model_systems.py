@@ -40,6 +40,7 @@ Runner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 EXTRA_SYSTEMS = ("benchmarks.onnx_row",)  # fastbert.onnx.Session, provided by the ONNX work
 # CPU rows of the fp32 table
 INT8_SYSTEMS = ("fastbert int8", "onnxruntime int8", "OpenVINO int8 (NNCF)", "torch dynamic int8")
+FAILURE_CHARS = 400  # a row's reason: enough for a C++ library's location and cause
 CALIBRATION_SEED = 1234  # the random batches NNCF calibrates on: never the ones measured
 
 
@@ -267,9 +268,12 @@ def calibration(config: Any, batches: int = 8, batch: int = 8, longest: int = 12
 
 
 def failure(exc: BaseException) -> str:
-    """A row's one-line reason for an exception (its first line, bounded; some exceptions carry no message)."""
-    first_line = str(exc).partition("\n")[0][:160]
-    return f"{type(exc).__name__}: {first_line or 'no message'}"
+    """A row's one-line reason for an exception: its message's lines joined, bounded (OpenVINO's first line is only
+    the C++ file and line that raised; the cause follows it). Some exceptions carry no message."""
+    message = " / ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    if len(message) > FAILURE_CHARS:
+        message = message[: FAILURE_CHARS - 3] + "..."
+    return f"{type(exc).__name__}: {message or 'no message'}"
 
 
 def build_systems(

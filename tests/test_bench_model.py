@@ -371,3 +371,15 @@ def test_the_kernel_suite_builds_modernberts_attention_cases_with_kept_pair_flop
     qkv = windowed.inputs[0]
     with torch.no_grad():  # the window leaves keys out: another output than the global layer's
         assert not torch.equal(windowed.variants["torch eager"](qkv), full.variants["torch eager"](qkv))
+
+
+def test_a_failed_rows_reason_keeps_the_cause_after_a_location_line() -> None:
+    """OpenVINO raises 'Exception from src/inference/src/cpp/core.cpp:117:' and the cause on the lines after it."""
+    where = "Exception from src/inference/src/cpp/core.cpp:117:"
+    exc = RuntimeError(f"{where}\n\n[ GENERAL_ERROR ] no kernel for f32 MatMul\n")
+    reason = model_systems.failure(exc)
+    assert reason == ("RuntimeError: Exception from src/inference/src/cpp/core.cpp:117: / [ GENERAL_ERROR ] no kernel "
+                      "for f32 MatMul")  # fmt: skip
+    long = model_systems.failure(ValueError("x" * 5000))
+    assert len(long) <= len("ValueError: ") + model_systems.FAILURE_CHARS and long.endswith("...")
+    assert model_systems.failure(KeyError()) == "KeyError: no message"
