@@ -56,9 +56,9 @@ def forward_ms(model: BertModel, batch: int, tokens: int, iters: int) -> dict[st
     previous = os.environ.get("FASTBERT_LAYER_STACK")
     with torch.inference_mode():
         for it in range(iters + 2):  # two warm-up rounds: first-use timings, packs
-            for name, stacked in (("op by op", False), ("stacked", True)):
+            for name, stack in (("op by op", False), ("stacked", True)):
                 start = time.perf_counter()
-                _forward(model, ids, mask, stacked)
+                _forward(model, ids, mask, stack)
                 if it >= 2:
                     times[name].append((time.perf_counter() - start) * 1e3)
         with timing.held():  # a GEMM verdict re-checked mid-forward (a busy machine) would mix backends across layers

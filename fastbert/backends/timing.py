@@ -64,8 +64,8 @@ def size_class(rows: int) -> str:
 
 @contextlib.contextmanager
 def held() -> Iterator[None]:
-    """Inside the block a provisional verdict keeps its path (a re-check that falls due waits for the block's end), so
-    forwards compared bitwise run the same GEMMs in every layer; a shape never timed is still timed at first use."""
+    """Inside the block (process-wide) a provisional verdict keeps its path (a re-check that falls due waits for the
+    block's end), so forwards compared bitwise run the same GEMMs in every layer; a new shape is still timed."""
     _held[0] += 1
     try:
         yield
