@@ -17,6 +17,7 @@ import torch
 from fastbert.checkpoint import PreTrainedModel
 from fastbert.distill.losses import mean_pool
 from fastbert.tokenization import WordPieceTokenizer
+from fastbert.train.optim import WarmupLinear
 
 
 def _detokenise(text: str) -> str:
@@ -156,8 +157,7 @@ def fit_gold(
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     warmup = max(1, steps // 10)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min((s + 1) / warmup, max(0.0, (steps - s) / max(1, steps - warmup))))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupLinear(steps, warmup))
     gen, history, step = torch.Generator().manual_seed(seed), [], 0
     model.train()
     with tqdm(total=steps, desc="gold", unit="step", mininterval=5) as bar:
