@@ -16,9 +16,9 @@ if not torch.cuda.is_available():  # before anything imports triton: the interpr
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ["FASTBERT_TIMING_CACHE"] = "0"  # each test times afresh (tests/test_timing_store.py turns it on)
-# off (the default) whatever the caller's environment: on two test workers per two cores regions would go solo and
-# GEMMs skip their timing with the load; tests/test_native_pool.py checks that policy in a process of its own
-os.environ["FASTBERT_BUSY_SOLO"] = "0"
+# off whatever the caller's environment: on two test workers per two cores regions would follow the busy-host policy
+# and GEMMs skip their timing with the load; tests/test_native_pool.py checks each policy in a process of its own
+os.environ["FASTBERT_BUSY_HOST"] = "off"
 
 
 

@@ -657,14 +657,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       [] {
         std::string why;
         const int threads = usable_threads(at::get_num_threads(), &why);
-        return py::make_tuple(threads, why, late_region_count(), solo_policy());
+        return py::make_tuple(threads, why, late_region_count(), busy_policy_name(), busy_spell_count(),
+                              worker_count());
       },
-      "(threads, what set that number, regions whose team came late, whether those send the next ones solo): pool.h");
+      "(threads, what set that number, regions whose team came late, the busy-host policy, busy spells begun, "
+      "fastbert's own threads started): pool.h");
   m.def("pool_cover", &pool_cover, "(every job ran once, every slot below threads, slots that ran): the pool's check",
         py::arg("jobs"), py::arg("threads"), py::call_guard<py::gil_scoped_release>());
   m.def("pool_judge", &judge_region, "end a region whose last team thread began this late (ns): pool.h's policy",
         py::arg("latest_start_ns"));
-  m.def("pool_solo_remaining_ns", &solo_remaining_ns, "ns left of the current solo period (0: regions use threads)");
+  m.def(
+      "pool_set_policy",
+      [](const std::string& name) {
+        TORCH_CHECK_VALUE(set_busy_policy(name), "the busy-host policy must be pool, solo or off, got '", name, "'");
+      },
+      "what regions do while the machine is oversubscribed: pool, solo or off (pool.h)", py::arg("name"));
+  m.def("pool_busy", &oversubscribed, "whether a busy spell is on: regions follow the busy-host policy (pool.h)");
+  m.def("pool_probe_in_ns", &probe_in_ns, "ns until a busy spell's next region probes the team (0: none due)");
   m.def("runnable_isas", &runnable_isas, "the ISAs compiled in that this CPU can run, best first");
   m.def("l2_cache_bytes", &l2_cache_bytes, "the per-core L2 size the GEMM's row panels are sized to (probed once)");
 }

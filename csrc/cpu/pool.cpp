@@ -1,5 +1,5 @@
 // The kernels' parallel regions (pool.h): OpenMP teams (torch's, so no second set of threads competes with them),
-// jobs claimed from one counter, and a region that goes solo while the machine is oversubscribed.
+// jobs claimed from one counter, and the busy-host policy while the machine is oversubscribed.
 #include "pool.h"
 
 #include <omp.h>
@@ -25,11 +25,24 @@ int64_t now_ns() {
 // A team thread that starts a region this late was not run by the OS (a woken idle thread starts in tens of
 // microseconds): the CPUs are shared with other work.
 constexpr int64_t kLateNs = 500'000;
-constexpr int64_t kSoloFirstNs = 50'000'000, kSoloMaxNs = 800'000'000;
+// While busy, one region every probe span runs on the team again to see whether it still comes late: the span doubles
+// while probes do, and kPromptToLeave prompt probes in a row end the busy spell (a team thread that was spinning after
+// the previous region starts promptly on a loaded machine too).
+constexpr int64_t kProbeFirstNs = 50'000'000, kProbeMaxNs = 800'000'000;
+constexpr int kPromptToLeave = 3;
 
-std::atomic<int64_t> solo_until{0};         // steady-clock ns before which regions run on the calling thread
-std::atomic<int64_t> solo_span{kSoloFirstNs};  // the next solo period: doubles while probes keep finding it busy
-std::atomic<int64_t> late_regions{0};
+std::atomic<bool> busy{false};                   // regions follow the busy-host policy, probes aside
+std::atomic<int64_t> next_probe{0};              // while busy: steady-clock ns from which a region probes the team
+std::atomic<int64_t> probe_span{kProbeFirstNs};  // from one probe to the next
+std::atomic<int> prompt_probes{0};               // in a row
+std::atomic<int64_t> late_regions{0}, busy_spells{0};
+// The last 32 team regions, newest in bit 0, 1 where late. One late region alone is no sign of a busy machine: a VM's
+// idle vCPU or a team's first start can take that long; kLateOfRecent of the last 32 are.
+std::atomic<uint32_t> history{0};
+constexpr int kLateOfRecent = 3;
+
+std::atomic<BusyPolicy> policy{BusyPolicy::pool};
+constexpr const char* kPolicyNames[] = {"pool", "solo", "off"};  // BusyPolicy's order
 
 // A child forked after the parent's team ran has none of its threads, and GNU OpenMP hangs the child's first region
 // (a DataLoader worker, a multiprocessing pool): its regions run on the calling thread.
@@ -38,28 +51,51 @@ const int fork_handler = pthread_atfork(nullptr, nullptr, [] { forked.store(true
 
 }  // namespace
 
-bool solo_policy() {
-  static const bool on = [] {
-    const char* env = std::getenv("FASTBERT_BUSY_SOLO");
-    return env != nullptr && std::string(env) == "1";
-  }();
-  return on;
+BusyPolicy busy_policy() { return policy.load(std::memory_order_relaxed); }
+
+const char* busy_policy_name() { return kPolicyNames[int(busy_policy())]; }
+
+bool set_busy_policy(const std::string& name) {
+  for (int i = 0; i < 3; ++i) {
+    if (name != kPolicyNames[i]) continue;
+    policy.store(BusyPolicy(i), std::memory_order_relaxed);
+    busy.store(false);  // a spell begun under the old policy ends
+    return true;
+  }
+  return false;
 }
 
 void judge_region(int64_t latest_start_ns) {
-  if (latest_start_ns < kLateNs) {  // prompt: end any backing off (stores only then: every region ends here)
-    if (solo_span.load(std::memory_order_relaxed) != kSoloFirstNs) solo_span.store(kSoloFirstNs);
-    if (solo_until.load(std::memory_order_relaxed) != 0) solo_until.store(0);
-    return;
+  const bool late = latest_start_ns >= kLateNs;
+  const uint32_t recent = history.load(std::memory_order_relaxed) << 1 | uint32_t(late);
+  history.store(recent, std::memory_order_relaxed);
+  if (late) late_regions.fetch_add(1, std::memory_order_relaxed);  // counted with the policy off too, for explain()
+  if (busy_policy() == BusyPolicy::off) return;
+  const auto probe_in = [](int64_t span) {
+    probe_span.store(span, std::memory_order_relaxed);
+    next_probe.store(now_ns() + span, std::memory_order_relaxed);
+  };
+  if (!busy.load(std::memory_order_relaxed)) {
+    if (!late || __builtin_popcount(recent) < kLateOfRecent) return;
+    busy_spells.fetch_add(1, std::memory_order_relaxed);
+    prompt_probes.store(0, std::memory_order_relaxed);
+    probe_in(kProbeFirstNs);
+    busy.store(true, std::memory_order_relaxed);
+  } else if (late) {  // a probe that found the team late: the next one later
+    prompt_probes.store(0, std::memory_order_relaxed);
+    probe_in(std::min(2 * probe_span.load(std::memory_order_relaxed), kProbeMaxNs));
+  } else if (prompt_probes.fetch_add(1, std::memory_order_relaxed) + 1 >= kPromptToLeave) {
+    busy.store(false, std::memory_order_relaxed);
+  } else {
+    probe_in(kProbeFirstNs);
   }
-  late_regions.fetch_add(1, std::memory_order_relaxed);  // counted with the policy off too (explain() says how many)
-  if (!solo_policy()) return;
-  const int64_t span = solo_span.load(std::memory_order_relaxed);
-  solo_until.store(now_ns() + span, std::memory_order_relaxed);
-  solo_span.store(std::min(2 * span, kSoloMaxNs), std::memory_order_relaxed);
 }
 
-int64_t solo_remaining_ns() { return std::max<int64_t>(0, solo_until.load(std::memory_order_relaxed) - now_ns()); }
+bool oversubscribed() { return busy_policy() != BusyPolicy::off && busy.load(std::memory_order_relaxed); }
+
+int64_t probe_in_ns() {
+  return oversubscribed() ? std::max<int64_t>(0, next_probe.load(std::memory_order_relaxed) - now_ns()) : 0;
+}
 
 namespace {
 
@@ -85,9 +121,11 @@ int affinity_cpus() {
 
 void run_jobs(int64_t jobs, int threads, JobFn fn, void* body) {
   threads = int(std::min<int64_t>(threads, jobs));
-  if (threads > 1 && (omp_in_parallel() || forked.load(std::memory_order_relaxed) ||
-                      now_ns() < solo_until.load(std::memory_order_relaxed)))
-    threads = 1;
+  if (threads > 1 && (omp_in_parallel() || forked.load(std::memory_order_relaxed))) threads = 1;
+  if (threads > 1 && busy.load(std::memory_order_relaxed) && now_ns() < next_probe.load(std::memory_order_relaxed)) {
+    if (busy_policy() == BusyPolicy::pool && run_on_workers(jobs, threads, fn, body)) return;
+    threads = 1;  // solo, or another calling thread holds the workers
+  }
   if (threads <= 1) {
     for (int64_t job = 0; job < jobs; ++job) fn(body, job, 0);
     return;
@@ -118,5 +156,7 @@ int usable_threads(int torch_threads, std::string* why) {
 }
 
 int64_t late_region_count() { return late_regions.load(std::memory_order_relaxed); }
+
+int64_t busy_spell_count() { return busy_spells.load(std::memory_order_relaxed); }
 
 }  // namespace fastbert::cpu

@@ -1,15 +1,17 @@
-// The kernels' parallel regions: jobs claimed one at a time from a counter by the threads of an OpenMP team, and a
-// region that runs on the calling thread alone while the machine is oversubscribed.
+// The kernels' parallel regions: jobs claimed one at a time from a counter by the threads of an OpenMP team, and, while
+// the machine is oversubscribed, by threads of fastbert's own that a region never waits for.
 //
 // An OpenMP region ends at a barrier every thread of its team must reach. On a shared machine a team thread the OS
 // has not run yet holds the region for a time slice (milliseconds) while the caller waits, and a forward has a few
-// hundred regions of tens of microseconds: 5-10x slower beside one busy neighbour, where one thread alone loses only
-// the neighbour's share. So each region notes how late its team threads started; one that started more than half a
-// millisecond late (a woken idle thread starts in tens of microseconds) sends the next 50 ms of regions to the calling
-// thread alone, then a region tries the team again (the solo period doubles, to 0.8 s, while it keeps finding it
-// late); fastbert's fp32 GEMMs also stay on its own kernel meanwhile (a oneDNN GEMM would wait on a team thread the
-// same way). Opt-in (solo_policy): FASTBERT_BUSY_SOLO=1. The team is torch's own, so no second set of threads competes with the one
-// oneDNN's GEMMs run on.
+// hundred regions of tens of microseconds: 5-10x slower beside one busy neighbour. So each region notes how late its
+// team threads started. One that started more than half a millisecond late (a woken idle thread starts in tens of
+// microseconds), with two more of the last 32 late, begins a busy spell: regions follow the busy-host policy, except
+// a probe on the team now and then (50 ms apart, doubling to 0.8 s while probes come late), until three probes in a
+// row find the team prompt. The policy (FASTBERT_BUSY_HOST, or fastbert.backends.native.set_busy_host_policy):
+//   pool (default): fastbert's own threads (workers.cpp), which the caller waits for only once they hold a job;
+//   solo: the calling thread alone; off: the team throughout.
+// Meanwhile fastbert's fp32/int8 GEMMs stay on its own kernels (a oneDNN GEMM waits on the team's barrier). The team
+// is torch's own, so quiet, no second set of threads competes with the one oneDNN's GEMMs run on.
 #pragma once
 
 #include <cstdint>
@@ -86,19 +88,32 @@ class LineBuffer {
 // CPU quota (a container given 2 CPUs of a 64-core host); `why` says which of the three set it.
 int usable_threads(int torch_threads, std::string* why = nullptr);
 
-// Whether late regions start solo periods: only with FASTBERT_BUSY_SOLO=1 (read once). Off by default: another
-// runtime's threads in the same process (OpenVINO's, after its own inference) make a team thread late on a quiet
-// machine too, and the encode benchmark then ran fastbert fp32 at 452 sentences/s instead of 698.
-bool solo_policy();
+enum class BusyPolicy { pool, solo, off };
 
-// Regions so far whose team came late (each started a solo period).
+// The policy in force (pool until set; fastbert.backends.native sets FASTBERT_BUSY_HOST's at load) and its name.
+BusyPolicy busy_policy();
+const char* busy_policy_name();
+
+// Sets the policy by name ("pool", "solo" or "off"); false, nothing changed, for any other name.
+bool set_busy_policy(const std::string& name);
+
+// Regions so far whose team came late, and busy spells begun.
 int64_t late_region_count();
+int64_t busy_spell_count();
 
-// What ends every region on several threads: `latest_start_ns` after its start, its last team thread began. Late
-// (over 0.5 ms) starts a solo period, or the next longer one; prompt ends them.
+// What ends every region on a team: `latest_start_ns` after its start, its last team thread began (the header's
+// comment says what late and prompt regions do).
 void judge_region(int64_t latest_start_ns);
 
-// Nanoseconds left of the current solo period (0: regions use their threads).
-int64_t solo_remaining_ns();
+// Whether a busy spell is on (never with the policy off), and nanoseconds until its next probe (0: none due).
+bool oversubscribed();
+int64_t probe_in_ns();
+
+// The region on the caller and fastbert's own threads (workers.cpp); false, with nothing run, while another calling
+// thread holds them.
+bool run_on_workers(int64_t jobs, int threads, JobFn fn, void* body);
+
+// Threads workers.cpp has started so far (0 until the first busy period).
+int worker_count();
 
 }  // namespace fastbert::cpu

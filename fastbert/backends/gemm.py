@@ -214,8 +214,8 @@ def refuses_call(call: dict, forced: bool, op: str, verdict: Callable[[], tuple[
     if op == "gated_linear" and (why := gated_refusal(call)) is not None:
         return why
     if forced or x.numel() == 0 or native.oversubscribed():
-        return None  # oversubscribed: this kernel runs on the calling thread alone, oneDNN's team would stall (and a
-        # verdict timed now would be the load's)
+        return None  # oversubscribed: this kernel's regions follow the busy-host policy, oneDNN's team would stall
+        # (and a verdict timed now would be the load's)
     wins, why = verdict()
     return None if wins else why
 

@@ -8,11 +8,11 @@ limits, says why one call is not taken, so the dispatch falls back with that rea
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 import json
 import math
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +31,7 @@ BUILD_HINTS = {
 }
 BUILD_INFO = Path(__file__).parents[1] / "_build_info.json"  # beside the extensions, in fastbert/
 CPU_DTYPES = (torch.float32, torch.bfloat16)
+BUSY_HOST_ENV = "FASTBERT_BUSY_HOST"
 CUDA_OPS = ("embedding_layernorm", "bias_act", "bias_residual_layernorm")  # attention on CUDA is Triton's job
 # (op, dtype) pairs whose native CPU kernel did not beat torch in benchmarks/bench_native.py (2-core AMD EPYC, Zen 4,
 # AVX-512, shared machine): auto dispatch leaves them to torch, forcing native still runs them. bf16 erf GELU is
@@ -79,6 +80,13 @@ def load(name: str) -> tuple[ModuleType | None, str | None]:
             else:
                 if name == "_native_cpu" and (isa := capabilities.forced_isa()) in module.runnable_isas():
                     module.set_isa(isa)  # FASTBERT_CPU_ISA: run the weaker CPU's kernels (a weaker CPU keeps its own)
+                if name == "_native_cpu":
+                    policy = os.environ.get(BUSY_HOST_ENV) or "pool"
+                    try:
+                        module.pool_set_policy(policy)
+                    except ValueError as exc:
+                        raise ValueError(f"{BUSY_HOST_ENV}={policy!r}: {exc}") from None
+                    _policy[0] = policy
                 _loaded[name] = module, None
     return _loaded[name]
 
@@ -88,10 +96,13 @@ def describe() -> str | None:
     cpu, reason = load("_native_cpu")
     if cpu is None:
         return f"CPU kernels unavailable ({reason})"
-    threads, why, late, solo = cpu.threading()
-    busy = (f"{late} parallel region(s) so far found a thread the OS had not run (a busy machine) and sent the next "
-            "ones to the calling thread alone for a while" if solo else
-            f"busy-host solo regions off ({late} late region(s) seen; FASTBERT_BUSY_SOLO=1 turns them on)")
+    threads, why, late, policy, periods, workers = cpu.threading()
+    busy = {
+        "pool": f"busy-host policy pool: {late} late region(s), {periods} busy spell(s) on fastbert's own "
+        f"{workers} thread(s), which a region waits for only once they hold a job",
+        "solo": f"busy-host policy solo: {late} late region(s), {periods} busy spell(s) on the calling thread alone",
+        "off": f"busy-host policy off: {late} late region(s), every region on the team",
+    }[policy]
     return (
         f"CPU kernels for {', '.join(cpu.runnable_isas())} run here; using {cpu.isa()}; GEMM row panels sized to "
         f"half of a {cpu.l2_cache_bytes() >> 10} KiB L2; {threads} thread(s), set by {why}; {busy}"
@@ -99,17 +110,23 @@ def describe() -> str | None:
 
 
 def oversubscribed() -> bool:
-    """Whether the CPU kernels' regions run solo now: a recent one found a thread the OS had not run (csrc/cpu/pool.h),
-    so a GEMM on another thread team (oneDNN's) would wait on it too."""
-    return _solo_policy() and load("_native_cpu")[0].pool_solo_remaining_ns() > 0
+    """Whether the CPU kernels' regions follow the busy-host policy now: recent ones found a team thread the OS had not
+    run (csrc/cpu/pool.h), so a GEMM on that team (oneDNN's) would wait on it too."""
+    return _policy[0] != "off" and load("_native_cpu")[0].pool_busy()
 
 
-@functools.cache
-def _solo_policy() -> bool:
-    """FASTBERT_BUSY_SOLO=1 as the extension read it, once: with it off (the default) oversubscribed() is one cached
-    call, not an extension call per GEMM dispatch."""
-    cpu, _ = load("_native_cpu")
-    return cpu is not None and bool(cpu.threading()[3])
+_policy = ["off"]  # the extension's policy as last set, so oversubscribed() with it off calls nothing per GEMM
+
+
+def set_busy_host_policy(name: str) -> None:
+    """What the CPU kernels' regions do while the machine is oversubscribed (csrc/cpu/pool.h): "pool" (the default:
+    fastbert's own threads, which a region waits for only once they hold a job), "solo" (the calling thread alone) or
+    "off" (torch's OpenMP team throughout). FASTBERT_BUSY_HOST sets it when the kernels load."""
+    cpu, reason = load("_native_cpu")
+    if cpu is None:
+        raise BackendUnavailable(f"native CPU kernels: {reason}")
+    cpu.pool_set_policy(name)
+    _policy[0] = name
 
 
 def unavailable_reason() -> str | None:
