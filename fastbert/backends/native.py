@@ -96,11 +96,11 @@ def describe() -> str | None:
     cpu, reason = load("_native_cpu")
     if cpu is None:
         return f"CPU kernels unavailable ({reason})"
-    threads, why, late, policy, periods, workers = cpu.threading()
+    threads, why, late, policy, spells, workers = cpu.threading()
     busy = {
-        "pool": f"busy-host policy pool: {late} late region(s), {periods} busy spell(s) on fastbert's own "
+        "pool": f"busy-host policy pool: {late} late region(s), {spells} busy spell(s) on fastbert's own "
         f"{workers} thread(s), which a region waits for only once they hold a job",
-        "solo": f"busy-host policy solo: {late} late region(s), {periods} busy spell(s) on the calling thread alone",
+        "solo": f"busy-host policy solo: {late} late region(s), {spells} busy spell(s) on the calling thread alone",
         "off": f"busy-host policy off: {late} late region(s), every region on the team",
     }[policy]
     return (
