@@ -85,46 +85,6 @@ def test_threads_capped_by_cpu_affinity() -> None:
     assert "(1, \"this process's CPU affinity\"" in out.stdout, out.stdout + out.stderr
 
 
-def _child_kernels(queue: multiprocessing.Queue) -> None:
-    queue.put({name: out.numpy() for name, out in _kernels(2).items()})  # by value: the child exits before the read
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="fork start method")
-def test_forked_child_runs_kernels() -> None:
-    """A child forked after the parent's regions ran (a DataLoader worker) has none of its threads: it must neither
-    hang nor differ."""
-    parent = _kernels(2)
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    child = ctx.Process(target=_child_kernels, args=(queue,))
-    child.start()
-    got = queue.get(timeout=120)
-    child.join(timeout=60)
-    assert child.exitcode == 0
-    for name, out in got.items():
-        assert torch.equal(torch.from_numpy(out), parent[name]), name
-
-
-def test_calling_threads_at_once_get_their_own_results() -> None:
-    """Three Python threads in kernels at once (a threaded server): each region its own jobs and scratch."""
-    expected = _kernels()
-    failures: list[str] = []
-
-    def call() -> None:
-        for _ in range(20):
-            for name, out in _kernels().items():
-                if not torch.equal(out, expected[name]):
-                    failures.append(name)
-
-    workers = [threading.Thread(target=call) for _ in range(3)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join(timeout=120)
-    assert not any(w.is_alive() for w in workers), "a kernel call did not return (deadlock?)"
-    assert not failures
-
-
 @pytest.fixture
 def policy(request: pytest.FixtureRequest):
     """The busy-host policy `request.param` for one test, then off again (this suite's), with no recent late region."""
@@ -144,6 +104,53 @@ def _busy() -> None:
     """What a busy machine does to the policy: three team regions whose last thread started 2 ms late."""
     for _ in range(3):
         EXT.pool_judge(2_000_000)
+
+
+def _child_kernels(queue: multiprocessing.Queue) -> None:
+    _busy()
+    queue.put({name: out.numpy() for name, out in _kernels(2).items()})  # by value: the child exits before the read
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="fork start method")
+@pytest.mark.parametrize("policy", ["off", "pool"], indirect=True)
+def test_forked_child_runs_kernels(policy: str) -> None:
+    """A child forked after the parent's regions ran (a DataLoader worker) has none of its threads, the team's or the
+    pool's: it must neither hang nor differ."""
+    _busy()
+    parent = _kernels(2)
+    assert EXT.threading()[5] >= 1 or policy == "off"
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child_kernels, args=(queue,))
+    child.start()
+    got = queue.get(timeout=120)
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    for name, out in got.items():
+        assert torch.equal(torch.from_numpy(out), parent[name]), name
+
+
+@pytest.mark.parametrize("policy", ["off", "pool"], indirect=True)
+def test_calling_threads_at_once_get_their_own_results(policy: str) -> None:
+    """Three Python threads in kernels at once (a threaded server): each region its own jobs and scratch; in a busy
+    spell one holds the pool's threads and the others run on their own."""
+    expected = _kernels()
+    failures: list[str] = []
+
+    def call() -> None:
+        for _ in range(20):
+            _busy()
+            for name, out in _kernels().items():
+                if not torch.equal(out, expected[name]):
+                    failures.append(name)
+
+    workers = [threading.Thread(target=call) for _ in range(3)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=120)
+    assert not any(w.is_alive() for w in workers), "a kernel call did not return (deadlock?)"
+    assert not failures
 
 
 @pytest.mark.parametrize("policy", ["pool", "solo"], indirect=True)
@@ -196,52 +203,6 @@ def test_busy_regions_give_the_teams_bits(policy: str) -> None:
         assert EXT.pool_probe_in_ns() > 0
         for name, out in busy.items():
             assert torch.equal(out, quiet[name]), name
-
-
-@pytest.mark.parametrize("policy", ["pool"], indirect=True)
-def test_calling_threads_at_once_share_the_pool(policy: str) -> None:
-    """Three Python threads in busy regions at once: one holds the pool's threads, the others run on their own, and
-    each gets its own results."""
-    expected = _kernels(2)
-    failures: list[str] = []
-
-    def call() -> None:
-        for _ in range(20):
-            _busy()
-            for name, out in _kernels(2).items():
-                if not torch.equal(out, expected[name]):
-                    failures.append(name)
-
-    workers = [threading.Thread(target=call) for _ in range(3)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join(timeout=120)
-    assert not any(w.is_alive() for w in workers), "a kernel call did not return (deadlock?)"
-    assert not failures
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="fork start method")
-@pytest.mark.parametrize("policy", ["pool"], indirect=True)
-def test_a_child_forked_after_the_pool_started_runs_kernels(policy: str) -> None:
-    """The pool's threads are not in a forked child: its busy regions must neither hang nor differ."""
-    _busy()
-    parent = _kernels(2)
-    assert EXT.threading()[5] >= 1
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    child = ctx.Process(target=_child_busy_kernels, args=(queue,))
-    child.start()
-    got = queue.get(timeout=120)
-    child.join(timeout=60)
-    assert child.exitcode == 0
-    for name, out in got.items():
-        assert torch.equal(torch.from_numpy(out), parent[name]), name
-
-
-def _child_busy_kernels(queue: multiprocessing.Queue) -> None:
-    _busy()
-    queue.put({name: out.numpy() for name, out in _kernels(2).items()})
 
 
 def test_the_policy_comes_from_the_environment_and_a_bad_one_is_refused() -> None:
