@@ -32,7 +32,14 @@ int64_t now_ns() {
       .count();
 }
 
-inline void relax() { __builtin_ia32_pause(); }
+// A spin-wait's pause: it lets the core's other hardware thread run and saves power while this one waits.
+inline void relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
 
 class Workers {
  public:
