@@ -439,7 +439,10 @@ def run_suite(
         doc["cpu_key"] = capabilities.cpu_key() if device.type == "cpu" else None
         return doc
 
-    with scratch_dir() as workdir, tqdm(total=total, desc="model suite", unit="row", file=sys.stderr) as progress:
+    # rows advance by a round's share, so the count is shown whole (not 78.00000000000026/192)
+    bar = "{l_bar}{bar}| {n:.0f}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
+    with scratch_dir() as workdir, tqdm(total=total, desc="model suite", unit="row", file=sys.stderr,
+                                        bar_format=bar) as progress:  # fmt: skip
         for model_name in suite.models:
             if isolate:
                 for dtype_name in suite.dtypes:

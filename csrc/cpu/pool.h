@@ -113,7 +113,7 @@ int64_t probe_in_ns();
 // thread holds them.
 bool run_on_workers(int64_t jobs, int threads, JobFn fn, void* body);
 
-// Threads workers.cpp has started so far (0 until the first busy period).
+// Threads workers.cpp has started so far (0 until the first busy spell).
 int worker_count();
 
 }  // namespace fastbert::cpu
