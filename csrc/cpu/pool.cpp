@@ -8,7 +8,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
@@ -16,11 +15,6 @@
 
 namespace fastbert::cpu {
 namespace {
-
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 // A team thread that starts a region this late was not run by the OS (a woken idle thread starts in tens of
 // microseconds): the CPUs are shared with other work.

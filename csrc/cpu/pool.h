@@ -14,6 +14,7 @@
 // is torch's own, so quiet, no second set of threads competes with the one oneDNN's GEMMs run on.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -26,6 +27,12 @@
 namespace fastbert::cpu {
 
 using JobFn = void (*)(void* body, int64_t job, int slot);
+
+// The steady clock in nanoseconds: what regions, busy spells and idle workers time themselves by.
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 // Runs body(job, slot) for every job in [0, jobs) on up to `threads` threads, the caller one of them; `slot` in
 // [0, threads) names the thread running the job (slot 0: the caller), for per-thread scratch.

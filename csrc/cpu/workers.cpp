@@ -11,7 +11,6 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <mutex>
 #include <thread>
@@ -26,11 +25,6 @@ constexpr uint64_t kClosed = uint64_t(1) << 31, kJoinedMask = kClosed - 1;
 // microseconds, a sleeping thread takes tens of microseconds to wake, and a spinning one takes a busy CPU's share.
 constexpr int64_t kSpinNs = 30'000;
 constexpr int kMaxWorkers = 255;
-
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
 
 // A spin-wait's pause: it lets the core's other hardware thread run and saves power while this one waits.
 inline void relax() {
