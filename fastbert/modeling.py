@@ -602,7 +602,8 @@ class BertModel(PreTrainedModel):
                 "head_mask: fastbert's fused attention has no per-head mask (transformers 5 dropped the argument "
                 "too); pass None, or prune the heads from the weights"
             )
-        with self._backend_scope():
+        lead = input_ids if input_ids is not None else inputs_embeds
+        with self._backend_scope(), ops.team_scope(getattr(lead, "device", None)):
             return self._forward(
                 input_ids,
                 attention_mask,

@@ -36,7 +36,7 @@ from fastbert.backends.spec import COMPOUND_OPS, FLOATS, KERNEL_OPS, OPS, Backen
 __all__ = [
     "COMPOUND_OPS", "KERNEL_OPS", "OPS", "Backend", "BackendUnavailable", "backends", "decisions", "dispatch_scope",
     "exclude_backends", "explain", "forced_backend", "opt_in", "register_backend", "register_explainer",
-    "select", "settle", "use_backend", "watching",
+    "select", "settle", "team_scope", "use_backend", "watching",
     "attention", "bias_act", "bias_residual_layernorm", "dense_residual_layernorm", "embedding_layernorm", "gated_act",
     "gated_linear", "linear",
 ]  # fmt: skip
@@ -83,6 +83,9 @@ def canonical(name: str | None) -> str | None:
 def forced_backend() -> str | None:
     """The backend forced by `use_backend` or FASTBERT_BACKEND, if any ('auto' means none)."""
     return canonical(scope.current.forced or os.environ.get("FASTBERT_BACKEND") or None)
+
+
+team_scope = native.team_scope
 
 
 def use_backend(name: str | None) -> contextlib.AbstractContextManager:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from fastbert.auto import BY_NAME
+from fastbert.backends import native
 from fastbert.checkpoint import PreTrainedModel
 from fastbert.config import QUANTIZE_CHOICES
 from fastbert.execution import graphs
@@ -96,4 +97,7 @@ def _swap_encoders(model: nn.Module, **options: object) -> nn.Module:
         params = inspect.signature(fast.forward).parameters
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         module.model_forward_params = None if takes_any else set(params)  # what its forward passes on to the model
+    if native.enter_team_scope not in model._forward_pre_hooks.values():  # its pooling and head in the scope too
+        model.register_forward_pre_hook(native.enter_team_scope)
+        model.register_forward_hook(native.leave_team_scope, always_call=True)
     return model

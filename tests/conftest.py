@@ -76,6 +76,28 @@ def ext(request: pytest.FixtureRequest):
     NATIVE_CPU.set_isa(default)
 
 
+@pytest.fixture
+def policy(request: pytest.FixtureRequest):
+    """The busy-host policy `request.param` (indirect) for one test, then off again (this suite's), with no recent
+    late region."""
+    native.set_busy_host_policy(request.param)
+    forget_late_regions()
+    yield request.param
+    native.set_busy_host_policy("off")
+    forget_late_regions()
+
+
+def forget_late_regions() -> None:
+    for _ in range(32):  # the policy looks at the last 32 team regions
+        NATIVE_CPU.pool_judge(10_000)
+
+
+def busy_spell() -> None:
+    """What a busy machine does to the policy: three team regions whose last thread started 2 ms late."""
+    for _ in range(3):
+        NATIVE_CPU.pool_judge(2_000_000)
+
+
 def tiny_bert(**overrides):
     """A randomly initialised BertModel in eval mode, seeded: vocab 120, hidden 78 (3 heads of 26, not a whole vector
     of lanes), FFN 160, 2 layers unless `overrides` say otherwise."""

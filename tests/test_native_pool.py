@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from fastbert.backends import gemm, native
+from tests.conftest import busy_spell
 
 EXT, EXT_REASON = native.load("_native_cpu")
 pytestmark = pytest.mark.skipif(EXT is None, reason=f"native CPU extension unavailable: {EXT_REASON}")
@@ -85,29 +86,8 @@ def test_threads_capped_by_cpu_affinity() -> None:
     assert "(1, \"this process's CPU affinity\"" in out.stdout, out.stdout + out.stderr
 
 
-@pytest.fixture
-def policy(request: pytest.FixtureRequest):
-    """The busy-host policy `request.param` for one test, then off again (this suite's), with no recent late region."""
-    native.set_busy_host_policy(request.param)
-    _forget_late_regions()
-    yield request.param
-    native.set_busy_host_policy("off")
-    _forget_late_regions()
-
-
-def _forget_late_regions() -> None:
-    for _ in range(32):  # the policy looks at the last 32 team regions
-        EXT.pool_judge(10_000)
-
-
-def _busy() -> None:
-    """What a busy machine does to the policy: three team regions whose last thread started 2 ms late."""
-    for _ in range(3):
-        EXT.pool_judge(2_000_000)
-
-
 def _child_kernels(queue: multiprocessing.Queue) -> None:
-    _busy()
+    busy_spell()
     queue.put({name: out.numpy() for name, out in _kernels(2).items()})  # by value: the child exits before the read
 
 
@@ -116,7 +96,7 @@ def _child_kernels(queue: multiprocessing.Queue) -> None:
 def test_forked_child_runs_kernels(policy: str) -> None:
     """A child forked after the parent's regions ran (a DataLoader worker) has none of its threads, the team's or the
     pool's: it must neither hang nor differ."""
-    _busy()
+    busy_spell()
     parent = _kernels(2)
     assert EXT.threading()[5] >= 1 or policy == "off"
     ctx = multiprocessing.get_context("fork")
@@ -139,7 +119,7 @@ def test_calling_threads_at_once_get_their_own_results(policy: str) -> None:
 
     def call() -> None:
         for _ in range(20):
-            _busy()
+            busy_spell()
             for name, out in _kernels().items():
                 if not torch.equal(out, expected[name]):
                     failures.append(name)
@@ -177,7 +157,7 @@ def test_late_teams_start_a_busy_spell_that_three_prompt_probes_end(policy: str)
 @pytest.mark.parametrize("policy", ["pool", "solo"], indirect=True)
 @pytest.mark.parametrize("jobs", [1, 7, 1000, 100_003])
 def test_busy_regions_run_every_job_once(policy: str, jobs: int) -> None:
-    _busy()
+    busy_spell()
     once, slots_ok, slots = EXT.pool_cover(jobs, 2)
     assert once and slots_ok and (slots == 1 if policy == "solo" else 1 <= slots <= 2)
     assert EXT.pool_probe_in_ns() > 0  # no probe came due: the region followed the policy
@@ -188,7 +168,7 @@ def test_the_pools_own_thread_takes_jobs(policy: str) -> None:
     """Its worker joins a region with jobs left: in 20 regions of a million jobs at least one ran on two slots."""
     used = []
     for _ in range(20):
-        _busy()
+        busy_spell()
         used.append(EXT.pool_cover(1_000_000, 2)[2])
     assert max(used) == 2 and EXT.threading()[5] >= 1, used
 
@@ -198,7 +178,7 @@ def test_busy_regions_give_the_teams_bits(policy: str) -> None:
     """The kernels in a busy spell, on one thread or on the pool's, give the team's results bit for bit."""
     quiet = _kernels(2)
     for _ in range(3):
-        _busy()
+        busy_spell()
         busy = _kernels(2)
         assert EXT.pool_probe_in_ns() > 0
         for name, out in busy.items():
@@ -222,6 +202,6 @@ def test_with_the_policy_off_late_regions_are_counted_and_nothing_else() -> None
     """This suite runs with it off (conftest): late regions begin no busy spell."""
     assert EXT.threading()[3] == "off"
     late = EXT.threading()[2]
-    _busy()
+    busy_spell()
     assert not EXT.pool_busy() and not native.oversubscribed()
     assert EXT.threading()[2] == late + 3  # still counted, for explain()

@@ -672,6 +672,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         TORCH_CHECK_VALUE(set_busy_policy(name), "the busy-host policy must be pool, solo or off, got '", name, "'");
       },
       "what regions do while the machine is oversubscribed: pool, solo or off (pool.h)", py::arg("name"));
+  m.def("team_enter", &team_enter, "enter a forward's scope: torch's ops on this thread run on one thread while a "
+        "busy spell is on (pool.h)");
+  m.def("team_leave", &team_leave, "leave it: the outermost leave gives the thread its team back (pool.h)");
   m.def("pool_busy", &oversubscribed, "whether a busy spell is on: regions follow the busy-host policy (pool.h)");
   m.def("pool_probe_in_ns", &probe_in_ns, "ns until a busy spell's next region probes the team (0: none due)");
   m.def("runnable_isas", &runnable_isas, "the ISAs compiled in that this CPU can run, best first");

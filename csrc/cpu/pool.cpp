@@ -139,9 +139,30 @@ void run_jobs(int64_t jobs, int threads, JobFn fn, void* body) {
   judge_region(latest_start.load());
 }
 
+namespace {
+
+thread_local int aside_depth = 0;    // team_enter() calls on this thread not yet left
+thread_local int aside_threads = 0;  // the team size team_enter() narrowed from (0: not narrowed)
+
+}  // namespace
+
+void team_enter() {
+  if (aside_depth++ > 0 || !oversubscribed()) return;
+  const int threads = omp_get_max_threads();
+  if (threads <= 1) return;
+  aside_threads = threads;
+  omp_set_num_threads(1);
+}
+
+void team_leave() {
+  if (aside_depth == 0 || --aside_depth > 0 || aside_threads == 0) return;
+  omp_set_num_threads(aside_threads);
+  aside_threads = 0;
+}
+
 int usable_threads(int torch_threads, std::string* why) {
   static const int affinity = affinity_cpus(), quota = cgroup_cpus();
-  int n = std::max(torch_threads, 1);
+  int n = std::max(aside_threads > 0 ? aside_threads : torch_threads, 1);
   const char* reason = "torch's intra-op threads";
   if (affinity > 0 && affinity < n) n = affinity, reason = "this process's CPU affinity";
   if (quota > 0 && quota < n) n = quota, reason = "the cgroup's CPU quota";

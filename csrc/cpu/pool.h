@@ -120,6 +120,13 @@ int64_t probe_in_ns();
 // thread holds them.
 bool run_on_workers(int64_t jobs, int threads, JobFn fn, void* body);
 
+// A scope around a forward (fastbert.backends.native.team_narrowed): entered while a busy spell is on, torch's own
+// ops on the calling thread run on one thread to its end. Their OpenMP regions split the work statically, so each would
+// wait a time slice for a team thread the OS has not run; the kernels' regions keep the full count (usable_threads)
+// and the busy-host policy. Nested scopes count; the outermost leave restores the team.
+void team_enter();
+void team_leave();
+
 // Threads workers.cpp has started so far (0 until the first busy spell).
 int worker_count();
 
