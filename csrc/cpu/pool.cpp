@@ -24,11 +24,18 @@ constexpr int64_t kLateNs = 500'000;
 // the previous region starts promptly on a loaded machine too).
 constexpr int64_t kProbeFirstNs = 50'000'000, kProbeMaxNs = 800'000'000;
 constexpr int kPromptToLeave = 3;
+// A probe is the team's regions for kProbeNs and at least kProbeRegions of them, not one region: a team thread woken
+// from sleep preempts a busy neighbour at once (the scheduler favours a thread that slept), so the first region
+// after a pause is prompt on a busy machine too; the next ones wait for the neighbour's time slice.
+constexpr int64_t kProbeNs = 10'000'000;
+constexpr int kProbeRegions = 8;
 
 std::atomic<bool> busy{false};                   // regions follow the busy-host policy, probes aside
 std::atomic<int64_t> next_probe{0};              // while busy: steady-clock ns from which a region probes the team
 std::atomic<int64_t> probe_span{kProbeFirstNs};  // from one probe to the next
 std::atomic<int> prompt_probes{0};               // in a row
+std::atomic<int64_t> probe_end{0};               // while a probe runs: when it may end (0: none running)
+std::atomic<int> probe_regions{0};               // prompt regions of the probe running
 std::atomic<int64_t> late_regions{0}, busy_spells{0};
 // The last 32 team regions, newest in bit 0, 1 where late. One late region alone is no sign of a busy machine: a VM's
 // idle vCPU or a team's first start can take that long; kLateOfRecent of the last 32 are.
@@ -73,15 +80,22 @@ void judge_region(int64_t latest_start_ns) {
     if (!late || __builtin_popcount(recent) < kLateOfRecent) return;
     busy_spells.fetch_add(1, std::memory_order_relaxed);
     prompt_probes.store(0, std::memory_order_relaxed);
+    probe_end.store(0, std::memory_order_relaxed);
     probe_in(kProbeFirstNs);
     busy.store(true, std::memory_order_relaxed);
   } else if (late) {  // a probe that found the team late: the next one later
     prompt_probes.store(0, std::memory_order_relaxed);
+    probe_end.store(0, std::memory_order_relaxed);
     probe_in(std::min(2 * probe_span.load(std::memory_order_relaxed), kProbeMaxNs));
-  } else if (prompt_probes.fetch_add(1, std::memory_order_relaxed) + 1 >= kPromptToLeave) {
-    busy.store(false, std::memory_order_relaxed);
-  } else {
-    probe_in(kProbeFirstNs);
+  } else if (const int64_t now = now_ns(), end = probe_end.load(std::memory_order_relaxed); end == 0) {
+    probe_end.store(now + kProbeNs, std::memory_order_relaxed);  // a probe's first region
+    probe_regions.store(1, std::memory_order_relaxed);
+  } else if (probe_regions.fetch_add(1, std::memory_order_relaxed) + 1 >= kProbeRegions && now >= end) {
+    probe_end.store(0, std::memory_order_relaxed);  // a prompt probe
+    if (prompt_probes.fetch_add(1, std::memory_order_relaxed) + 1 >= kPromptToLeave)
+      busy.store(false, std::memory_order_relaxed);
+    else
+      probe_in(kProbeFirstNs);
   }
 }
 

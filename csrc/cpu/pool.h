@@ -6,8 +6,8 @@
 // hundred regions of tens of microseconds: 5-10x slower beside one busy neighbour. So each region notes how late its
 // team threads started. One that started more than half a millisecond late (a woken idle thread starts in tens of
 // microseconds), with two more of the last 32 late, begins a busy spell: regions follow the busy-host policy, except
-// a probe on the team now and then (50 ms apart, doubling to 0.8 s while probes come late), until three probes in a
-// row find the team prompt. The policy (FASTBERT_BUSY_HOST, or fastbert.backends.native.set_busy_host_policy):
+// a probe on the team now and then (10 ms of its regions; 50 ms apart, doubling to 0.8 s while probes come late),
+// until three probes in a row find the team prompt. The policy (FASTBERT_BUSY_HOST, or fastbert.backends.native.set_busy_host_policy):
 //   pool (default): fastbert's own threads (workers.cpp), which the caller waits for only once they hold a job;
 //   solo: the calling thread alone; off: the team throughout.
 // Meanwhile fastbert's fp32/int8 GEMMs stay on its own kernels (a oneDNN GEMM waits on the team's barrier). The team
