@@ -27,6 +27,7 @@ def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv(timing_store.ENV_SWITCH, "1")
     monkeypatch.setenv(timing_store.ENV_DIR, str(tmp_path))
     monkeypatch.setattr(timing, "cpu_clock", lambda: None)  # cannot tell who else ran: kept (as on a quiet machine)
+    monkeypatch.setattr(timing, "_pending", [])  # no verdict of another test waits to be kept here
     timing_store.forget()
     yield tmp_path
     timing_store.forget()
@@ -72,6 +73,44 @@ def test_nothing_timed_on_a_busy_machine_is_kept(store: Path, monkeypatch: pytes
     assert timed == 1 and verdict[0] is True and verdict.evidence is None
     assert not list(store.glob("*.json"))
     assert "1 timed while other processes took up to 70% of the CPUs" in timing_store.describe()
+
+
+@pytest.mark.parametrize("others", [0.1, 1.2], ids=["quiet", "busy"])
+def test_short_checks_wait_for_a_window_that_can_tell(store: Path, monkeypatch: pytest.MonkeyPatch, others: float
+                                                      ) -> None:  # fmt: skip
+    """Two checks of 10 ms each cannot tell who else ran; the window from the first to the end of the second (0.31 s)
+    can: both verdicts are kept if others took little of the CPUs over it, neither if they took much."""
+    readings = iter([(0.0, 0.0, 0.0), (0.01, 0.02, 0.02), (0.011, 0.022, 0.022),  # first check, then a flush try
+                     (0.3, 0.3, 0.3), (0.31, 0.31 + others, 0.31)])  # fmt: skip
+    clock = {"last": None}
+
+    def reading() -> tuple[float, float, float]:
+        clock["last"] = next(readings, clock["last"])
+        return clock["last"]
+
+    monkeypatch.setattr(timing, "cpu_clock", reading)
+    monkeypatch.setattr(timing.os, "cpu_count", lambda: 2)
+    _judge(QUIET, monkeypatch, key=(768, 768, "small"))
+    assert not list(store.glob("*.json")) and len(timing._pending) == 1  # waiting, not kept, not dropped
+    _judge(QUIET, monkeypatch, key=(768, 3072, "small"))
+    assert not timing._pending
+    kept = list(store.glob("*.json"))
+    if others > 0.5:  # 1.2 CPU-seconds of others' in 0.31 s on 2 CPUs
+        assert not kept and "2 timed while other processes took up to" in timing_store.describe()
+    else:
+        entries = json.loads(kept[0].read_text())["verdicts"].values()
+        assert len(entries) == 2 and all(e[2]["others_share"] == pytest.approx(0.1 / 0.62) for e in entries)
+
+
+def test_a_short_check_at_exit_is_kept_as_before(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process that ends before any window could tell keeps its verdicts (a probe confirms them when read back)."""
+    readings = iter([(0.0, 0.0, 0.0), (0.01, 0.02, 0.02)])
+    monkeypatch.setattr(timing, "cpu_clock", lambda: next(readings, (0.02, 0.03, 0.03)))
+    _judge(QUIET, monkeypatch)
+    assert not list(store.glob("*.json"))
+    timing.flush_pending(final=True)  # what the exit does
+    (entry,) = json.loads(timing_store.path().read_text())["verdicts"].values()
+    assert entry[0] is True and entry[2]["others_share"] is None
 
 
 @pytest.mark.parametrize("poisoned", [False, True], ids=["mine turned down", "mine picked"])

@@ -10,13 +10,15 @@ changes again: every later call of its shape runs the same path.
 
 Only what was timed on a quiet machine is kept for later processes (fastbert.backends.timing_store): a load that slows
 both paths alike leaves no trace in the samples, so the CPU time other processes used during the check (the machine's,
-from /proc/stat, less this process's own) must be small too, where the check lasted long enough to tell. A verdict
+from /proc/stat, less this process's own) must be small too, over a window long enough to tell: a short check waits
+for the checks after it (or the process's exit) to make one. A verdict
 read back from the store is confirmed by a short probe of both paths at first use; one the probe contradicts is timed
 again as at first use, so a store written under load never makes a quiet process slower than no store.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import threading
@@ -37,7 +39,7 @@ RECHECK_CALLS = 8  # a provisional verdict is checked again after this many call
 RECHECK_AFTER_S = 3.0  # ...and this long after its last check (3x longer after each), so a start-up burst has passed
 
 BUSY_SHARE = 0.25  # other processes' share of every CPU during a check above which its verdict is not kept
-MIN_WINDOW_S = 0.25  # a shorter check cannot tell (the kernel counts CPU time in 10 ms ticks): kept, the probe guards
+MIN_WINDOW_S = 0.25  # a shorter window cannot tell (the kernel counts CPU time in 10 ms ticks): its verdicts wait
 PROBE_REPEATS = 2  # interleaved samples of each path confirming a verdict read from the store
 CONTRADICTED = 1.25  # a probe contradicts a stored verdict when the path it turned down is this much faster
 
@@ -230,16 +232,56 @@ def judge(
         else:
             kept = verdicts[key]
         if kept is decided and decided.evidence is None and evidence.disturbed < NOISY:  # settled quietly
-            if share is None or share < BUSY_SHARE:  # the next process reads it instead of timing
-                evidence_kept = {"mine_s": evidence.mine, "other_s": evidence.other, "checks": evidence.checks,
-                                 "others_share": share}  # fmt: skip
-                timing_store.remember("|".join(names), key, *decided, evidence_kept)
-            else:
-                timing_store.unkept(share)
+            _keep(clock, share, ("|".join(names), key, *decided),
+                  {"mine_s": evidence.mine, "other_s": evidence.other, "checks": evidence.checks})  # fmt: skip
+        else:
+            flush_pending()
         return kept
     finally:
         if verdict is not None:
             _recheck.release()
+
+
+_pending: list[tuple[tuple[float, float, float], tuple, dict]] = []  # settled in checks too short to tell who else ran
+_pending_lock = threading.Lock()
+
+
+def _keep(clock: tuple[float, float, float] | None, share: float | None, entry: tuple, evidence: dict) -> None:
+    """Keep a quietly settled verdict for the next process if others took less than BUSY_SHARE of the CPUs while it
+    was timed. A check too short to tell waits with the others like it until the window from the first of them is long
+    enough (the next checks of a warm-up, or the process's exit), and is judged on that window's share."""
+    if clock is None or share is not None:  # can tell now, or never (no /proc/stat): kept as on a quiet machine
+        _store([(entry, {**evidence, "others_share": share})], share)
+        return
+    with _pending_lock:
+        _pending.append((clock, entry, evidence))
+    flush_pending()
+
+
+def flush_pending(final: bool = False) -> None:
+    """Judge the waiting verdicts once the window since the first of them can tell; `final` (at exit): whatever the
+    window, kept where it cannot tell (a store read back is confirmed by a probe)."""
+    with _pending_lock:
+        if not _pending:
+            return
+        share = others_share(_pending[0][0], cpu_clock())
+        if share is None and not final:
+            return
+        waiting = [(entry, {**evidence, "others_share": share}) for _, entry, evidence in _pending]
+        _pending.clear()
+    _store(waiting, share)
+
+
+def _store(entries: list[tuple[tuple, dict]], share: float | None) -> None:
+    if share is not None and share >= BUSY_SHARE:
+        for _ in entries:
+            timing_store.unkept(share)
+        return
+    for (store, key, wins, why), evidence in entries:
+        timing_store.remember(store, key, wins, why, evidence)
+
+
+atexit.register(flush_pending, final=True)
 
 
 def gemm_words(rows: int, weight: torch.Tensor, epilogue: str = "") -> str:
