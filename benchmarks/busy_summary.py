@@ -37,7 +37,8 @@ ORDER = ("fp32", "bf16", "int8")
 
 def load_runs(folder: str) -> list[dict]:
     """The runs in `folder`, quiet first, then by the number of neighbours; a clear error where there is none."""
-    runs = [json.load(open(p, encoding="utf-8")) for p in sorted(glob.glob(os.path.join(folder, "*.json")))]
+    files = sorted(glob.glob(os.path.join(folder, "**", "*.json"), recursive=True))  # flat, or a folder per load
+    runs = [json.load(open(p, encoding="utf-8")) for p in files]
     runs = [r for r in runs if "neighbour_counts" in r and r.get("rows")]
     if not runs:
         raise SystemExit(f"busy_summary: no bench_encode runs (JSON with neighbour_counts) in {folder}")

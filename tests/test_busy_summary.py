@@ -40,7 +40,8 @@ def test_each_precision_against_its_best_other_system_and_busy_over_quiet(tmp_pa
     assert ratios["fastbert fp32"] == 0.5 and ratios["onnxruntime dynamic int8"] == 0.5
     table = (tmp_path / "summary_cpu-avx512-amx.md").read_text()
     assert "**0.80x**" in table and "**1.25x**" in table and "bf16" not in table
-    _run(tmp_path, "c", {"torch": 2}, BUSY)  # the summary file itself is not read as a run
+    (tmp_path / "torch2").mkdir()
+    _run(tmp_path / "torch2", "c", {"torch": 2}, BUSY)  # a folder per load (make bench-busy); the summary is no run
     assert busy_summary.main([str(tmp_path)]) == 0
     assert [r["load"] for r in json.loads((tmp_path / "summary_cpu-avx512-amx.json").read_text())["rows"]] == [
         "none (quiet)", "1 busy loop", "2 torch workers"]
