@@ -15,6 +15,7 @@ import json
 import os
 import sys
 
+from benchmarks import model_report
 from benchmarks.plotting import pyplot
 
 # system -> precision; fastbert's own row of each precision is "fastbert <precision>"
@@ -135,14 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("folder", help="a folder of bench_encode --neighbours runs (JSON), the quiet run among them")
     args = parser.parse_args(argv)
     summary = summarise(load_runs(args.folder))
-    stem = os.path.join(args.folder, f"summary_cpu-{summary['cpu_kind']}")
-    with open(stem + ".json", "w", encoding="utf-8") as f:
-        json.dump(summary, f, indent=1)
-    table = markdown(summary)
-    with open(stem + ".md", "w", encoding="utf-8") as f:
-        f.write(table)
-    plot(summary, stem + ".png")
-    print(table)
+    print(model_report.write_results(args.folder, f"summary_cpu-{summary['cpu_kind']}", summary, markdown, plot))
     return 0
 
 
