@@ -135,7 +135,8 @@ def test_calling_threads_at_once_get_their_own_results(policy: str) -> None:
 
 
 def _prompt_probe(late_at: int | None = None) -> None:
-    """A probe's regions as pool.h judges them: eight prompt ones over more than 10 ms (the `late_at`-th late)."""
+    """Eight regions as a probe's, the last more than 10 ms after the first (the `late_at`-th late). A probe ends at
+    its 8th region past 10 ms, so one may end inside this call and the regions after it begin the next."""
     for i in range(8):
         if i == 7:
             time.sleep(0.011)
@@ -159,6 +160,7 @@ def test_late_teams_start_a_busy_spell_that_three_prompt_probes_end(policy: str)
     assert EXT.pool_probe_in_ns() > first
     for _ in range(20):  # prompt regions, but all within one probe's 10 ms: no verdict yet
         EXT.pool_judge(10_000)
+    assert EXT.pool_busy()
     for late_at in (None, 5, None, None):  # prompt, late (the count starts again), prompt, prompt
         _prompt_probe(late_at)
         assert EXT.pool_busy(), late_at

@@ -1,6 +1,7 @@
 """A CPU forward's team scope (csrc/cpu/pool.h, team_enter): in a busy spell torch's own ops in a forward (padding,
-the pooler, sentence-transformers' pooling) run on the calling thread alone, the kernels keep their threads, and the
-thread gets its team back at the end, also when the forward raises; outside a spell nothing changes."""
+the pooler, sentence-transformers' pooling) run on one thread fewer, the kernels keep their threads, GEMMs are not
+timed, and the thread gets its team back at the end, also when the forward raises or an interrupt skips a hook;
+outside a spell nothing changes."""
 
 from __future__ import annotations
 
@@ -33,8 +34,10 @@ def test_in_a_busy_spell_torch_runs_on_one_thread_and_the_kernels_keep_theirs(po
     team, kernels = torch.get_num_threads(), NATIVE_CPU.threading()[0]
     busy_spell()
     with ops.team_scope(CPU):
-        assert torch.get_num_threads() == 1 and NATIVE_CPU.threading()[0] == kernels
-    assert torch.get_num_threads() == team
+        assert torch.get_num_threads() == team - 1 and NATIVE_CPU.threading()[0] == kernels
+        native.set_busy_host_policy(policy)  # the spell ends mid-forward (as a prompt probe would end it)
+        assert native.oversubscribed(), "a narrowed team must keep GEMMs off their timing"
+    assert torch.get_num_threads() == team and not native.oversubscribed()
 
 
 @pytest.mark.parametrize("policy", ["pool", "off"], indirect=True)
@@ -56,7 +59,7 @@ def test_nested_scopes_restore_at_the_outermost_also_on_an_exception(policy: str
         with ops.team_scope(CPU):
             with ops.team_scope(CPU):
                 pass
-            assert torch.get_num_threads() == 1  # the inner leave was not the outermost
+            assert torch.get_num_threads() == team - 1  # the inner leave was not the outermost
             raise RuntimeError("inside")
     assert torch.get_num_threads() == team
     NATIVE_CPU.team_leave()  # a leave with no scope entered does nothing
@@ -75,7 +78,7 @@ def test_a_forward_in_a_spell_narrows_torch_inside_and_gives_the_same_outputs(po
         team = torch.get_num_threads()
         busy_spell()
         busy = model(ids, mask).last_hidden_state
-        assert seen == [(1, NATIVE_CPU.threading()[0])] and torch.get_num_threads() == team
+        assert seen == [(team - 1, NATIVE_CPU.threading()[0])] and torch.get_num_threads() == team
         busy_spell()
         with pytest.raises(ValueError):
             model(ids, mask[:, :5])  # a mask of the wrong shape: the scope is left on the way out
@@ -94,13 +97,28 @@ def test_sentence_transformers_pooling_runs_in_the_scope(policy: str, minilm_dir
     team = torch.get_num_threads()
     busy_spell()
     model.encode(["a man plays a guitar", "the cat sleeps"])
-    assert seen and seen[0][0] == 1 and torch.get_num_threads() == team
+    assert seen and seen[0][0] == team - 1 and torch.get_num_threads() == team
 
     def fail(*_: object) -> None:
         raise RuntimeError("pooling failed")
 
-    model[1].register_forward_hook(fail)
+    failing = model[1].register_forward_hook(fail)
     busy_spell()
     with pytest.raises(RuntimeError, match="pooling failed"):
         model.encode(["a man plays a guitar"])
+    assert torch.get_num_threads() == team
+    failing.remove()
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    interrupting = model[1].register_forward_hook(interrupt)
+    busy_spell()
+    with pytest.raises(KeyboardInterrupt):  # torch skips always_call hooks on it: the scope is left open...
+        model.encode(["a man plays a guitar"])
+    interrupting.remove()
+    model.encode(["the cat sleeps"])  # ...and the next encode closes it first
+    assert torch.get_num_threads() == team
+    native.set_busy_host_policy(policy)  # no spell: the encode after narrows nothing and leaves nothing open
+    model.encode(["the cat sleeps"])
     assert torch.get_num_threads() == team

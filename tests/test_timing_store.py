@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,21 @@ def test_short_checks_wait_for_a_window_that_can_tell(store: Path, monkeypatch: 
     else:
         entries = json.loads(kept[0].read_text())["verdicts"].values()
         assert len(entries) == 2 and all(e[2]["others_share"] == pytest.approx(0.1 / 0.62) for e in entries)
+
+
+def test_waiting_verdicts_are_judged_without_a_later_check(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server past its warm-up times nothing more: a timer judges what waits once the window can tell."""
+    readings = iter([(0.0, 0.0, 0.0), (0.01, 0.02, 0.02), (0.011, 0.022, 0.022)])
+    monkeypatch.setattr(timing, "cpu_clock", lambda: next(readings, (0.4, 0.45, 0.4)))  # 0.05 CPU-s of others'
+    monkeypatch.setattr(timing.os, "cpu_count", lambda: 2)
+    _judge(QUIET, monkeypatch)
+    assert not list(store.glob("*.json"))
+    for _ in range(100):  # the timer fires 0.3 s after the first verdict began to wait
+        if list(store.glob("*.json")):
+            break
+        time.sleep(0.05)
+    (entry,) = json.loads(timing_store.path().read_text())["verdicts"].values()
+    assert entry[2]["others_share"] == pytest.approx(0.05 / 0.8) and not timing._pending
 
 
 def test_a_short_check_at_exit_is_kept_as_before(store: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -332,8 +348,9 @@ print(json.dumps({"timed": len(timed), "sum": out.double().sum().item(), "explai
 
 
 def test_a_new_process_reads_the_verdicts_of_the_last(tmp_path: Path) -> None:
-    """End to end, two processes: the second finds the first's file (the fingerprint is stable across processes),
-    times nothing, and runs the same paths (the same output to the last bit)."""
+    """End to end, two processes: the second finds the first's file (the fingerprint is stable across processes) and
+    takes its verdicts instead of timing them; where it times nothing, it runs the same paths (the same output to the
+    last bit)."""
     env = {**os.environ, timing_store.ENV_SWITCH: "1", timing_store.ENV_DIR: str(tmp_path), "FASTBERT_CPU_GEMM": "auto"}
     runs, kept = [], None
     for _ in range(2):
@@ -347,8 +364,10 @@ def test_a_new_process_reads_the_verdicts_of_the_last(tmp_path: Path) -> None:
         pytest.skip("no GEMM here is chosen by timing (no native build): nothing to keep")
     if kept == 0:
         pytest.skip("every timing of the first process was disturbed (a busy machine): nothing settled to keep")
-    assert second["read"] >= 1 and second["timed"] < first["timed"], second["explain"]
-    assert "timed in an earlier run" in second["explain"]
+    # a verdict it read runs untimed ("timed in an earlier run") unless its probe contradicts it; under load the first
+    # process keeps only what a quiet window backs, so the second may time the rest, more often if disturbed
+    taken = "timed in an earlier run" in second["explain"] or "contradicted by a probe" in second["explain"]
+    assert second["read"] >= 1 and taken, second["explain"]
     if second["timed"] == 0:  # every path as the first process settled it: the same output to the last bit
         assert second["sum"] == first["sum"]
 

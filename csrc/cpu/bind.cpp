@@ -672,10 +672,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         TORCH_CHECK_VALUE(set_busy_policy(name), "the busy-host policy must be pool, solo or off, got '", name, "'");
       },
       "what regions do while the machine is oversubscribed: pool, solo or off (pool.h)", py::arg("name"));
-  m.def("team_enter", &team_enter, "enter a forward's scope: torch's ops on this thread run on one thread while a "
-        "busy spell is on (pool.h)");
+  m.def(
+      "team_enter",
+      [](bool outermost) {
+        at::get_num_threads();  // torch's per-thread count set on this thread first (a new thread has the runtime's)
+        team_enter(outermost);
+      },
+      "enter a forward's scope: torch's ops on this thread run on one thread fewer while a busy spell is on; "
+      "outermost: a scope left without its leave (an interrupt past a hook) is closed first (pool.h)",
+      py::arg("outermost") = false);
   m.def("team_leave", &team_leave, "leave it: the outermost leave gives the thread its team back (pool.h)");
-  m.def("pool_busy", &oversubscribed, "whether a busy spell is on: regions follow the busy-host policy (pool.h)");
+  m.def(
+      "pool_busy", [] { return oversubscribed() || team_narrowed(); },
+      "whether a busy spell is on, or this thread's team is narrowed by one: regions follow the busy-host policy and "
+      "GEMMs are not timed (pool.h)");
   m.def("pool_probe_in_ns", &probe_in_ns, "ns until a busy spell's next region probes the team (0: none due)");
   m.def("runnable_isas", &runnable_isas, "the ISAs compiled in that this CPU can run, best first");
   m.def("l2_cache_bytes", &l2_cache_bytes, "the per-core L2 size the GEMM's row panels are sized to (probed once)");

@@ -160,12 +160,16 @@ thread_local int aside_threads = 0;  // the team size team_enter() narrowed from
 
 }  // namespace
 
-void team_enter() {
+void team_enter(bool outermost) {
+  if (outermost && aside_depth > 0) {  // an earlier scope never left: close it
+    aside_depth = 1;
+    team_leave();
+  }
   if (aside_depth++ > 0 || !oversubscribed()) return;
   const int threads = omp_get_max_threads();
   if (threads <= 1) return;
   aside_threads = threads;
-  omp_set_num_threads(1);
+  omp_set_num_threads(threads - 1);
 }
 
 void team_leave() {
@@ -173,6 +177,8 @@ void team_leave() {
   omp_set_num_threads(aside_threads);
   aside_threads = 0;
 }
+
+bool team_narrowed() { return aside_threads > 0; }
 
 int usable_threads(int torch_threads, std::string* why) {
   static const int affinity = affinity_cpus(), quota = cgroup_cpus();

@@ -91,8 +91,9 @@ class LineBuffer {
   std::unique_ptr<T, Free> data_;
 };
 
-// The threads the kernels may use: torch's intra-op count, capped by this process's CPU affinity and by its cgroup's
-// CPU quota (a container given 2 CPUs of a 64-core host); `why` says which of the three set it.
+// The threads the kernels may use: torch's intra-op count (the count before team_enter narrowed it, inside its scope),
+// capped by this process's CPU affinity and by its cgroup's CPU quota (a container given 2 CPUs of a 64-core host);
+// `why` says which of the three set it.
 int usable_threads(int torch_threads, std::string* why = nullptr);
 
 enum class BusyPolicy { pool, solo, off };
@@ -120,12 +121,16 @@ int64_t probe_in_ns();
 // thread holds them.
 bool run_on_workers(int64_t jobs, int threads, JobFn fn, void* body);
 
-// A scope around a forward (fastbert.backends.native.team_narrowed): entered while a busy spell is on, torch's own
-// ops on the calling thread run on one thread to its end. Their OpenMP regions split the work statically, so each would
-// wait a time slice for a team thread the OS has not run; the kernels' regions keep the full count (usable_threads)
-// and the busy-host policy. Nested scopes count; the outermost leave restores the team.
-void team_enter();
+// A scope around a forward (fastbert.backends.native.team_scope): entered while a busy spell is on, torch's own ops
+// and oneDNN's GEMMs on the calling thread run on one thread fewer to its end (on two CPUs, on the calling thread
+// alone). A spell means a team thread keeps coming late, and a team region splits its work statically, so each waited
+// a time slice for that thread; one thread fewer leaves the contended CPU to the neighbour. The kernels' regions keep
+// the full count (usable_threads) and the busy-host policy. Nested scopes count; the outermost leave restores the
+// team; `outermost` first closes a scope whose leave never came (a hook skipped by an interrupt). While narrowed,
+// GEMMs are not timed (team_narrowed): a verdict would compare a narrowed team with the full one.
+void team_enter(bool outermost = false);
 void team_leave();
+bool team_narrowed();
 
 // Threads workers.cpp has started so far (0 until the first busy spell).
 int worker_count();

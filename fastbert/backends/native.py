@@ -104,7 +104,7 @@ def describe() -> str | None:
         "solo": f"busy-host policy solo: {late} late region(s), {spells} busy spell(s) on the calling thread alone",
         "off": f"busy-host policy off: {late} late region(s), every region on the team",
     }[policy]
-    scope = "" if policy == "off" else "; in a spell a forward's torch ops (padding, pooling) run on its calling thread"
+    scope = "" if policy == "off" else "; in a spell a forward's torch ops and oneDNN GEMMs run on one thread fewer"
     return (
         f"CPU kernels for {', '.join(cpu.runnable_isas())} run here; using {cpu.isa()}; GEMM row panels sized to "
         f"half of a {cpu.l2_cache_bytes() >> 10} KiB L2; {threads} thread(s), set by {why}; {busy}{scope}"
@@ -121,8 +121,8 @@ _policy = ["off"]  # the extension's policy as last set, so oversubscribed() wit
 
 
 class _TeamNarrowed:
-    """pool.h's team_enter/team_leave as a context: torch's ops on this thread run on one thread while a busy spell
-    is on. Stateless (the extension counts nesting per thread), so one instance serves every scope."""
+    """pool.h's team_enter/team_leave as a context: torch's ops on this thread run on one thread fewer while a busy
+    spell is on. Stateless (the extension counts nesting per thread), so one instance serves every scope."""
 
     def __enter__(self) -> None:
         _loaded["_native_cpu"][0].team_enter()
@@ -134,26 +134,29 @@ class _TeamNarrowed:
 _TEAM_NARROWED = _TeamNarrowed()
 
 
-def team_scope(device: torch.device | None) -> contextlib.AbstractContextManager:
+def team_scope(device: torch.device | None) -> contextlib.AbstractContextManager[None]:
     """A CPU forward's scope: while the machine is oversubscribed, torch's own ops in it (padding, pooling, the
-    pooler) run on the calling thread alone instead of waiting on a team thread the OS has not run; the kernels keep
-    their threads. A null context off the CPU, with the policy off (or the kernels not loaded) and under tracing."""
+    pooler) and oneDNN's GEMMs run on one thread fewer (on two CPUs, the calling thread alone) instead of waiting on a
+    team thread the OS has not run; the kernels keep their threads (csrc/cpu/pool.h). A null context off the CPU,
+    with the policy off (or the kernels not loaded) and under tracing."""
     if _policy[0] == "off" or device is None or device.type != "cpu" or torch.compiler.is_compiling():
         return contextlib.nullcontext()
     return _TEAM_NARROWED
 
 
 def enter_team_scope(module: object, args: object) -> None:
-    """A forward pre-hook form of team_scope for pipelines fastbert does not own (sentence-transformers' pooling)."""
-    if _policy[0] != "off":
-        _loaded["_native_cpu"][0].team_enter()
+    """team_scope as a forward pre-hook, for pipelines fastbert does not own (sentence-transformers' pooling). As the
+    outermost scope it first closes one whose leave never came: torch skips an always_call hook on an interrupt."""
+    device = getattr(module, "device", None)
+    if _policy[0] != "off" and not torch.compiler.is_compiling() and (device is None or device.type == "cpu"):
+        _loaded["_native_cpu"][0].team_enter(outermost=True)
 
 
 def leave_team_scope(module: object, args: object, output: object) -> None:
     """Its forward hook, registered with always_call so that an exception leaves the scope too (a leave with no
     scope entered does nothing, so a policy changed mid-forward leaves no thread narrowed)."""
     cpu = _loaded.get("_native_cpu", (None, None))[0]
-    if cpu is not None:
+    if cpu is not None and not torch.compiler.is_compiling():
         cpu.team_leave()
 
 

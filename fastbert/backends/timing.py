@@ -249,12 +249,17 @@ _pending_lock = threading.Lock()
 def _keep(clock: tuple[float, float, float] | None, share: float | None, entry: tuple, evidence: dict) -> None:
     """Keep a quietly settled verdict for the next process if others took less than BUSY_SHARE of the CPUs while it
     was timed. A check too short to tell waits with the others like it until the window from the first of them is long
-    enough (the next checks of a warm-up, or the process's exit), and is judged on that window's share."""
+    enough (a later check, a timer where none comes, or the process's exit), and is judged on that window's share."""
     if clock is None or share is not None:  # can tell now, or never (no /proc/stat): kept as on a quiet machine
         _store([(entry, {**evidence, "others_share": share})], share)
         return
     with _pending_lock:
         _pending.append((clock, entry, evidence))
+        first = len(_pending) == 1
+    if first:  # judged once the window can tell, also where no later check comes (a server past its warm-up)
+        timer = threading.Timer(MIN_WINDOW_S * 1.2, flush_pending)
+        timer.daemon = True
+        timer.start()
     flush_pending()
 
 
@@ -282,6 +287,17 @@ def _store(entries: list[tuple[tuple, dict]], share: float | None) -> None:
 
 
 atexit.register(flush_pending, final=True)
+
+
+def _forget_pending_in_child() -> None:
+    """A forked child judges nothing its parent was waiting to, and gets a lock no parent thread can hold."""
+    global _pending_lock
+    _pending_lock = threading.Lock()
+    _pending.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pending_in_child)
 
 
 def gemm_words(rows: int, weight: torch.Tensor, epilogue: str = "") -> str:
