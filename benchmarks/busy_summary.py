@@ -14,6 +14,7 @@ import glob
 import json
 import os
 import sys
+from pathlib import Path
 
 from benchmarks import model_report
 from benchmarks.plotting import pyplot
@@ -34,15 +35,19 @@ PRECISIONS = {
     "torch dynamic int8": "int8",
 }
 ORDER = ("fp32", "bf16", "int8")
+QUIET = "none (quiet)"
 
 
 def load_runs(folder: str) -> list[dict]:
     """The runs in `folder`, quiet first, then by the number of neighbours; a clear error where there is none."""
     files = sorted(glob.glob(os.path.join(folder, "**", "*.json"), recursive=True))  # flat, or a folder per load
-    runs = [json.load(open(p, encoding="utf-8")) for p in files]
+    runs = [json.loads(Path(p).read_text(encoding="utf-8")) for p in files]
     runs = [r for r in runs if "neighbour_counts" in r and r.get("rows")]
     if not runs:
         raise SystemExit(f"busy_summary: no bench_encode runs (JSON with neighbour_counts) in {folder}")
+    loads = [label(r) for r in runs]
+    if len(set(loads)) < len(loads):
+        raise SystemExit(f"busy_summary: more than one run of a load in {folder}: {sorted(loads)}")
     kinds = {r["cpu_kind"] for r in runs}
     if len(kinds) > 1:
         raise SystemExit(f"busy_summary: runs from different CPU kinds in {folder}: {sorted(kinds)}")
@@ -52,7 +57,7 @@ def load_runs(folder: str) -> list[dict]:
 def label(run: dict) -> str:
     counts = run["neighbour_counts"]
     words = {"spin": "busy loop", "torch": "torch worker"}
-    return ", ".join(f"{n} {words.get(k, k)}{'s' if n > 1 else ''}" for k, n in counts.items()) or "none (quiet)"
+    return ", ".join(f"{n} {words.get(k, k)}{'s' if n > 1 else ''}" for k, n in counts.items()) or QUIET
 
 
 def speeds(run: dict) -> dict[str, float]:
@@ -65,6 +70,7 @@ def summarise(runs: list[dict]) -> dict:
     table = []
     for run in runs:
         got = speeds(run)
+        # the highest of the 1, 5 and 15 minute averages: what the table's warning quotes too
         row = {"load": label(run), "load_average": max(run.get("load_average") or [0.0]), "precisions": {}}
         for p in ORDER:
             mine = got.get(f"fastbert {p}")
@@ -97,7 +103,7 @@ def markdown(summary: dict) -> str:
     systems = sorted({s for r in summary["rows"] for s in r["busy_over_quiet"]}, key=lambda s: (PRECISIONS[s], s))
     lines += ["", "Busy / quiet (each system's throughput under the load over its own quiet run):", "",
               "| neighbours | " + " | ".join(systems) + " |", "|---|" + "---:|" * len(systems)]  # fmt: skip
-    for r in summary["rows"][1:]:
+    for r in (r for r in summary["rows"] if r["load"] != QUIET):
         ratios = [f"{r['busy_over_quiet'][s]:.2f}" if s in r["busy_over_quiet"] else "-" for s in systems]
         lines.append(f"| {r['load']} | " + " | ".join(ratios) + " |")
     return "\n".join(lines) + "\n"

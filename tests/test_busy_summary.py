@@ -54,3 +54,7 @@ def test_a_folder_without_runs_or_mixing_cpus_is_refused(tmp_path: Path) -> None
     _run(tmp_path, "b", {"spin": 1}, BUSY, kind="avx2")
     with pytest.raises(SystemExit, match="different CPU kinds"):
         busy_summary.main([str(tmp_path)])
+    _run(tmp_path, "b", {"spin": 1}, BUSY)
+    _run(tmp_path, "c", {"spin": 1}, BUSY)  # two runs of one load: which is meant?
+    with pytest.raises(SystemExit, match="more than one run of a load"):
+        busy_summary.main([str(tmp_path)])
