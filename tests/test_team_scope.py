@@ -15,11 +15,17 @@ from fastbert import ops
 from fastbert.backends import native
 from tests.conftest import NATIVE_CPU, busy_spell, tiny_bert
 
-pytestmark = [
-    pytest.mark.skipif(NATIVE_CPU is None, reason="native CPU extension unavailable"),
-    pytest.mark.skipif(torch.get_num_threads() < 2, reason="needs two torch threads to narrow to one"),
-]
+pytestmark = pytest.mark.skipif(NATIVE_CPU is None, reason="native CPU extension unavailable")
 CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def two_threads():
+    """At least two torch threads, so there is one to narrow by (a test before may have left this worker at one)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(before, 2))
+    yield
+    torch.set_num_threads(before)
 
 
 def _threads_inside(module: torch.nn.Module) -> list[tuple[int, int]]:
