@@ -76,6 +76,16 @@ def ext(request: pytest.FixtureRequest):
     NATIVE_CPU.set_isa(default)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models: one torch thread avoids OpenMP spin-waits on a busy 2-core CI machine; the count is restored for
+    the next module (an xdist worker runs many)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def policy(request: pytest.FixtureRequest):
     """The busy-host policy `request.param` (indirect) for one test, then off again (this suite's), with no recent

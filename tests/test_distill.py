@@ -22,14 +22,7 @@ from fastbert.distill.data import TeacherCache, collate
 from fastbert.distill.models import load_teacher, teacher_targets
 from fastbert.tokenization import WordPieceTokenizer
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: one thread avoids OpenMP spin-waits on a busy 2-core CI machine (restored afterwards)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,8 @@ from fastbert.pretrain import pretrain
 from fastbert.tokenization import WordPieceTokenizer
 from fastbert.train import load_checkpoint, prune_checkpoints, rng_state, save_checkpoint
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 WORDS = "the a cat dog sat ran on under mat log house river big small red blue quickly slowly and then".split()
 TINY = {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}
 
@@ -40,7 +42,6 @@ def corpus(tmp_path_factory) -> tuple[Path, Path]:
 
 def run_api(corpus, out, **loop):
     text, tok = corpus
-    torch.set_num_threads(1)
     return pretrain(
         [str(text)],
         str(out),
@@ -210,7 +211,6 @@ def test_failed_final_save_says_where_the_last_checkpoint_is(tmp_path, corpus, m
 
 def test_resume_reuses_the_learnt_vocabulary_saved_with_the_checkpoints(tmp_path, corpus, monkeypatch):
     def run(out, tokenizer=None, **loop):  # no tokenizer: the vocabulary is learnt from the corpus
-        torch.set_num_threads(1)
         options = dict(vocab_size=100, max_length=32, batch_size=4, heldout_fraction=0.2, model_options=TINY)
         loop = {"log_every": 1, "max_steps": 4, "save_every": 2, **loop}
         return pretrain([str(corpus[0])], str(out), tokenizer=tokenizer, loop=loop, **options)

@@ -25,6 +25,8 @@ from fastbert.pretrain import pretrain
 from fastbert.tokenization import WordPieceTokenizer
 from fastbert.train import loop as train_loop
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 WORDS = "the a cat dog sat ran on under mat log house river big small red blue quickly slowly and then".split()
 TINY = {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}
 
@@ -51,7 +53,6 @@ def corpus(tmp_path_factory) -> tuple[Path, Path]:
 
 def run(corpus, out, seed: int = 0, text: Path | None = None, heldout_fraction: float = 0.2, **loop):
     """A tiny pretraining run (2 layers, width 32, 32 tokens, batches of 4) with loop options `loop`."""
-    torch.set_num_threads(1)
     return pretrain(
         [str(text or corpus[0])],
         str(out),
@@ -311,7 +312,6 @@ def test_distill_refuses_another_runs_folder_and_checkpoint(tmp_path):
 
     from fastbert.distill import DistillConfig, distill
 
-    torch.set_num_threads(1)
     teacher = make_teacher(str(tmp_path / "teacher"))
 
     def tiny(**kw) -> DistillConfig:
@@ -333,7 +333,6 @@ def test_distill_overwrite_and_resume_latest_continue_this_run_only(tmp_path):
 
     from fastbert.distill import DistillConfig, distill
 
-    torch.set_num_threads(1)
     teacher = make_teacher(str(tmp_path / "teacher"))
 
     def tiny(**kw) -> DistillConfig:
