@@ -132,6 +132,7 @@ class _TeamNarrowed:
 
 
 _TEAM_NARROWED = _TeamNarrowed()
+_NO_SCOPE = contextlib.nullcontext()  # reusable: no context built per forward where nothing is scoped
 
 
 def team_scope(device: torch.device | None) -> contextlib.AbstractContextManager[None]:
@@ -140,7 +141,7 @@ def team_scope(device: torch.device | None) -> contextlib.AbstractContextManager
     team thread the OS has not run; the kernels keep their threads (csrc/cpu/pool.h). A null context off the CPU,
     with the policy off (or the kernels not loaded) and under tracing."""
     if _policy[0] == "off" or device is None or device.type != "cpu" or torch.compiler.is_compiling():
-        return contextlib.nullcontext()
+        return _NO_SCOPE
     return _TEAM_NARROWED
 
 
