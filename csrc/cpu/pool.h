@@ -68,18 +68,19 @@ constexpr int64_t line_stride(int64_t n) {
   return (n + per_line - 1) / per_line * per_line;
 }
 
-// Zeroed scratch aligned to a cache line and a whole number of lines long: two threads' buffers never share a line
-// (a line both write moves between their cores on every write, slower than the work it holds).
+// Scratch aligned to a cache line and a whole number of lines long, zeroed unless asked not to be: two threads'
+// buffers never share a line (a line both write moves between their cores on every write, slower than the work it
+// holds), and a row of whole lines never straddles two (a tile load of 16 such rows reads 16 lines, not 32).
 template <class T>
 class LineBuffer {
  public:
   LineBuffer() = default;
-  explicit LineBuffer(int64_t n) { resize(n); }
-  void resize(int64_t n) {  // to n zeroed elements (previous contents dropped)
+  explicit LineBuffer(int64_t n, bool zeroed = true) { resize(n, zeroed); }
+  void resize(int64_t n, bool zeroed = true) {  // to n elements (previous contents dropped)
     const size_t bytes = size_t(line_stride<T>(n > 0 ? n : 1)) * sizeof(T);
     data_.reset(static_cast<T*>(std::aligned_alloc(64, bytes)));
     if (!data_) throw std::bad_alloc();
-    std::memset(static_cast<void*>(data_.get()), 0, bytes);
+    if (zeroed) std::memset(static_cast<void*>(data_.get()), 0, bytes);
   }
   bool empty() const { return !data_; }
   T* data() const { return data_.get(); }
