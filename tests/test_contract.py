@@ -52,7 +52,7 @@ def test_every_backend_takes_the_declared_parameters(op: contract.Op) -> None:
 @pytest.mark.parametrize("op", contract.KERNELS, ids=lambda op: op.name)
 def test_the_native_custom_ops_and_bindings_take_the_forward_only_parameters(op: contract.Op) -> None:
     """The custom op torch.compile traces has the declared forward-only schema; the C++ binding the same names (and
-    an optional `out`)."""
+    an optional `out`), then the extras native.BINDING_EXTRAS declares, in that order."""
     schema = getattr(torch.ops.fastbert, f"native_{op.name}").default._schema
     assert [a.name for a in schema.arguments] == [p.name for p in op.forward_only()]
     cpu, why = native.load("_native_cpu")
@@ -60,7 +60,8 @@ def test_the_native_custom_ops_and_bindings_take_the_forward_only_parameters(op:
         pytest.skip(f"native CPU extension unavailable: {why}")
     first_line = getattr(cpu, op.name).__doc__.splitlines()[0]
     names = re.findall(r"(\w+): ", first_line[first_line.index("(") :])
-    assert [n for n in names if n != "out"] == [p.name for p in op.forward_only()], first_line
+    extras = native.BINDING_EXTRAS.get(op.name, ())
+    assert [n for n in names if n != "out"] == [p.name for p in op.forward_only()] + list(extras), first_line
 
 
 def test_a_declaration_gives_schema_signature_and_fake() -> None:

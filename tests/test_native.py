@@ -107,6 +107,29 @@ def test_attention(ext, dtype: torch.dtype, dim: int, lengths: list[int]) -> Non
     check(out, reference.attention(qkv.double(), cu, max_seqlen), reference.attention(qkv, cu, max_seqlen))
 
 
+@pytest.mark.parametrize("dim", [32, 64, 80])
+@pytest.mark.parametrize("lengths", [[9], [5, 0, 17, 1, 33], [47, 0, 130, 1]])
+def test_attention_bf16_products(ext, dim: int, lengths: list[int]) -> None:
+    """fp32 qkv with bf16 products (an int8 model's attention): on AMX tiles, where the bf16 kernel would take the same
+    shapes, the bf16 kernel's products on qkv rounded to bf16, its output one rounding short of that kernel's, within
+    the bf16 rule of the fp64 reference; anywhere else, the exact fp32 kernel bit for bit."""
+    qkv, cu = packed_qkv(lengths, 3, dim, torch.float32)
+    max_seqlen, scale = max(lengths), 1 / math.sqrt(dim)
+    out = ext.attention(qkv, cu, max_seqlen, scale, out=poisoned((int(cu[-1]), 3, dim), torch.float32),
+                        bf16_products=True)  # fmt: skip
+    exact = ext.attention(qkv, cu, max_seqlen, scale)
+    if ext.isa() != "avx512amx" or dim % 32 or (dim < 64 and max_seqlen < 40):
+        assert torch.equal(out, exact)
+        return
+    assert not torch.equal(out, exact)
+    rounded = qkv.bfloat16()
+    bf16 = ext.attention(rounded, cu, max_seqlen, scale)
+    assert torch.equal(out.bfloat16(), bf16)  # the same fp32 results, rounded once more by the bf16 kernel
+    ours, theirs = max_error(out, reference.attention(qkv.double(), cu, max_seqlen)), max_error(
+        reference.attention(rounded, cu, max_seqlen), reference.attention(qkv.double(), cu, max_seqlen))
+    assert ours <= 2 * theirs + 1e-3, f"error {ours:.3g} > 2 x torch's bf16 {theirs:.3g} + 1e-3"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_weights_sum_to_one(ext, dtype: torch.dtype) -> None:
     """Every output row is a convex combination of V rows: a constant V comes back (in bf16 exactly: the kernel

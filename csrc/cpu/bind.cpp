@@ -300,7 +300,8 @@ std::pair<at::Tensor, at::Tensor> position_scores_of(const at::Tensor& scores_in
 at::Tensor attention(const at::Tensor& qkv_in, const at::Tensor& cu_seqlens, int64_t max_seqlen, double scale,
                      const std::optional<at::Tensor>& position_bias, const std::optional<at::Tensor>& position_scores,
                      const std::optional<at::Tensor>& position_columns, const std::optional<at::Tensor>& rotary_in,
-                     std::optional<int64_t> window, const std::optional<at::Tensor>& out_opt) {
+                     std::optional<int64_t> window, const std::optional<at::Tensor>& out_opt,
+                     bool bf16_products) {
   check_device(qkv_in, kCpu, "qkv");
   check_device(cu_seqlens, kCpu, "cu_seqlens");
   const DType dtype = dtype_of(qkv_in, "qkv");
@@ -357,6 +358,7 @@ at::Tensor attention(const at::Tensor& qkv_in, const at::Tensor& cu_seqlens, int
     a.rotary_stride_t = rotary.stride(1);
   }
   a.window = window.value_or(-1);
+  a.bf16_products = bf16_products && dtype == DType::f32;
   if (bias.defined()) a.bias = bias.data_ptr<float>(), a.bias_radius = (bias.size(1) - 1) / 2;
   if (scores.defined()) {
     a.scores = scores.data_ptr();
@@ -543,10 +545,12 @@ at::Tensor stack_gemm(const at::Tensor& x, const at::Tensor* w, const std::optio
 // are those of the per-op path (fastbert/layer_stack.py), without a return to Python between them. `weights`: 16 per
 // layer, {packed, scales, bias} for QKV, then for the output projection followed by its LayerNorm's weight and bias,
 // then for FFN in, then for FFN out with its LayerNorm's; `eps`: the two LayerNorms' per layer; `position_bias`: the
-// attention's relative position table, shared by every layer (MPNet), or none.
+// attention's relative position table, shared by every layer (MPNet), or none; `bf16_products`: the attention's, as
+// the per-op path passes it (AttentionArgs).
 at::Tensor encoder_layers(const at::Tensor& x_in, const at::Tensor& cu_seqlens, int64_t max_seqlen, int64_t heads,
                           double scale, const std::vector<at::Tensor>& weights, const std::optional<std::string>& act,
-                          const std::vector<double>& eps, const std::optional<at::Tensor>& position_bias) {
+                          const std::vector<double>& eps, const std::optional<at::Tensor>& position_bias,
+                          bool bf16_products) {
   constexpr size_t kPerLayer = 16;
   TORCH_CHECK_VALUE(weights.size() % kPerLayer == 0 && eps.size() * kPerLayer == 2 * weights.size(),
                     "weights must hold 16 tensors and eps 2 values per layer, got ", weights.size(), " and ",
@@ -563,7 +567,8 @@ at::Tensor encoder_layers(const at::Tensor& x_in, const at::Tensor& cu_seqlens, 
                       ", ", w[5].numel(), ", ", w[13].numel());
     const at::Tensor qkv = stack_gemm(x, w, std::nullopt).view({tokens, 3, heads, hidden / heads});
     const at::Tensor ctx = attention(qkv, cu_seqlens, max_seqlen, scale, position_bias, std::nullopt, std::nullopt,
-                                     std::nullopt, std::nullopt, std::nullopt).view({tokens, hidden});
+                                     std::nullopt, std::nullopt, std::nullopt, bf16_products)
+                               .view({tokens, hidden});
     const at::Tensor h = stack_gemm(ctx, w + 3, std::nullopt, x, w[6], w[7], eps[2 * layer]);
     x = stack_gemm(stack_gemm(h, w + 8, act), w + 11, std::nullopt, h, w[14], w[15], eps[2 * layer + 1]);
   }
@@ -610,7 +615,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("scale"), py::arg("position_bias") = py::none(),
         py::arg("position_scores") = py::none(), py::arg("position_columns") = py::none(),
         py::arg("rotary") = py::none(), py::arg("window") = py::none(), py::arg("out") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("bf16_products") = false, py::call_guard<py::gil_scoped_release>());
   m.def("int8_linear", &int8_linear,
         "act(x @ W^T + bias) or LayerNorm(x @ W^T + bias + residual), W int8 per channel, x int8 per row",
         py::arg("x"), py::arg("packed"), py::arg("w_scale"), py::arg("bias") = py::none(), py::arg("act") = py::none(),
@@ -630,7 +635,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "post-LN encoder layers in one call (inference), on the kernels the per-op path runs: [T, H] -> [T, H]",
         py::arg("x"), py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("heads"), py::arg("scale"),
         py::arg("weights"), py::arg("act"), py::arg("eps"), py::arg("position_bias") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("bf16_products") = false, py::call_guard<py::gil_scoped_release>());
   m.def("int8_k_per_step", &int8_k_per_step,
         "k values per step of the int8 weight pack the kernels in use take: 4 (int8 quads, VNNI) or 2 (int16 pairs)");
   m.def("int8_max_k", [] { return int8_max_k(int8_k_per_step() == 4); },

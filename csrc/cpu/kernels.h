@@ -65,6 +65,8 @@ struct AttentionArgs {
   const float* rotary;
   int64_t rotary_half, rotary_stride_side, rotary_stride_t;
   int64_t window;             // keys with |j - i| <= window only; < 0: every key
+  bool bf16_products;         // fp32 qkv whose two products may round q, k, v and P to bf16 (an int8 model's
+                              // attention, its error well under its GEMMs'): on AMX tiles where those run, else exact
   void* out;                  // [T, nH, D] contiguous
 };
 

@@ -173,7 +173,7 @@ def describe() -> str | None:
            else "int16 pairs (two multiply-adds per 32-bit lane; no VNNI kernels here)")  # fmt: skip
     if cpu.isa() == "avx512amx":
         how = ("u8 x s8 on AMX tiles (tdpbusd: 16 x 16 sums of 64 multiply-adds each) where K is a multiple of 64, "
-               "else " + how)
+               "else " + how + "; attention's products on bf16 tiles (tdpbf16ps) where bf16 attention would take them")
     judged = gemm.summary(_verdicts, "GEMMs of int8-quantized models", "the rest stay fp32, measured slower in int8")
     return f"int8 GEMMs multiply as {how}" + (f"\n{judged}" if judged else "")
 

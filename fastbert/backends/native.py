@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from fastbert import capabilities, reference
-from fastbert.backends import contract
+from fastbert.backends import contract, scope
 from fastbert.backends.spec import KERNEL_OPS, Backend, BackendUnavailable, LimitCheck
 
 BUILD_HINTS = {
@@ -34,6 +34,9 @@ BUILD_INFO = Path(__file__).parents[1] / "_build_info.json"  # beside the extens
 CPU_DTYPES = (torch.float32, torch.bfloat16)
 BUSY_HOST_ENV = "FASTBERT_BUSY_HOST"
 CUDA_OPS = ("embedding_layernorm", "bias_act", "bias_residual_layernorm")  # attention on CUDA is Triton's job
+# arguments of the CPU bindings beyond their op's contract (and `out`): what the model's scope permits, passed by the
+# functions below and by the layer stack, never part of an op's public signature
+BINDING_EXTRAS: dict[str, tuple[str, ...]] = {"attention": ("bf16_products",)}
 # (op, dtype) pairs whose native CPU kernel did not beat torch in benchmarks/bench_native.py (2-core AMD EPYC, Zen 4,
 # AVX-512, shared machine): auto dispatch leaves them to torch, forcing native still runs them. bf16 erf GELU is
 # compute-bound and no faster than torch's vectorised erf below ~30M elements (x0.38-0.95 at BERT batch 8-32 x 128,
@@ -353,13 +356,23 @@ def attention(
 ) -> torch.Tensor:  # [T, nH, D]
     """Varlen bidirectional attention over packed QKV (CPU only), exact fp32 softmax, with MPNet's relative position
     bias read from its table by distance, DeBERTa's disentangled position scores gathered through their columns,
-    rotary positions applied as q and k are loaded, and a window that skips the key chunks beyond it."""
+    rotary positions applied as q and k are loaded, and a window that skips the key chunks beyond it; fp32 products in
+    bf16 where `bf16_products()` says so."""
     _no_dropout(dropout_p, training)
     scale = 1.0 / math.sqrt(qkv.shape[-1]) if scale is None else float(scale)
+    # the compiled custom op's schema is the op's contract, which has no precision flag: exact fp32 there
+    extra = {"bf16_products": True} if bf16_products() and not torch.compiler.is_compiling() else {}
     return _kernels(qkv.device).attention(
         qkv, cu_seqlens, int(max_seqlen), scale, position_bias, position_scores, position_columns, rotary,
-        None if window is None else int(window),
+        None if window is None else int(window), **extra,
     )  # fmt: skip
+
+
+def bf16_products() -> bool:
+    """Whether fp32 attention may round its two products' operands to bf16: inside an int8-quantized model, whose int8
+    GEMMs err far more than bf16 does, and only where the CPU kernels run them on AMX tiles (elsewhere, exact fp32).
+    The native layer stack asks the same, so its layers match the loop's bit for bit."""
+    return "int8" in scope.opted_in_backends()
 
 
 def _limit(op: str) -> LimitCheck:

@@ -123,7 +123,8 @@ class Stack:
         cpu, _ = native.load("_native_cpu")
         scale = first.scale if first.scale is not None else 1.0 / math.sqrt(first.head_dim)  # DeBERTa's 1/sqrt(3D)
         x = cpu.encoder_layers(x, packing.cu_seqlens, int(packing.max_seqlen), first.num_heads, scale, operands,
-                               s.layers[0].act, eps, s.position_bias())[:total]  # fmt: skip
+                               s.layers[0].act, eps, s.position_bias(),
+                               bf16_products=native.bf16_products())[:total]  # fmt: skip
         _status["stacked"] += 1
         on = (f"every GEMM on {gemms[0]}" if len(set(gemms)) == 1
               else ", ".join(f"{what} on {name}" for what, name in zip(GEMMS, gemms, strict=True)))  # fmt: skip
