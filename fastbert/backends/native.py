@@ -360,9 +360,10 @@ def attention(
     bf16 where `bf16_products()` says so."""
     _no_dropout(dropout_p, training)
     scale = 1.0 / math.sqrt(qkv.shape[-1]) if scale is None else float(scale)
+    kernels = _kernels(qkv.device)
     # the compiled custom op's schema is the op's contract, which has no precision flag: exact fp32 there
-    extra = {"bf16_products": True} if bf16_products() and not torch.compiler.is_compiling() else {}
-    return _kernels(qkv.device).attention(
+    extra = {"bf16_products": True} if kernels is not _COMPILED and bf16_products() else {}
+    return kernels.attention(
         qkv, cu_seqlens, int(max_seqlen), scale, position_bias, position_scores, position_columns, rotary,
         None if window is None else int(window), **extra,
     )  # fmt: skip
