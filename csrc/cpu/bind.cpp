@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <numeric>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -503,9 +504,9 @@ at::Tensor call_op(const c10::OperatorHandle& op, std::vector<c10::IValue> args)
 
 // A oneDNN GEMM of encoder_layers: the calls fastbert.backends.onednn makes from Python, in its order, so the result is
 // bitwise the per-op path's. `packed` is its prepacked weight (an MKLDNN tensor in the dtype the GEMM runs in), `bias`
-// in that dtype; x, the residual and the output keep the model's dtype. With a residual: bias + residual in the GEMM's
-// epilogue, then LayerNorm.
-at::Tensor onednn_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias,
+// in that dtype, `parts` the rows of each call (int64, summing to x's rows: onednn.row_parts); x, the residual and the
+// output keep the model's dtype. With a residual: bias + residual in the GEMM's epilogue, then LayerNorm.
+at::Tensor onednn_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& parts, const at::Tensor& bias,
                        const std::optional<std::string>& act, const std::optional<at::Tensor>& residual,
                        const std::optional<at::Tensor>& ln_weight, const std::optional<at::Tensor>& ln_bias,
                        double eps) {
@@ -513,10 +514,21 @@ at::Tensor onednn_gemm(const at::Tensor& x, const at::Tensor& packed, const at::
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   static const c10::OperatorHandle binary =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "binary");
+  TORCH_CHECK_VALUE(parts.scalar_type() == at::kLong && parts.dim() == 1 && parts.is_contiguous(),
+                    "a oneDNN GEMM's row parts must be a contiguous 1-D int64 tensor, got ", parts.scalar_type(), " ",
+                    parts.sizes());
+  const std::vector<int64_t> sizes(parts.data_ptr<int64_t>(), parts.data_ptr<int64_t>() + parts.numel());
+  TORCH_CHECK_VALUE(!sizes.empty() && std::accumulate(sizes.begin(), sizes.end(), int64_t(0)) == x.size(0) &&
+                        (sizes.size() == 1 || *std::min_element(sizes.begin(), sizes.end()) > 0),
+                    "a oneDNN GEMM's row parts must be positive and sum to its ", x.size(0), " rows");
   const at::ScalarType dtype = x.scalar_type(), run = bias.scalar_type();
   const at::Tensor rows = x.to(run).contiguous();
+  std::vector<at::Tensor> outs;
   if (residual) {
-    const at::Tensor h = call_op(binary, {rows, residual->to(run).contiguous(), packed, bias, "add"});
+    const at::Tensor res = residual->to(run).contiguous();
+    const std::vector<at::Tensor> xs = rows.split_with_sizes(sizes), rs = res.split_with_sizes(sizes);
+    for (size_t i = 0; i < xs.size(); ++i) outs.push_back(call_op(binary, {xs[i], rs[i], packed, bias, "add"}));
+    const at::Tensor h = outs.size() == 1 ? outs[0] : at::cat(outs);
     return at::layer_norm(h, {h.size(-1)}, ln_weight->to(run), ln_bias->to(run), eps).to(dtype);
   }
   std::string attr = "none", algorithm;  // fastbert.backends.onednn's _POST_OPS
@@ -524,17 +536,19 @@ at::Tensor onednn_gemm(const at::Tensor& x, const at::Tensor& packed, const at::
   if (act == "gelu_tanh") attr = "gelu", algorithm = "tanh";
   if (act == "relu") attr = "relu";
   TORCH_CHECK_VALUE(!act || attr != "none", "oneDNN GEMMs in encoder_layers take gelu, gelu_tanh or relu, got ", *act);
-  return call_op(linear, {rows, packed, bias, attr, c10::List<std::optional<at::Scalar>>(), algorithm}).to(dtype);
+  for (const at::Tensor& part : rows.split_with_sizes(sizes))
+    outs.push_back(call_op(linear, {part, packed, bias, attr, c10::List<std::optional<at::Scalar>>(), algorithm}));
+  return (outs.size() == 1 ? outs[0] : at::cat(outs)).to(dtype);
 }
 
 // One GEMM of encoder_layers from its operands as fastbert's backends pack them: {packed weight, per-channel scales,
 // bias}, the scales empty for an fp32 pack (the `gemm` backend) and set for an int8 one (the `int8` backend); an MKLDNN
-// weight is the `onednn` backend's, its bias in the GEMM's dtype.
+// weight is the `onednn` backend's, with its calls' row parts in place of scales and its bias in the GEMM's dtype.
 at::Tensor stack_gemm(const at::Tensor& x, const at::Tensor* w, const std::optional<std::string>& act,
                       const std::optional<at::Tensor>& residual = std::nullopt,
                       const std::optional<at::Tensor>& ln_weight = std::nullopt,
                       const std::optional<at::Tensor>& ln_bias = std::nullopt, double eps = 0.0) {
-  if (w[0].is_mkldnn()) return onednn_gemm(x, w[0], w[2], act, residual, ln_weight, ln_bias, eps);
+  if (w[0].is_mkldnn()) return onednn_gemm(x, w[0], w[1], w[2], act, residual, ln_weight, ln_bias, eps);
   if (w[1].numel() == 0)
     return fp32_linear(x, w[0], w[2].numel(), w[2], act, residual, ln_weight, ln_bias, eps, std::nullopt, 0);
   return int8_linear(x, w[0], w[1], w[2], act, residual, ln_weight, ln_bias, eps, std::nullopt, 0);

@@ -45,6 +45,10 @@ _packs = WeightCache()
 # (GEMM dtype, N, K, fused act, bias, size class) -> (oneDNN wins, why), and for dense_residual_layernorm
 # (dtype, GEMM dtype, N, K, 'residual', size class)
 _verdicts: dict[tuple, tuple[bool, str]] = {}
+# (GEMM dtype, N, K, rows) -> (two calls on the row halves win, why): see row_parts
+_splits: dict[tuple, tuple[bool, str]] = {}
+# rows below which a GEMM is never cut: a part of fewer than half of them pays a call's fixed cost for too little work
+_SPLIT_FROM = 256
 
 
 @torch.compiler.assume_constant_result  # asked once, maybe while torch.compile traces: mkldnn.is_available breaks it
@@ -113,7 +117,9 @@ def linear(
     if rows.shape[0] == 0:
         return rows.new_empty(*x.shape[:-1], weight.shape[0], dtype=dtype)
     attr, algorithm = _POST_OPS[act]
-    out = torch.ops.mkldnn._linear_pointwise(rows, packed, b, attr, [], algorithm)
+    parts = rows.split(row_parts(rows, packed, b, weight.shape[0]))
+    outs = [torch.ops.mkldnn._linear_pointwise(part, packed, b, attr, [], algorithm) for part in parts]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.view(*x.shape[:-1], weight.shape[0]).to(dtype)
 
 
@@ -139,7 +145,10 @@ def dense_residual_layernorm(
     run = gemm_dtype(dtype)
     packed, b = _packed(weight, bias, dtype, run)
     x, residual = x.to(run).contiguous(), residual.to(run).contiguous()
-    h = torch.ops.mkldnn._linear_pointwise.binary(x, residual, packed, b, "add")
+    parts = row_parts(x, packed, b, weight.shape[0])
+    hs = [torch.ops.mkldnn._linear_pointwise.binary(xs, rs, packed, b, "add")
+          for xs, rs in zip(x.split(parts), residual.split(parts), strict=True)]  # fmt: skip
+    h = hs[0] if len(hs) == 1 else torch.cat(hs)
     return F.layer_norm(h, h.shape[-1:], ln_weight.to(run), ln_bias.to(run), eps).to(dtype)
 
 
@@ -156,15 +165,49 @@ def _packed(
     return _packs.get(weight, (dtype, run), (bias,), build)
 
 
-def operands(weight: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A GEMM as the native `encoder_layers` takes it (fastbert.execution.stack): (the prepacked MKLDNN weight, no
-    scales, the bias in the GEMM's dtype); the native call makes this module's calls, in its order."""
+def operands(weight: torch.Tensor, bias: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A GEMM of `rows` rows as the native `encoder_layers` takes it (fastbert.execution.stack): (the prepacked MKLDNN
+    weight, the rows of each call as int64 (row_parts, as decided so far), the bias in the GEMM's dtype); the native
+    call makes this module's calls, in its order."""
     dtype = weight.dtype if weight.dtype == torch.bfloat16 else torch.float32
-    packed, b = _packed(weight, bias, dtype, gemm_dtype(dtype))
-    return packed, _NO_SCALES, b
+    run = gemm_dtype(dtype)
+    packed, b = _packed(weight, bias, dtype, run)
+    return packed, torch.tensor(_decided_parts((run, *weight.shape), rows), dtype=torch.int64), b
 
 
-_NO_SCALES = torch.empty(0)
+def row_parts(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> tuple[int, ...]:
+    """The rows each oneDNN call of a GEMM on `rows` [M, K] (N outputs) takes: all M, or, where two calls on its
+    halves were measured faster at this M (timed at first use like the other verdicts), each half cut by the same rule.
+
+    Why: oneDNN's bf16 GEMM on AMX splits some shapes badly between threads. On 2 threads [M, 768] x [768, 768] at
+    M = 448-1024 took as long as on one thread (640 rows: 439 us; two calls on 320 rows: 259 us), [M, 1536] x [1536,
+    384] at 256-768 rows 1.4x longer than calls on 128 rows (`python -m benchmarks.bench_gemm`). fp32 GEMMs showed no
+    such row counts, so only bf16 GEMMs are cut. FASTBERT_CPU_GEMM leaves this alone: it picks the backend, and this is
+    how oneDNN takes the GEMM."""
+    m = rows.shape[0]
+    if rows.dtype != torch.bfloat16 or m < _SPLIT_FROM:
+        return (m,)
+    parts = tuple(p for half in rows.split((m - m // 2, m // 2)) for p in row_parts(half, packed, bias, n))
+    key = (rows.dtype, n, rows.shape[1], m)
+    if (verdict := _splits.get(key)) is None or getattr(verdict, "evidence", None) is not None:
+        call = torch.ops.mkldnn._linear_pointwise
+
+        def cut() -> list[torch.Tensor]:
+            return [call(part, packed, bias, "none", [], "") for part in rows.split(parts)]
+
+        what = f"[{m}, {rows.shape[1]}] x [{rows.shape[1]}, {n}] bfloat16 in {len(parts)} calls of {min(parts)}+ rows"
+        verdict = timing.judge(_splits, key, cut, lambda: call(rows, packed, bias, "none", [], ""),
+                               ("oneDNN on row parts", "one oneDNN call"), what, _TIE_MARGIN)  # fmt: skip
+    return parts if verdict[0] else (m,)
+
+
+def _decided_parts(shape: tuple, m: int) -> tuple[int, ...]:
+    """row_parts' answer for a GEMM of `shape` (GEMM dtype, N, K) on `m` rows from the verdicts so far, timing nothing
+    (one call where none was made): what the native layer stack passes for the calls row_parts made in layer 1."""
+    verdict = _splits.get((*shape, m)) if shape[0] == torch.bfloat16 and m >= _SPLIT_FROM else None
+    if verdict is None or not verdict[0]:
+        return (m,)
+    return tuple(p for half in (m - m // 2, m // 2) for p in _decided_parts(shape, half))
 
 
 # The dense_residual_layernorm a call takes without this backend: the dispatcher puts its own here, with oneDNN

@@ -35,8 +35,13 @@ from fastbert.execution.structure import Structure, same_layers
 from fastbert.padding import Packing
 
 GEMMS = ("QKV", "attention out", "FFN in", "FFN out")  # a layer's GEMMs, in order
-# GEMM backend -> (weight, bias) -> (pack, per-channel scales, bias) as the native call takes them
-OPERANDS = {"gemm": gemm.operands, "int8": int8.operands, "onednn": onednn.operands}
+# GEMM backend -> (weight, bias, rows) -> its three operands as the native call takes them: (pack, per-channel scales,
+# bias), oneDNN's (pack, the rows of each call, bias)
+OPERANDS: dict[str, Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, ...]]] = {
+    "gemm": lambda w, b, rows: gemm.operands(w, b),
+    "int8": lambda w, b, rows: int8.operands(w, b),
+    "onednn": onednn.operands,
+}
 
 _status = {"tried": 0, "stacked": 0, "last": ""}  # for explain(): forwards that tried, that stacked, the last outcome
 
@@ -115,7 +120,7 @@ class Stack:
             linears = ((qkv_w, qkv_b), (o_w, o_b), (i_w, i_b), (f_w, f_b))
             norms = (None, (n1_w, n1_b, eps1), None, (n2_w, n2_b, eps2))
             for (w, b), backend, norm in zip(linears, gemms, norms, strict=True):
-                operands += OPERANDS[backend](w, b)
+                operands += OPERANDS[backend](w, b, x.shape[0])
                 if norm is not None:  # an output projection, followed by its LayerNorm
                     operands += [norm[0], norm[1]]
                     eps.append(norm[2])

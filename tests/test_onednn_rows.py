@@ -1,0 +1,135 @@
+"""oneDNN GEMMs on row parts (fastbert.backends.onednn.row_parts): a bf16 GEMM's rows cut in halves where two calls
+were measured faster, decided at first use per row count; the cut GEMMs meet DESIGN's bf16 rule; the native layer
+stack makes the same calls (bitwise the per-op path's); bad parts raise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastbert import reference
+from fastbert.backends import onednn, timing
+from fastbert.execution import stack as layer_stack
+from tests.conftest import NATIVE_CPU, tiny_bert
+from tests.kernel_checks import assert_close
+
+pytestmark = pytest.mark.skipif(onednn.unavailable_reason() is not None, reason=f"{onednn.unavailable_reason()}")
+
+BF16 = torch.bfloat16
+
+
+def settled(wins: bool) -> timing.Verdict:
+    return timing.Verdict(wins, "set by the test", None)
+
+
+class SplitEverywhere(dict):
+    """Verdicts that cut every row count the rule lets it (>= 256 rows), as if each was measured faster in halves."""
+
+    def get(self, key: tuple, default: object = None) -> timing.Verdict:
+        return settled(True)
+
+
+def packed(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    weight, bias = torch.randn(n, k).to(BF16), torch.randn(n).to(BF16)
+    pack, _, b = onednn.operands(weight, bias, 1)
+    return weight, pack, b
+
+
+def test_parts_follow_the_verdicts_and_the_stack_reads_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FASTBERT_CPU_GEMM", raising=False)
+    _, pack, b = packed(48, 32)
+    x = torch.randn(600, 32).to(BF16)
+    key = (BF16, 48, 32)
+    monkeypatch.setattr(onednn, "_splits", {(*key, 600): settled(True), (*key, 300): settled(False)})
+    assert onednn.row_parts(x, pack, b, 48) == onednn._decided_parts(key, 600) == (300, 300)
+    onednn._splits[(*key, 300)] = settled(True)
+    assert onednn.row_parts(x, pack, b, 48) == onednn._decided_parts(key, 600) == (150,) * 4
+    onednn._splits[(*key, 600)] = settled(False)
+    assert onednn.row_parts(x, pack, b, 48) == onednn._decided_parts(key, 600) == (600,)
+    assert onednn._decided_parts(key, 601) == (601,)  # a row count nobody timed: one call
+
+
+@pytest.mark.parametrize("halves_faster", [True, False])
+def test_first_use_times_both_and_keeps_the_faster(halves_faster: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FASTBERT_CPU_GEMM", raising=False)
+    monkeypatch.setattr(onednn, "_splits", {})
+    monkeypatch.setattr(timing, "samples", lambda *fns, **kw: [[1.0], [2.0]] if halves_faster else [[2.0], [1.0]])
+    _, pack, b = packed(48, 32)
+    parts = onednn.row_parts(torch.randn(513, 32).to(BF16), pack, b, 48)
+    assert parts == ((129, 128, 128, 128) if halves_faster else (513,))
+    assert set(onednn._splits) == {(BF16, 48, 32, m) for m in (513, 257, 256)}  # each level timed once
+    assert all(v[0] == halves_faster and "oneDNN on row parts" in v[1] for v in onednn._splits.values())
+
+
+def test_few_rows_and_fp32_make_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(onednn, "_splits", SplitEverywhere())
+    _, pack, b = packed(48, 32)
+    assert onednn.row_parts(torch.randn(255, 32).to(BF16), pack, b, 48) == (255,)
+    assert onednn.row_parts(torch.randn(600, 32), pack, b, 48) == (600,)  # fp32: never cut
+    assert onednn.row_parts(torch.randn(256, 32).to(BF16), pack, b, 48) == (128, 128)
+
+
+@pytest.mark.parametrize("act", [None, "gelu"])
+def test_cut_gemm_meets_the_bf16_rule(act: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FASTBERT_CPU_GEMM", raising=False)
+    monkeypatch.setattr(onednn, "_splits", SplitEverywhere())
+    weight, bias = torch.randn(40, 64).to(BF16), torch.randn(40).to(BF16)
+    x = torch.randn(517, 64).to(BF16)
+    out = onednn.linear(x, weight, bias, act)
+    ref64 = reference.linear(x.double(), weight.double(), bias.double(), act)
+    assert_close(f"oneDNN linear on row parts, act {act}", out, ref64, reference.linear(x, weight, bias, act))
+
+
+def test_cut_residual_gemm_meets_the_bf16_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FASTBERT_CPU_GEMM", raising=False)
+    monkeypatch.setattr(onednn, "_splits", SplitEverywhere())
+    weight, bias = torch.randn(40, 64).to(BF16), torch.randn(40).to(BF16)
+    x, residual = torch.randn(517, 64).to(BF16), torch.randn(517, 40).to(BF16)
+    ln_w, ln_b = torch.randn(40).to(BF16), torch.randn(40).to(BF16)
+    out = onednn.dense_residual_layernorm(x, weight, bias, residual, ln_w, ln_b, 1e-5)
+
+    def ref(*ts: torch.Tensor) -> torch.Tensor:
+        xs, w, b, r, lw, lb = ts
+        return F.layer_norm(F.linear(xs, w, b) + r, (40,), lw, lb, 1e-5)
+
+    operands = (x, weight, bias, residual, ln_w, ln_b)
+    assert_close("oneDNN residual GEMM on row parts", out, ref(*(t.double() for t in operands)), ref(*operands))
+
+
+@pytest.mark.skipif(NATIVE_CPU is None, reason="native CPU extension unavailable")
+def test_stacked_layers_make_the_same_cut_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FASTBERT_CPU_GEMM", "onednn")  # every GEMM on oneDNN, untimed, as a stack needs
+    monkeypatch.setattr(onednn, "_splits", SplitEverywhere())
+    cuts = []
+    row_parts = onednn.row_parts
+    monkeypatch.setattr(onednn, "row_parts", lambda *a: cuts.append(p := row_parts(*a)) or p)
+    model = tiny_bert(num_hidden_layers=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0).to(BF16)
+    ids = torch.randint(1, 120, (4, 90), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[2, 40:] = 0
+    outs = []
+    for stacked in ("0", "1"):
+        monkeypatch.setenv("FASTBERT_LAYER_STACK", stacked)
+        before = layer_stack._status["stacked"]
+        with torch.inference_mode():
+            outs.append(model(ids, attention_mask=mask).last_hidden_state)
+        assert (layer_stack._status["stacked"] > before) == (stacked == "1")
+    whole = [parts for parts in cuts if sum(parts) >= 256]  # the GEMMs' rows (the rest: the halves, asked in turn)
+    assert whole and all(len(parts) > 1 for parts in whole)
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.skipif(NATIVE_CPU is None, reason="native CPU extension unavailable")
+def test_bad_row_parts_raise() -> None:
+    h, tokens = 6, 5
+    x, cu = torch.randn(tokens, h), torch.tensor([0, tokens], dtype=torch.int32)
+    norm = [torch.ones(h), torch.zeros(h)]
+    shapes = ((3 * h, h), (h, h), (8, h), (h, 8))  # QKV, attention out, FFN in, FFN out
+    gemms = [onednn.operands(torch.randn(n, k), torch.zeros(n), tokens) for n, k in shapes]
+    for bad, match in ((torch.tensor([2, 2]), "sum to its 5 rows"), (torch.tensor([5, 0]), "positive"),
+                       (torch.tensor([5.0]), "int64")):  # fmt: skip
+        qkv = [gemms[0][0], bad, gemms[0][2]]
+        layer = [*qkv, *gemms[1], *norm, *gemms[2], *gemms[3], *norm]
+        with pytest.raises(ValueError, match=match):
+            NATIVE_CPU.encoder_layers(x, cu, tokens, 2, 1.0, layer, "gelu", [1e-12, 1e-12])
