@@ -18,6 +18,7 @@ flash CPU kernel) straight on the packed tensor: no padded copy, no mask, no wor
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 
@@ -172,7 +173,7 @@ def operands(weight: torch.Tensor, bias: torch.Tensor, rows: int) -> tuple[torch
     dtype = weight.dtype if weight.dtype == torch.bfloat16 else torch.float32
     run = gemm_dtype(dtype)
     packed, b = _packed(weight, bias, dtype, run)
-    return packed, torch.tensor(_decided_parts((run, *weight.shape), rows), dtype=torch.int64), b
+    return packed, _parts_tensor(_decided_parts((run, *weight.shape), rows)), b
 
 
 def row_parts(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> tuple[int, ...]:
@@ -182,10 +183,11 @@ def row_parts(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
     Why: oneDNN's bf16 GEMM on AMX splits some shapes badly between threads. On 2 threads [M, 768] x [768, 768] at
     M = 448-1024 took as long as on one thread (640 rows: 439 us; two calls on 320 rows: 259 us), [M, 1536] x [1536,
     384] at 256-768 rows 1.4x longer than calls on 128 rows (`python -m benchmarks.bench_gemm`). fp32 GEMMs showed no
-    such row counts, so only bf16 GEMMs are cut. FASTBERT_CPU_GEMM leaves this alone: it picks the backend, and this is
-    how oneDNN takes the GEMM."""
+    such row counts, and GEMMs with more outputs than inputs (QKV, FFN in) gained at most 1.12x from halves, less than
+    a first use spends timing every row count; so only bf16 GEMMs with N <= K are cut. FASTBERT_CPU_GEMM leaves this
+    alone: it picks the backend, and this is how oneDNN takes the GEMM."""
     m = rows.shape[0]
-    if rows.dtype != torch.bfloat16 or m < _SPLIT_FROM:
+    if not _cuttable(rows.dtype, n, rows.shape[1], m):
         return (m,)
     parts = tuple(p for half in rows.split((m - m // 2, m // 2)) for p in row_parts(half, packed, bias, n))
     key = (rows.dtype, n, rows.shape[1], m)
@@ -204,10 +206,21 @@ def row_parts(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
 def _decided_parts(shape: tuple, m: int) -> tuple[int, ...]:
     """row_parts' answer for a GEMM of `shape` (GEMM dtype, N, K) on `m` rows from the verdicts so far, timing nothing
     (one call where none was made): what the native layer stack passes for the calls row_parts made in layer 1."""
-    verdict = _splits.get((*shape, m)) if shape[0] == torch.bfloat16 and m >= _SPLIT_FROM else None
+    verdict = _splits.get((*shape, m)) if _cuttable(*shape, m) else None
     if verdict is None or not verdict[0]:
         return (m,)
     return tuple(p for half in (m - m // 2, m // 2) for p in _decided_parts(shape, half))
+
+
+def _cuttable(dtype: torch.dtype, n: int, k: int, m: int) -> bool:
+    """Whether row_parts times cutting a [m, k] x [k, n] GEMM in `dtype` (see its docstring for why these)."""
+    return dtype == torch.bfloat16 and n <= k and m >= _SPLIT_FROM
+
+
+@functools.lru_cache(maxsize=256)
+def _parts_tensor(parts: tuple[int, ...]) -> torch.Tensor:
+    """The row parts as the native layer stack takes them, made once per distinct tuple (every forward asks)."""
+    return torch.tensor(parts, dtype=torch.int64)
 
 
 # The dense_residual_layernorm a call takes without this backend: the dispatcher puts its own here, with oneDNN
