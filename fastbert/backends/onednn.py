@@ -182,10 +182,11 @@ def row_parts(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
 
     Why: oneDNN's bf16 GEMM on AMX splits some shapes badly between threads. On 2 threads [M, 768] x [768, 768] at
     M = 448-1024 took as long as on one thread (640 rows: 439 us; two calls on 320 rows: 259 us), [M, 1536] x [1536,
-    384] at 256-768 rows 1.4x longer than calls on 128 rows (`python -m benchmarks.bench_gemm`). fp32 GEMMs showed no
-    such row counts, and GEMMs with more outputs than inputs (QKV, FFN in) gained at most 1.12x from halves, less than
-    a first use spends timing every row count; so only bf16 GEMMs with N <= K are cut. FASTBERT_CPU_GEMM leaves this
-    alone: it picks the backend, and this is how oneDNN takes the GEMM."""
+    384] at 256-512 rows 1.1-1.7x longer than calls on 128 rows (`python -m benchmarks.bench_onednn_rows`; the cut that
+    wins moves between runs and row counts, so it is timed, not assumed). fp32 GEMMs showed no such row counts, and
+    GEMMs with more outputs than inputs (QKV, FFN in) gained at most 1.13x from halves, less than a first use spends
+    timing every row count; so only bf16 GEMMs with N <= K are cut. FASTBERT_CPU_GEMM leaves this alone: it picks the
+    backend, and this is how oneDNN takes the GEMM."""
     m = rows.shape[0]
     if not _cuttable(rows.dtype, n, rows.shape[1], m):
         return (m,)
