@@ -1,6 +1,5 @@
 """fastbert: a drop-in, faster BertModel for transformers checkpoints, and the fused kernels under it."""
 
-from fastbert import capabilities
 from fastbert.auto import (
     AlbertForMaskedLM,
     AlbertForQuestionAnswering,
@@ -100,8 +99,6 @@ from fastbert.modeling import BertModel
 from fastbert.ops import BackendUnavailable, explain, use_backend
 from fastbert.optimize import optimize
 from fastbert.version import __version__
-
-capabilities.bound_onednn_caches()  # before any oneDNN GEMM of this process: oneDNN reads the capacities once
 
 __all__ = [
     "__version__",
