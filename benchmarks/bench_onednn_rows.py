@@ -6,7 +6,7 @@ threads; row_parts finds the same at first use on the GEMM's own input.
     python -m benchmarks.bench_onednn_rows
     python -m benchmarks.bench_onednn_rows --iters 50 --out /tmp/r
 
-Results: benchmarks/results/onednn_rows_cpu-<cpu kind>.{json,md}. bf16 only: fp32 GEMMs are never cut.
+Results: benchmarks/results/onednn_rows_cpu-<cpu kind>.{json,md,png}. bf16 only: fp32 GEMMs are never cut.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 import torch
 
 from benchmarks import model_report
+from benchmarks.plotting import pyplot
 from fastbert import capabilities
 from fastbert.backends import onednn
 
@@ -49,6 +50,48 @@ def gemm_ms(n: int, k: int, rows: int, iters: int) -> dict[int, float]:
     return {p: statistics.median(t) * 1e3 for p, t in times.items()}
 
 
+def markdown(doc: dict) -> str:
+    """The run as a table: each GEMM and row count in one call, halves and quarters, and which won."""
+    lines = ["# oneDNN bf16 GEMM: one call vs equal calls on row parts", "",
+             f"{doc['device']}; {doc['cpu']}; {doc['threads']} threads; load average "
+             f"{', '.join(f'{v:.2f}' for v in doc['load_average'])}; commit {doc['commit']}; median of {doc['iters']} "
+             "interleaved rounds", "",
+             *((f"**{warning}**", "") if (warning := model_report.load_warning(doc)) else ()),
+             "| model | [M, K] x [K, N] | one call, ms | halves, ms | quarters, ms | best |",
+             "|---|---|---:|---:|---:|---|"]  # fmt: skip
+    for r in doc["results"]:
+        ms = {int(p): v for p, v in r["ms"].items()}  # JSON keys read back as strings
+        best = min(ms, key=ms.get)
+        verdict = "one call" if best == 1 else f"{best} parts, {ms[1] / ms[best]:.2f}x"
+        lines.append(f"| {r['model']} | [{r['rows']}, {r['k']}] x [{r['k']}, {r['n']}] | {ms[1]:.3f} | {ms[2]:.3f} | "
+                     f"{ms[4]:.3f} | {verdict} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def plot(doc: dict, path: str) -> bool:
+    """One panel per model: one call's time over the best cut's, by row count, a line per GEMM (above 1: cut wins)."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, axes = plt.subplots(1, len(SHAPES), figsize=(11, 4), sharey=True)
+    for ax, model in zip(axes, SHAPES, strict=True):
+        for n, k in SHAPES[model]:
+            rows = [r for r in doc["results"] if r["model"] == model and (r["n"], r["k"]) == (n, k)]
+            gain = [r["ms"]["1"] / min(r["ms"].values()) for r in rows]
+            ax.plot([r["rows"] for r in rows], gain, marker="o", label=f"[M, {k}] x [{k}, {n}]")
+        ax.axhline(1.0, color="k", linestyle="--", linewidth=1)
+        ax.set_title(model, fontsize=9)
+        ax.set_xlabel("rows (M)")
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("one call / best cut (above 1: the cut is faster)")
+    warning = model_report.load_warning(doc)
+    fig.suptitle(f"oneDNN bf16 GEMMs on row parts, {doc['device']}" + (f"\n{warning}" if warning else ""), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=30)
@@ -61,27 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     results = [{"model": model, "n": n, "k": k, "rows": m, "ms": gemm_ms(n, k, m, args.iters)}
                for model, shapes in SHAPES.items() for n, k in shapes for m in rows]  # fmt: skip
     doc = {"device": model_report.device_name(torch.device("cpu")), "cpu": capabilities.cpu_model(),
-           "threads": torch.get_num_threads(), "load": os.getloadavg(), "versions": model_report.versions(),
+           "threads": torch.get_num_threads(), "load_average": os.getloadavg(), "versions": model_report.versions(),
            "commit": model_report.git_commit(), "iters": args.iters, "results": results}  # fmt: skip
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"onednn_rows_cpu-{capabilities.cpu_kind()}")
-    with open(stem + ".json", "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=2)
-    load = ", ".join(f"{v:.2f}" for v in doc["load"])
-    lines = ["# oneDNN bf16 GEMM: one call vs equal calls on row parts", "",
-             f"{doc['device']}; {doc['cpu']}; {doc['threads']} threads; load average {load}; commit {doc['commit']}; "
-             f"median of {args.iters} interleaved rounds", "",
-             "| model | [M, K] x [K, N] | one call, ms | halves, ms | quarters, ms | best |",
-             "|---|---|---:|---:|---:|---|"]  # fmt: skip
-    for r in results:
-        ms = r["ms"]
-        best = min(ms, key=ms.get)
-        verdict = "one call" if best == 1 else f"{best} parts, {ms[1] / ms[best]:.2f}x"
-        lines.append(f"| {r['model']} | [{r['rows']}, {r['k']}] x [{r['k']}, {r['n']}] | {ms[1]:.3f} | {ms[2]:.3f} | "
-                     f"{ms[4]:.3f} | {verdict} |")  # fmt: skip
-    with open(stem + ".md", "w", encoding="utf-8") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    doc = json.loads(json.dumps(doc))  # as a reader of the JSON file sees it (parts keys as strings)
+    print(model_report.write_results(args.out, f"onednn_rows_cpu-{capabilities.cpu_kind()}", doc, markdown, plot))
     return 0
 
 

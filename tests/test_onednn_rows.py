@@ -134,3 +134,16 @@ def test_bad_row_parts_raise() -> None:
         layer = [*qkv, *gemms[1], *norm, *gemms[2], *gemms[3], *norm]
         with pytest.raises(ValueError, match=match):
             NATIVE_CPU.encoder_layers(x, cu, tokens, 2, 1.0, layer, "gelu", [1e-12, 1e-12])
+
+
+def test_benchmark_times_every_cut_and_writes_its_table(tmp_path) -> None:
+    """bench_onednn_rows at one row count: one call, halves and quarters timed per GEMM, JSON and Markdown written."""
+    import json
+
+    from benchmarks import bench_onednn_rows
+
+    assert bench_onednn_rows.main(["--iters", "1", "--rows", "128", "--out", str(tmp_path)]) == 0
+    doc = json.loads(next(tmp_path.glob("onednn_rows_cpu-*.json")).read_text())
+    assert len(doc["results"]) == sum(len(shapes) for shapes in bench_onednn_rows.SHAPES.values())
+    assert all(set(r["ms"]) == {"1", "2", "4"} and min(r["ms"].values()) > 0 for r in doc["results"])
+    assert "| BERT-base | [128, 768] x [768, 2304] |" in next(tmp_path.glob("onednn_rows_cpu-*.md")).read_text()
