@@ -187,30 +187,37 @@ def row_parts(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
     GEMMs with more outputs than inputs (QKV, FFN in) gained at most 1.13x from halves, less than a first use spends
     timing every row count; so only bf16 GEMMs with N <= K are cut. FASTBERT_CPU_GEMM leaves this alone: it picks the
     backend, and this is how oneDNN takes the GEMM."""
-    m = rows.shape[0]
-    if not _cuttable(rows.dtype, n, rows.shape[1], m):
-        return (m,)
-    parts = tuple(p for half in rows.split((m - m // 2, m // 2)) for p in row_parts(half, packed, bias, n))
-    key = (rows.dtype, n, rows.shape[1], m)
-    if (verdict := _splits.get(key)) is None or getattr(verdict, "evidence", None) is not None:
-        call = torch.ops.mkldnn._linear_pointwise
+    m, k = rows.shape
+    shape = (rows.dtype, n, k)
+    verdict = _splits.get((*shape, m)) if _cuttable(*shape, m) else None
+    if _cuttable(*shape, m) and (verdict is None or getattr(verdict, "evidence", None) is not None):
+        for half in rows.split(_halves(m)):  # the halves' verdicts first: the cut timed here runs them
+            row_parts(half, packed, bias, n)
+        parts, call = _cut(shape, m), torch.ops.mkldnn._linear_pointwise
 
         def cut() -> list[torch.Tensor]:
             return [call(part, packed, bias, "none", [], "") for part in rows.split(parts)]
 
-        what = f"[{m}, {rows.shape[1]}] x [{rows.shape[1]}, {n}] bfloat16 in {len(parts)} calls of {min(parts)}+ rows"
-        verdict = timing.judge(_splits, key, cut, lambda: call(rows, packed, bias, "none", [], ""),
-                               ("oneDNN on row parts", "one oneDNN call"), what, _TIE_MARGIN)  # fmt: skip
-    return parts if verdict[0] else (m,)
+        what = f"[{m}, {k}] x [{k}, {n}] bfloat16 in {len(parts)} calls of {min(parts)}+ rows"
+        timing.judge(_splits, (*shape, m), cut, lambda: call(rows, packed, bias, "none", [], ""),
+                     ("oneDNN on row parts", "one oneDNN call"), what, _TIE_MARGIN)  # fmt: skip
+    return _decided_parts(shape, m)
 
 
 def _decided_parts(shape: tuple, m: int) -> tuple[int, ...]:
-    """row_parts' answer for a GEMM of `shape` (GEMM dtype, N, K) on `m` rows from the verdicts so far, timing nothing
-    (one call where none was made): what the native layer stack passes for the calls row_parts made in layer 1."""
+    """The rows of each call for a GEMM of `shape` (GEMM dtype, N, K) on `m` rows, from the verdicts so far, timing
+    nothing (one call where none was made): row_parts' answer, and what the native layer stack passes."""
     verdict = _splits.get((*shape, m)) if _cuttable(*shape, m) else None
-    if verdict is None or not verdict[0]:
-        return (m,)
-    return tuple(p for half in (m - m // 2, m // 2) for p in _decided_parts(shape, half))
+    return _cut(shape, m) if verdict is not None and verdict[0] else (m,)
+
+
+def _cut(shape: tuple, m: int) -> tuple[int, ...]:
+    """The calls of `m` rows cut in halves, each half as the verdicts so far take it."""
+    return tuple(p for half in _halves(m) for p in _decided_parts(shape, half))
+
+
+def _halves(m: int) -> tuple[int, int]:
+    return m - m // 2, m // 2
 
 
 def _cuttable(dtype: torch.dtype, n: int, k: int, m: int) -> bool:
