@@ -64,9 +64,9 @@ def test_each_gemm_keeps_the_backend_the_first_layer_chose(monkeypatch: pytest.M
     """An int8 model whose first-use verdicts kept two of the four GEMM shapes in fp32: the stack runs the same mix."""
     monkeypatch.setenv("FASTBERT_CPU_GEMM", "gemm")  # the fp32 GEMMs on fastbert's kernel, untimed
     rows = int(ragged_batch()[1].sum())
-    size = timing.size_class(rows)
-    verdicts = {(234, 78, None, False, size): (True, "int8 faster"), (78, 78, None, True, size): (False, "slower"),
-                (160, 78, "gelu", False, size): (True, "int8 faster"), (78, 160, None, True, size): (False, "slower")}
+    size = timing.size_class(rows), "float32"
+    verdicts = {(234, 78, None, False, *size): (True, "int8 faster"), (78, 78, None, True, *size): (False, "slower"),
+                (160, 78, "gelu", False, *size): (True, "int8 faster"), (78, 160, None, True, *size): (False, "slower")}
     monkeypatch.setattr(int8, "_verdicts", verdicts)
     model = fastbert.optimize(tiny_model(), quantize="int8")
     per_op, _ = run(model, False, monkeypatch)

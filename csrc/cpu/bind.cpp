@@ -387,7 +387,8 @@ at::Tensor attention(const at::Tensor& qkv_in, const at::Tensor& cu_seqlens, int
 
 
 // act(x @ W^T + bias), or LayerNorm(x @ W^T + bias + residual), W packed in panels of 16 columns (linear.inc): the
-// shared checks and arguments of fp32_linear and int8_linear. `k_per_step` is 1 (fp32), 2 (int8 pairs) or 4 (quads).
+// shared checks and arguments of fp32_linear, bf16_linear and int8_linear. `k_per_step` is 1 (fp32), 2 (bf16 and int8
+// pairs) or 4 (quads); x, the residual and out are `io` (bf16 for bf16_linear, else fp32).
 // `gated`: 0, or the group of columns the weight's activated and up rows were interleaved in (then the output is
 // act(x @ W_act^T + b_act) * (x @ W_up^T + b_up), [*, n / 2]); it must be the kernels' half tile.
 at::Tensor run_linear(void (*kernel)(const LinearArgs&, int), const at::Tensor& x, const at::Tensor& packed,
@@ -395,10 +396,11 @@ at::Tensor run_linear(void (*kernel)(const LinearArgs&, int), const at::Tensor& 
                       const std::optional<at::Tensor>& bias, const std::optional<std::string>& act,
                       const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& ln_weight,
                       const std::optional<at::Tensor>& ln_bias, double eps, const std::optional<at::Tensor>& out_opt,
-                      int64_t gated, int64_t tile_cols) {
+                      int64_t gated, int64_t tile_cols, at::ScalarType io = at::kFloat) {
   check_device(x, kCpu, "x");
   check_device(packed, kCpu, "packed");
-  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, "x must be float32, got ", x.scalar_type());
+  const char* io_name = io == at::kFloat ? "float32" : "bfloat16";
+  TORCH_CHECK_TYPE(x.scalar_type() == io, "x must be ", io_name, ", got ", x.scalar_type());
   TORCH_CHECK_VALUE(x.dim() >= 1, "x must be [*, K], got a scalar");
   const int64_t k = x.size(-1);
   const int64_t sum_steps = k_per_step == 4 ? 1 : 0;  // a quad pack's column sums, a step after each panel's k
@@ -419,8 +421,8 @@ at::Tensor run_linear(void (*kernel)(const LinearArgs&, int), const at::Tensor& 
   at::Tensor rows = as_rows(x, k), res, lw, lb;
   if (residual) {
     check_device(*residual, kCpu, "residual");
-    TORCH_CHECK_VALUE(residual->scalar_type() == at::kFloat && residual->sizes() == at::IntArrayRef(shape),
-                      "residual must be float32 of shape ", at::IntArrayRef(shape), ", got ", residual->scalar_type(),
+    TORCH_CHECK_VALUE(residual->scalar_type() == io && residual->sizes() == at::IntArrayRef(shape),
+                      "residual must be ", io_name, " of shape ", at::IntArrayRef(shape), ", got ", residual->scalar_type(),
                       " ", residual->sizes());
     TORCH_CHECK_VALUE(ln_weight && ln_bias, "a residual needs ln_weight and ln_bias (LayerNorm follows it)");
     TORCH_CHECK_VALUE(!act, "pass an activation or a residual + LayerNorm, not both");
@@ -432,7 +434,7 @@ at::Tensor run_linear(void (*kernel)(const LinearArgs&, int), const at::Tensor& 
   const int64_t m = rows.size(0);
   if (out.numel() == 0) return out;
   LinearArgs a{};
-  a.x = rows.data_ptr<float>();
+  a.x = rows.data_ptr();
   a.x_stride = rows.stride(0);
   a.weight = packed.data_ptr();
   a.w_scale = w_scale;
@@ -440,11 +442,11 @@ at::Tensor run_linear(void (*kernel)(const LinearArgs&, int), const at::Tensor& 
   a.gated = gated != 0;
   a.has_act = act.has_value();
   a.act = !act ? Act::gelu : (gated != 0 ? gate_act(*act) : Act(act_code(*act)));
-  a.residual = res.defined() ? res.data_ptr<float>() : nullptr;
+  a.residual = res.defined() ? res.data_ptr() : nullptr;
   a.ln_weight = lw.defined() ? lw.data_ptr<float>() : nullptr;
   a.ln_bias = lb.defined() ? lb.data_ptr<float>() : nullptr;
   a.eps = float(eps);
-  a.out = out.data_ptr<float>();
+  a.out = out.data_ptr();
   a.m = m;
   a.n = n;
   a.k = k;
@@ -462,6 +464,21 @@ at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   const KernelTable& k = kernels();
   return run_linear(k.fp32_linear, x, packed, at::kFloat, 1, n, nullptr, bias, act, residual, ln_weight, ln_bias, eps,
                     out, gated, k.tile_cols);
+}
+
+// bf16 x, bf16 W packed by fastbert.backends.gemm in k pairs, on AMX tiles: see amx_bf16_linear.inc.
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::optional<at::Tensor>& bias,
+                       const std::optional<std::string>& act, const std::optional<at::Tensor>& residual,
+                       const std::optional<at::Tensor>& ln_weight, const std::optional<at::Tensor>& ln_bias,
+                       double eps, const std::optional<at::Tensor>& out) {
+  TORCH_CHECK_VALUE(n >= 0, "n must be >= 0, got ", n);
+  const KernelTable& k = kernels();
+  TORCH_CHECK_VALUE(k.bf16_linear != nullptr, "bf16_linear needs AMX bf16 tiles; the ", k.isa,
+                    " kernels in use have none (see has_bf16_linear())");
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) % 32 == 0, "bf16_linear takes K in whole tile steps of 32, got ",
+                    x.dim() >= 1 ? x.size(-1) : 0);
+  return run_linear(k.bf16_linear, x, packed, at::kBFloat16, 2, n, nullptr, bias, act, residual, ln_weight, ln_bias,
+                    eps, out, 0, k.tile_cols, at::kBFloat16);
 }
 
 // k values per step of the int8 pack the kernels in use read fastest: 4 (int8 quads, u8 x s8 on VNNI) or 2 (pairs).
@@ -542,13 +559,15 @@ at::Tensor onednn_gemm(const at::Tensor& x, const at::Tensor& packed, const at::
 }
 
 // One GEMM of encoder_layers from its operands as fastbert's backends pack them: {packed weight, per-channel scales,
-// bias}, the scales empty for an fp32 pack (the `gemm` backend) and set for an int8 one (the `int8` backend); an MKLDNN
-// weight is the `onednn` backend's, with its calls' row parts in place of scales and its bias in the GEMM's dtype.
+// bias}, the scales empty for an fp32 or bf16 pack (the `gemm` backend) and set for an int8 one (the `int8` backend); an
+// MKLDNN weight is the `onednn` backend's, with its calls' row parts in place of scales and its bias in the GEMM's dtype.
 at::Tensor stack_gemm(const at::Tensor& x, const at::Tensor* w, const std::optional<std::string>& act,
                       const std::optional<at::Tensor>& residual = std::nullopt,
                       const std::optional<at::Tensor>& ln_weight = std::nullopt,
                       const std::optional<at::Tensor>& ln_bias = std::nullopt, double eps = 0.0) {
   if (w[0].is_mkldnn()) return onednn_gemm(x, w[0], w[1], w[2], act, residual, ln_weight, ln_bias, eps);
+  if (w[0].scalar_type() == at::kBFloat16)
+    return bf16_linear(x, w[0], w[2].numel(), w[2], act, residual, ln_weight, ln_bias, eps, std::nullopt);
   if (w[1].numel() == 0)
     return fp32_linear(x, w[0], w[2].numel(), w[2], act, residual, ln_weight, ln_bias, eps, std::nullopt, 0);
   return int8_linear(x, w[0], w[1], w[2], act, residual, ln_weight, ln_bias, eps, std::nullopt, 0);
@@ -643,6 +662,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("residual") = py::none(), py::arg("ln_weight") = py::none(), py::arg("ln_bias") = py::none(),
         py::arg("eps") = 1e-12, py::arg("out") = py::none(), py::arg("gated") = 0,
         py::call_guard<py::gil_scoped_release>());
+  m.def("bf16_linear", &bf16_linear,
+        "act(x @ W^T + bias) or LayerNorm(x @ W^T + bias + residual) in bf16 on AMX tiles (fp32 sums and epilogue), "
+        "W bf16 packed in panels of 16 columns and k pairs, K a multiple of 32",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), py::arg("act") = py::none(),
+        py::arg("residual") = py::none(), py::arg("ln_weight") = py::none(), py::arg("ln_bias") = py::none(),
+        py::arg("eps") = 1e-12, py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("has_bf16_linear", [] { return kernels().bf16_linear != nullptr; },
+        "whether the kernels in use have the bf16 GEMM (AMX bf16 tiles)");
   m.def("gate_group", [] { return kernels().tile_cols / 2; },
         "the column group a gated GEMM's weight interleaves its activated and up rows in: half the kernels' tile");
   m.def("encoder_layers", &encoder_layers,

@@ -70,11 +70,13 @@ struct AttentionArgs {
   void* out;                  // [T, nH, D] contiguous
 };
 
-// out = act(x @ W^T + bias), or LayerNorm(x @ W^T + bias + residual), W packed in panels (linear.inc)
+// out = act(x @ W^T + bias), or LayerNorm(x @ W^T + bias + residual), W packed in panels (linear.inc). x, the
+// residual and out are fp32, but bf16 for bf16_linear (the `*32` accessors: the fp32 kernels' typed view).
 struct LinearArgs {
-  const float* x;             // [M, K] fp32, row stride x_stride
+  const void* x;              // [M, K], row stride x_stride
   int64_t x_stride;
-  const void* weight;         // packed panels: fp32 [ceil(N / 32) * 2][K][16] (fp32_linear), int8 values as int16
+  const void* weight;         // packed panels: fp32 [ceil(N / 32) * 2][K][16] (fp32_linear), bf16 [ceil(N / 32) *
+                              // 2][K / 2][16][2] (bf16_linear, K a multiple of 32), int8 values as int16
                               // [ceil(N / 32) * 2][ceil(K / 2)][16][2] (int8_linear), or as int8
                               // [ceil(N / 32) * 2][ceil(K / 4) + 1][16][4] (int8_quad_linear; the last step of
                               // each panel: its 16 columns' 128 sum_k qw[n, k] as int32)
@@ -84,12 +86,16 @@ struct LinearArgs {
                               // writes act(first) * second, so out is [M, N / 2] (act set, no residual)
   bool has_act;
   Act act;                    // applied when has_act
-  const float* residual;      // [M, N] contiguous, or null; with it, LayerNorm(ln_weight, ln_bias, eps) follows
+  const void* residual;       // [M, N] contiguous, or null; with it, LayerNorm(ln_weight, ln_bias, eps) follows
   const float* ln_weight;     // [N]
   const float* ln_bias;       // [N]
   float eps;
-  float* out;                 // [M, N] contiguous
+  void* out;                  // [M, N] contiguous
   int64_t m, n, k;
+
+  const float* x32() const { return static_cast<const float*>(x); }
+  const float* residual32() const { return static_cast<const float*>(residual); }
+  float* out32() const { return static_cast<float*>(out); }
 };
 
 struct KernelTable {
@@ -101,6 +107,7 @@ struct KernelTable {
   void (*fp32_linear)(const LinearArgs&, int threads);
   void (*int8_linear)(const LinearArgs&, int threads);
   void (*int8_quad_linear)(const LinearArgs&, int threads);  // null where the ISA has no u8 x s8 dot product (VNNI)
+  void (*bf16_linear)(const LinearArgs&, int threads);       // null where the ISA has no AMX bf16 tiles
   void (*gated_act)(const RowsArgs&, DType, int threads);
   int64_t tile_cols;          // output columns per GEMM tile: a gated weight interleaves groups of half of it
 };

@@ -1,17 +1,20 @@
-"""The `gemm` backend: fastbert's own fp32 GEMMs on CPU (the native extension's `fp32_linear`), with the epilogues
-fused on each tile while it is in L1: bias + GELU for the FFN's first GEMM, act(gate) * up for a gated one (GeGLU,
-SwiGLU: the two weights interleaved, so a tile holds both products of its outputs), bias + residual + LayerNorm for
-the output projections (csrc/cpu/linear.inc). Weights are packed once into panels of 16 columns and cached until they
+"""The `gemm` backend: fastbert's own GEMMs on CPU, fp32 everywhere (the native extension's `fp32_linear`) and bf16
+on AMX tiles (`bf16_linear`), with the epilogues fused on each tile while it is in L1: bias + GELU for the FFN's
+first GEMM, act(gate) * up for a gated one (GeGLU, SwiGLU, fp32: the two weights interleaved, so a tile holds both
+products of its outputs), bias + residual + LayerNorm for the output projections (csrc/cpu/linear.inc,
+amx_bf16_linear.inc). Weights are packed once into panels of 16 columns (bf16: of k pairs) and cached until they
 change.
 
 Why its own kernel: at the encoder's shapes (a few hundred rows of K = 384..3072) torch's MKL GEMM and oneDNN leave
 15-30% of a core's FMA throughput idle, more at small M, and neither fuses LayerNorm; this tile reaches about 85% of
-the FMA peak on AVX2 (`python -m benchmarks.bench_gemm`). Never silently slower: at first use per (weight shape,
-epilogue, size class) it is timed against the path that would run without it (oneDNN or torch, themselves chosen by
-measurement), on the call's own input; explain() lists every verdict. `FASTBERT_CPU_GEMM=gemm|onednn|torch` skips
-the measurement: the first of gemm, oneDNN, torch from the one named that can take a call takes it, so every process
-runs the same GEMMs. The same limits and first-use timing serve the int8 backend, whose kernel shares this one's
-tiling and epilogue.
+the FMA peak on AVX2 (`python -m benchmarks.bench_gemm`). In bf16 on AMX, a layer's weights come from L3 or memory
+at a third of the rate the tiles consume them; this kernel loads each panel pair once for a group of row blocks whose
+x stays in L2 and prefetches the next pair meanwhile (BERT-base's four GEMMs at 128 rows: 0.93 ms, oneDNN 1.45).
+Never silently slower: at first use per (weight shape, epilogue, size class, dtype) it is timed against the path that
+would run without it (oneDNN or torch, themselves chosen by measurement), on the call's own input; explain() lists
+every verdict. `FASTBERT_CPU_GEMM=gemm|onednn|torch` skips the measurement: the first of gemm, oneDNN, torch from the
+one named that can take a call takes it, so every process runs the same GEMMs. The same limits and first-use timing
+serve the int8 backend, whose kernel shares the fp32 one's tiling and epilogue.
 """
 
 from __future__ import annotations
@@ -66,14 +69,30 @@ def pack_panels(values: torch.Tensor, k_per_step: int) -> torch.Tensor:
     return padded.view(padded.shape[0] // PANEL, PANEL, steps, k_per_step).permute(0, 2, 1, 3).contiguous()
 
 
-def packed(weight: torch.Tensor) -> torch.Tensor:
-    """The cached fp32 panels of `weight`, rebuilt if the weight changes."""
-    return _packs.get(weight, (), (), lambda: pack_panels(weight.detach().float(), 1))
+def packed(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The cached panels of `weight` in `dtype` (fp32, one k a step; bf16, k pairs), rebuilt if the weight changes."""
+    step = 2 if dtype == torch.bfloat16 else 1
+    return _packs.get(weight, (dtype,), (), lambda: pack_panels(weight.detach().to(dtype), step))
 
 
 def operands(weight: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A GEMM as the native `encoder_layers` takes it (fastbert.execution.stack): (packed panels, no scales, bias)."""
-    return packed(weight), NO_SCALES, bias
+    """A GEMM as the native `encoder_layers` takes it (fastbert.execution.stack): (packed panels in the weight's
+    dtype, bf16 or fp32, no scales, bias)."""
+    return packed(weight, torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32), NO_SCALES, bias
+
+
+def bf16_refusal(op: str, call: dict) -> str | None:
+    """Why the bf16 GEMM on AMX tiles cannot take a bf16 call, or None."""
+    if (why := needs_kernel("bf16_linear")) is not None:
+        return why
+    cpu, _ = native.load("_native_cpu")
+    if not cpu.has_bf16_linear():
+        return f"bf16 GEMMs need AMX bf16 tiles; the {cpu.isa()} kernels in use have none"
+    if op == "gated_linear":
+        return "no gated bf16 GEMM (its epilogue has no gate)"
+    if (k := call["x"].shape[-1]) % 32:
+        return f"K = {k} is not a multiple of 32 (the AMX bf16 tile's step)"
+    return None
 
 
 def linear(
@@ -82,8 +101,11 @@ def linear(
     bias: torch.Tensor | None = None,  # [N]
     act: str | None = None,
 ) -> torch.Tensor:  # [*, N] fp32
-    """act(x @ weight^T + bias), bias and activation applied on each tile of the GEMM."""
+    """act(x @ weight^T + bias), bias and activation applied on each tile of the GEMM; in x's dtype (fp32, or bf16 on
+    AMX tiles)."""
     cpu, _ = native.load("_native_cpu")
+    if x.dtype == torch.bfloat16:
+        return cpu.bf16_linear(x, packed(weight, torch.bfloat16), weight.shape[0], bias, act)
     return cpu.fp32_linear(x, packed(weight), weight.shape[0], bias, act)
 
 
@@ -168,8 +190,11 @@ def dense_residual_layernorm(
     training: bool = False,
 ) -> torch.Tensor:  # [T, N]
     """LayerNorm(x @ weight^T + bias + residual): bias and residual on each tile, LayerNorm in a second pass over the
-    finished rows."""
+    finished rows (kept in fp32 for a bf16 x)."""
     cpu, _ = native.load("_native_cpu")
+    if x.dtype == torch.bfloat16:
+        return cpu.bf16_linear(x, packed(weight, torch.bfloat16), weight.shape[0], bias, None, residual, ln_weight,
+                               ln_bias, eps)  # fmt: skip
     return cpu.fp32_linear(x, packed(weight), weight.shape[0], bias, None, residual, ln_weight, ln_bias, eps)
 
 
@@ -193,9 +218,16 @@ def gated_refusal(call: dict) -> str | None:
     return None
 
 
-def refuses_call(call: dict, forced: bool, op: str, verdict: Callable[[], tuple[bool, str]]) -> str | None:
-    """The limits of fastbert's GEMM kernels (fp32 and int8): inference on fp32 CPU tensors, a gated call's shapes;
-    then, unless forced by name, the measured `verdict()` for this shape."""
+def refuses_call(
+    call: dict,
+    forced: bool,
+    op: str,
+    verdict: Callable[[], tuple[bool, str]],
+    bf16: Callable[[str, dict], str | None] | None = None,
+) -> str | None:
+    """The limits of fastbert's GEMM kernels (fp32, bf16 and int8): inference on CPU tensors of one dtype, fp32 (or
+    bf16 where `bf16` says why not, or None), a gated call's shapes; then, unless forced by name, the measured
+    `verdict()` for this shape."""
     x, weight = call["x"], call["weight"]
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in call.values()):
         return "forward only: inputs require grad"
@@ -205,8 +237,11 @@ def refuses_call(call: dict, forced: bool, op: str, verdict: Callable[[], tuple[
         return "under autocast: these GEMMs take and give fp32"
     if torch.compiler.is_compiling():
         return "under torch.compile/export tracing"
-    if not all(t.dtype is torch.float32 and t.is_cpu for t in call.values() if isinstance(t, torch.Tensor)):
-        return "takes fp32 CPU tensors only"
+    dtype = torch.bfloat16 if bf16 is not None and x.dtype == torch.bfloat16 else torch.float32
+    if not all(t.dtype is dtype and t.is_cpu for t in call.values() if isinstance(t, torch.Tensor)):
+        return "takes fp32 CPU tensors only" if bf16 is None else "takes fp32 or bf16 CPU tensors, one dtype throughout"
+    if dtype == torch.bfloat16 and (why := bf16(op, call)) is not None:
+        return why
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         return "not an [N, K] weight matching x"
     if weight.shape[1] == 0:
@@ -234,7 +269,8 @@ def judge(
     (mine, other) in words."""
     x, weight = call["x"], call["weight"]
     rows = x.numel() // x.shape[-1]
-    key = (*weight.shape, call.get("act"), _EPILOGUES.get(op, False), timing.size_class(rows))
+    dtype = str(x.dtype).removeprefix("torch.")
+    key = (*weight.shape, call.get("act"), _EPILOGUES.get(op, False), timing.size_class(rows), dtype)
     verdict = verdicts.get(key)
     if verdict is not None and getattr(verdict, "evidence", None) is None:  # settled: no words to build
         return verdict
@@ -242,7 +278,7 @@ def judge(
         epilogue = f" gated: {key[2]}(one half) * the other" + ("" if call.get("up_weight") is None else ", twice")
     else:
         epilogue = " + residual + LayerNorm" if key[3] else (f" + {key[2]}" if key[2] else "")
-    what = timing.gemm_words(rows, weight, epilogue)
+    what = timing.gemm_words(rows, weight, epilogue + ("" if dtype == "float32" else f" in {dtype}"))
     return timing.judge(verdicts, key, lambda: mine(**call), lambda: other(**call), names, what, margin)
 
 
@@ -262,24 +298,28 @@ def _refuses(op: str, call: dict, forced: bool) -> str | None:
     mine = {"linear": linear, "dense_residual_layernorm": dense_residual_layernorm, "gated_linear": gated_linear}[op]
     forced = forced or mode == "gemm"
     return refuses_call(
-        call, forced, op, lambda: judge(_verdicts, op, call, mine, fallback[op], ("gemm", "oneDNN/torch"), _TIE_MARGIN)
-    )
+        call, forced, op, lambda: judge(_verdicts, op, call, mine, fallback[op], ("gemm", "oneDNN/torch"), _TIE_MARGIN),
+        bf16_refusal,
+    )  # fmt: skip
 
 
 def verdicts() -> dict[tuple, tuple[bool, str]]:
-    """Every first-use timing so far: (N, K, act, epilogue, size class) -> (gemm wins, why)."""
+    """Every first-use timing so far: (N, K, act, epilogue, size class, dtype) -> (gemm wins, why)."""
     return dict(_verdicts)
 
 
 def describe() -> str | None:
-    """Which fp32 GEMM shapes run on fastbert's kernel here and why the others do not, for explain()."""
-    return summary(_verdicts, "fp32 GEMMs on fastbert's kernel", "the rest run on oneDNN or torch, measured faster")
+    """Which GEMM shapes run on fastbert's kernels here and why the others do not, for explain()."""
+    cpu, _ = native.load("_native_cpu")
+    which = "fp32 and bf16 (AMX tiles)" if cpu is not None and getattr(cpu, "has_bf16_linear", bool)() else "fp32"
+    rest = "the rest run on oneDNN or torch, measured faster"
+    return summary(_verdicts, f"{which} GEMMs on fastbert's kernels", rest)
 
 
 SPEC = Backend(
     "gemm",
     devices=("cpu",),
-    dtypes=(torch.float32,),
+    dtypes=(torch.float32, torch.bfloat16),
     module=sys.modules[__name__],
     ops=COMPOUND_OPS,
     limits={op: (lambda call, forced, op=op: _refuses(op, call, forced)) for op in COMPOUND_OPS},

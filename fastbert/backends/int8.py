@@ -159,7 +159,7 @@ def _refuses(op: str, call: dict, forced: bool) -> str | None:
 
 
 def verdicts() -> dict[tuple, tuple[bool, str]]:
-    """Every first-use timing so far: (N, K, act, epilogue, size class) -> (int8 wins, why)."""
+    """Every first-use timing so far: (N, K, act, epilogue, size class, dtype) -> (int8 wins, why)."""
     return dict(_verdicts)
 
 
