@@ -686,17 +686,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "arithmetic_peak",
       [](const std::string& dtype, double seconds) -> py::object {
-        TORCH_CHECK_VALUE(dtype == "fp32" || dtype == "bf16", "dtype must be 'fp32' or 'bf16', got '", dtype, "'");
+        TORCH_CHECK_VALUE(dtype == "fp32" || dtype == "bf16" || dtype == "amx_bf16",
+                          "dtype must be 'fp32', 'bf16' or 'amx_bf16', got '", dtype, "'");
         TORCH_CHECK_VALUE(seconds > 0 && seconds <= 60, "seconds must be in (0, 60], got ", seconds);
         std::optional<double> peak;
         {
           py::gil_scoped_release release;
-          peak = arithmetic_peak(dtype, at::get_num_threads(), seconds);
+          peak = arithmetic_peak(dtype, at::get_num_threads(), seconds, cpu_has("avx512amx"));
         }
         return peak ? py::cast(*peak) : py::none();
       },
-      "FLOP/s of fp32 FMAs or bf16 dot products from registers on torch's threads: the CPU's arithmetic ceiling; "
-      "None where the CPU lacks the instruction",
+      "FLOP/s of fp32 FMAs, bf16 dot products or AMX bf16 tile products from registers on torch's threads: the "
+      "CPU's arithmetic ceiling; None where the CPU lacks the instruction",
       py::arg("dtype"), py::arg("seconds") = 0.5);
   m.def(
       "threading",

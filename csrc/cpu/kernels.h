@@ -123,8 +123,9 @@ const KernelTable& kernels_generic();
 // nothing): the GEMM's row panels are sized to it (bind.cpp).
 int64_t l2_cache_bytes();
 
-// FLOP/s of `threads` threads running fp32 FMAs ("fp32") or bf16 dot products ("bf16") from registers for about
-// `seconds`: the arithmetic ceiling no GEMM can pass. nullopt where this CPU lacks the instruction (peak.cpp).
-std::optional<double> arithmetic_peak(const std::string& dtype, int threads, double seconds);
+// FLOP/s of `threads` threads running fp32 FMAs ("fp32"), bf16 dot products ("bf16") or AMX bf16 tile products
+// ("amx_bf16", where `amx`: the tile state is granted) from registers for about `seconds`: the arithmetic ceiling no
+// GEMM can pass. nullopt where this CPU lacks the instruction (peak.cpp).
+std::optional<double> arithmetic_peak(const std::string& dtype, int threads, double seconds, bool amx);
 
 }  // namespace fastbert::cpu

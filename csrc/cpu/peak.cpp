@@ -1,4 +1,5 @@
-// The CPU's arithmetic ceiling: fp32 FMA and bf16 dot-product throughput of a loop that never touches memory. The
+// The CPU's arithmetic ceiling: fp32 FMA, bf16 dot-product and AMX bf16 tile throughput of a loop that never touches
+// memory. The
 // model suite prints it beside the measured matmul peak, so a GEMM's efficiency reads against the silicon, not
 // against another library. Also the L2 size the GEMM's blocking reads.
 #include <algorithm>
@@ -56,6 +57,37 @@ __attribute__((target("avx512f,avx512bf16"))) float dot_bf16_avx512(int64_t iter
   FASTBERT_PROBE(__m512, _mm512_set1_ps, _mm512_dpbf16_ps(a, x, y), _mm512_store_ps, 16)
 }
 #undef FASTBERT_PROBE
+
+// tdpbf16ps on tiles held in the tile registers: 16 x 16 fp32 sums of 32 bf16 products, 16,384 FLOP an instruction,
+// four independent accumulator tiles (the products' latency) from two operand tiles each. The caller has been granted
+// the tile state (bind.cpp asks Linux before it picks the AMX kernels).
+__attribute__((target("amx-tile,amx-bf16"))) float tiles_bf16(int64_t iters) {
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+    uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+  } config;
+  alignas(64) static const uint16_t ones[16 * 32] = {};  // zeros: the sums stay 0, the work is the same
+  alignas(64) float sums[16 * 16];
+  _tile_loadconfig(&config);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_loadd(4, ones, 64);
+  _tile_loadd(5, ones, 64);
+  _tile_loadd(6, ones, 64);
+  _tile_loadd(7, ones, 64);
+  for (int64_t k = 0; k < iters; ++k) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, sums, 64);
+  _tile_release();
+  return sums[0];
+}
 #endif
 
 struct Probe {
@@ -63,11 +95,12 @@ struct Probe {
   double flops_per_iter;  // per thread: chains x lanes x FLOP per lane
 };
 
-std::optional<Probe> probe_for(const std::string& dtype) {
+std::optional<Probe> probe_for(const std::string& dtype, bool amx) {
 #if defined(__x86_64__)
   __builtin_cpu_init();
   const bool avx512 = __builtin_cpu_supports("avx512f");
   if (dtype == "bf16" && avx512 && __builtin_cpu_supports("avx512bf16")) return Probe{dot_bf16_avx512, kChains * 64.0};
+  if (dtype == "amx_bf16" && amx) return Probe{tiles_bf16, 4 * 16 * 16 * 32 * 2.0};
   if (dtype == "fp32" && avx512) return Probe{fma_avx512, kChains * 32.0};
   if (dtype == "fp32" && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
     return Probe{fma_avx2, kChains * 16.0};
@@ -95,8 +128,8 @@ Timing time_probe(const Probe& probe, int64_t iters, int threads, float* sink) {
 
 }  // namespace
 
-std::optional<double> arithmetic_peak(const std::string& dtype, int threads, double seconds) {
-  const std::optional<Probe> probe = probe_for(dtype);
+std::optional<double> arithmetic_peak(const std::string& dtype, int threads, double seconds, bool amx) {
+  const std::optional<Probe> probe = probe_for(dtype, amx);
   if (!probe) return std::nullopt;
   float sink = 0.f;
   int64_t iters = 1 << 12;

@@ -309,11 +309,15 @@ def verdicts() -> dict[tuple, tuple[bool, str]]:
 
 
 def describe() -> str | None:
-    """Which GEMM shapes run on fastbert's kernels here and why the others do not, for explain()."""
+    """How fastbert's GEMMs multiply here, which shapes run on them and why the others do not, for explain(); None
+    without the kernels."""
+    if unavailable_reason() is not None:
+        return None
     cpu, _ = native.load("_native_cpu")
-    which = "fp32 and bf16 (AMX tiles)" if cpu is not None and getattr(cpu, "has_bf16_linear", bool)() else "fp32"
-    rest = "the rest run on oneDNN or torch, measured faster"
-    return summary(_verdicts, f"{which} GEMMs on fastbert's kernels", rest)
+    bf16 = ("bf16 on AMX tiles (tdpbf16ps: 16 x 16 fp32 sums of 32 bf16 products each) where K is a multiple of 32"
+            if getattr(cpu, "has_bf16_linear", bool)() else "no bf16 (no AMX tiles here: bf16 GEMMs run on oneDNN)")
+    judged = summary(_verdicts, "GEMMs on fastbert's kernels", "the rest run on oneDNN or torch, measured faster")
+    return f"fastbert's GEMMs: fp32 on vector FMA tiles; {bf16}" + (f"\n{judged}" if judged else "")
 
 
 SPEC = Backend(
