@@ -422,8 +422,8 @@ at::Tensor run_linear(void (*kernel)(const LinearArgs&, int), const at::Tensor& 
   if (residual) {
     check_device(*residual, kCpu, "residual");
     TORCH_CHECK_VALUE(residual->scalar_type() == io && residual->sizes() == at::IntArrayRef(shape),
-                      "residual must be ", io_name, " of shape ", at::IntArrayRef(shape), ", got ", residual->scalar_type(),
-                      " ", residual->sizes());
+                      "residual must be ", io_name, " of shape ", at::IntArrayRef(shape), ", got ",
+                      residual->scalar_type(), " ", residual->sizes());
     TORCH_CHECK_VALUE(ln_weight && ln_bias, "a residual needs ln_weight and ln_bias (LayerNorm follows it)");
     TORCH_CHECK_VALUE(!act, "pass an activation or a residual + LayerNorm, not both");
     res = residual->reshape({-1, n}).contiguous();
@@ -559,8 +559,9 @@ at::Tensor onednn_gemm(const at::Tensor& x, const at::Tensor& packed, const at::
 }
 
 // One GEMM of encoder_layers from its operands as fastbert's backends pack them: {packed weight, per-channel scales,
-// bias}, the scales empty for an fp32 or bf16 pack (the `gemm` backend) and set for an int8 one (the `int8` backend); an
-// MKLDNN weight is the `onednn` backend's, with its calls' row parts in place of scales and its bias in the GEMM's dtype.
+// bias}, the scales empty for an fp32 or bf16 pack (the `gemm` backend) and set for an int8 one (the `int8`
+// backend); an MKLDNN weight is the `onednn` backend's, with its calls' row parts in place of scales and its bias in
+// the GEMM's dtype.
 at::Tensor stack_gemm(const at::Tensor& x, const at::Tensor* w, const std::optional<std::string>& act,
                       const std::optional<at::Tensor>& residual = std::nullopt,
                       const std::optional<at::Tensor>& ln_weight = std::nullopt,

@@ -1,7 +1,8 @@
 // CPU kernels compiled for the avx512bf16 set plus AMX tiles (Sapphire Rapids, Emerald Rapids, Granite Rapids): the
-// int8 quad GEMM runs on tdpbusd where K is whole tiles (amx_linear.inc), bf16 attention and an int8 model's fp32
-// attention on tdpbf16ps where the head dim allows (attention.inc), everything else as in avx512bf16. bind.cpp prefers
-// this table when the CPU has AMX-TILE, AMX-INT8 and AMX-BF16 and the kernel grants this process the tile state.
+// int8 quad GEMM runs on tdpbusd where K is whole tiles (amx_linear.inc), the bf16 GEMM on tdpbf16ps
+// (amx_bf16_linear.inc), bf16 attention and an int8 model's fp32 attention on tdpbf16ps where the head dim allows
+// (attention.inc), everything else as in avx512bf16. bind.cpp prefers this table when the CPU has AMX-TILE, AMX-INT8
+// and AMX-BF16 and the kernel grants this process the tile state.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -21,6 +22,6 @@
 #define FASTBERT_VEC_BITS 512  // linear.inc's vectors (0: scalar)
 #define FASTBERT_VNNI 1        // linear.inc: vpdpwssd, multiply-add-accumulate in one instruction
 #define FASTBERT_BF16_PAIRS 1  // attention.inc: bf16 attention on vdpbf16ps
-#define FASTBERT_AMX 1         // the int8 quad GEMM (tdpbusd) and bf16 attention (tdpbf16ps) on AMX tiles
+#define FASTBERT_AMX 1         // the int8 quad GEMM (tdpbusd), the bf16 GEMM and bf16 attention (tdpbf16ps) on tiles
 #include "isa_body.inc"
 #endif
