@@ -23,7 +23,6 @@ import argparse
 import itertools
 import os
 import sys
-import time
 from collections.abc import Callable
 
 import torch
@@ -31,8 +30,7 @@ import torch.nn.functional as F
 
 from benchmarks import model_report
 from benchmarks.bench_native import cpu_best_seconds
-from benchmarks.plotting import pyplot
-from fastbert import capabilities
+from benchmarks.plotting import gemm_bars
 from fastbert.backends import gemm, native, onednn
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -94,14 +92,7 @@ def run(hiddens: list[int], rows: list[int], budget: float, copies: int) -> dict
     peaks.append(cpu.arithmetic_peak("amx_bf16", 0.5))
     peak = max((p for p in peaks if p), default=None)
     return {
-        "device": model_report.device_name(torch.device("cpu")),
-        "cpu_kind": capabilities.cpu_kind(),
-        "cpu_key": capabilities.cpu_key(),
-        "threads": torch.get_num_threads(),
-        "versions": model_report.versions(),
-        "commit": model_report.git_commit(),
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "load_average": os.getloadavg(),
+        **model_report.cpu_run(),
         "weight_copies": copies,
         "amx_peak_gflops": peak / 1e9 if peak else None,
         "systems": list(SYSTEMS),
@@ -150,27 +141,10 @@ def markdown(doc: dict) -> str:
 
 
 def plot(doc: dict, path: str) -> bool:
-    plt = pyplot()
-    if plt is None:
-        return False
-    rows, names = doc["results"], doc["systems"]
-    fig, ax = plt.subplots(figsize=(max(8, 0.55 * len(rows) + 2), 4.5))
-    width = 0.8 / len(names)
-    for i, system in enumerate(names):
-        ax.bar([j + i * width for j in range(len(rows))], [r["gflops"][system] for r in rows], width, label=system)
-    if doc["amx_peak_gflops"]:
-        ax.axhline(doc["amx_peak_gflops"], color="k", linestyle="--", linewidth=1, label="AMX bf16 peak")
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
-    ax.set_xticklabels([f"H{r['hidden']} M{r['m']} {r['layer']}" for r in rows], fontsize=7, rotation=35, ha="right")
-    ax.set_ylabel("GFLOP/s (higher is better)")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     warning = model_report.load_warning(doc)
-    fig.suptitle(f"Encoder bf16 GEMMs with their epilogues, weights out of cache, {doc['device']} ({doc['cpu_kind']})"
-                 + (f"\n{warning}" if warning else ""), fontsize=9)  # fmt: skip
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    title = (f"Encoder bf16 GEMMs with their epilogues, weights out of cache, {doc['device']} ({doc['cpu_kind']})"
+                 + (f"\n{warning}" if warning else ""))
+    return gemm_bars(doc, doc["amx_peak_gflops"], "AMX bf16 peak", title, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from collections.abc import Callable
 
 import torch
@@ -31,8 +30,7 @@ import torch.nn.functional as F
 
 from benchmarks import model_report
 from benchmarks.bench_native import cpu_best_seconds
-from benchmarks.plotting import pyplot
-from fastbert import capabilities
+from benchmarks.plotting import gemm_bars
 from fastbert.backends import gemm, int8, native, onednn
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -118,14 +116,7 @@ def run(hiddens: list[int], rows: list[int], budget: float) -> dict:
     peaks.append(cpu.arithmetic_peak("fp32", 0.5))
     peak = max((p for p in peaks if p), default=None)
     return {
-        "device": model_report.device_name(torch.device("cpu")),
-        "cpu_kind": capabilities.cpu_kind(),
-        "cpu_key": capabilities.cpu_key(),
-        "threads": torch.get_num_threads(),
-        "versions": model_report.versions(),
-        "commit": model_report.git_commit(),
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "load_average": os.getloadavg(),
+        **model_report.cpu_run(),
         "fma_peak_gflops": peak / 1e9 if peak else None,
         "systems": list(systems()),
         "results": results,
@@ -157,27 +148,11 @@ def markdown(doc: dict) -> str:
 
 
 def plot(doc: dict, path: str) -> bool:
-    plt = pyplot()
-    if plt is None:
-        return False
-    rows, names = doc["results"], doc.get("systems", SYSTEMS)
-    fig, ax = plt.subplots(figsize=(max(8, 0.55 * len(rows) + 2), 4.5))
-    width = 0.8 / len(names)
-    for i, system in enumerate(names):
-        ax.bar([j + i * width for j in range(len(rows))], [r["gflops"][system] for r in rows], width, label=system)
-    if doc["fma_peak_gflops"]:
-        ax.axhline(doc["fma_peak_gflops"], color="k", linestyle="--", linewidth=1, label="fp32 FMA peak")
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
-    ax.set_xticklabels([f"H{r['hidden']} M{r['m']} {r['layer']}" for r in rows], fontsize=7, rotation=35, ha="right")
-    ax.set_ylabel("GFLOP/s (higher is better)")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     warning = model_report.load_warning(doc)
-    fig.suptitle(f"Encoder GEMMs with their epilogues (int8: GOP/s, its own roof), {doc['device']} "
-                 f"({doc['cpu_kind']})" + (f"\n{warning}" if warning else ""), fontsize=9)  # fmt: skip
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    title = (f"Encoder GEMMs with their epilogues (int8: GOP/s, its own roof), {doc['device']} "
+                 f"({doc['cpu_kind']})" + (f"\n{warning}" if warning else ""))
+    doc = {**doc, "systems": doc.get("systems", SYSTEMS)}  # files written before the int16-pair column
+    return gemm_bars(doc, doc["fma_peak_gflops"], "fp32 FMA peak", title, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from benchmarks.plotting import pyplot
+from fastbert import capabilities
 
 
 def device_name(device: torch.device) -> str:
@@ -67,6 +68,21 @@ def write_results(directory: str, stem: str, doc: dict[str, Any], markdown: Call
         f.write(table)
     plot(doc, path + ".png")
     return table
+
+
+def cpu_run() -> dict[str, Any]:
+    """What every CPU benchmark's JSON opens with: the machine (name, ISA class, results key), torch's threads,
+    versions, commit, time and load."""
+    return {
+        "device": device_name(torch.device("cpu")),
+        "cpu_kind": capabilities.cpu_kind(),
+        "cpu_key": capabilities.cpu_key(),
+        "threads": torch.get_num_threads(),
+        "versions": versions(),
+        "commit": git_commit(),
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "load_average": os.getloadavg(),
+    }
 
 
 def document(
