@@ -13,6 +13,7 @@ inline void check_device(const at::Tensor& t, const at::Device& device, const ch
 
 // A [rows, n] view whose last dim is contiguous (a copy only when no such view exists).
 inline at::Tensor as_rows(const at::Tensor& x, int64_t n) {
+  if (x.dim() == 2 && x.size(1) == n && (x.stride(1) == 1 || n == 1)) return x;  // as it is: no dispatcher round trip
   // rows = the leading dims' product, spelled out when n == 0 (reshape cannot infer -1 from zero elements)
   const int64_t rows = n > 0 ? -1 : c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);
   at::Tensor v = x.reshape({rows, n});
@@ -23,6 +24,8 @@ inline at::Tensor as_rows(const at::Tensor& x, int64_t n) {
 inline at::Tensor params(const at::Tensor& p, int64_t n, const at::Device& device, const char* what) {
   check_device(p, device, what);
   TORCH_CHECK_VALUE(p.dim() == 1 && p.size(0) == n, what, " must have shape [", n, "], got ", p.sizes());
+  if (p.scalar_type() == at::kFloat && p.is_contiguous() && reinterpret_cast<uintptr_t>(p.data_ptr()) % 16 == 0)
+    return p;  // as it is (the usual case): a layer stack passes 48 GEMMs' parameters a forward
   at::Tensor f = p.to(at::kFloat).contiguous();
   return reinterpret_cast<uintptr_t>(f.data_ptr()) % 16 == 0 ? f : f.clone();
 }

@@ -228,7 +228,7 @@ def test_bad_native_arguments_raise() -> None:
         NATIVE_CPU.encoder_layers(x, cu, 5, 2, 1.0, [x] * 15, "gelu", [1e-12, 1e-12])
     with pytest.raises(ValueError, match="not a multiple of 4 heads"):
         NATIVE_CPU.encoder_layers(x, cu, 5, 4, 1.0, [], "gelu", [])
-    with pytest.raises(ValueError, match="biases must have 3H, H and H"):
+    with pytest.raises(ValueError, match="biases must have 3H, H, I and H elements"):
         NATIVE_CPU.encoder_layers(x, cu, 5, 2, 1.0, [x] * 16, "gelu", [1e-12, 1e-12])
     qkv_bias, bias = torch.zeros(18), torch.zeros(6)
     layer = [x, torch.empty(0), qkv_bias, x, torch.empty(0), bias, bias, bias, x, torch.empty(0), bias,

@@ -426,7 +426,7 @@ at::Tensor run_linear(void (*kernel)(const LinearArgs&, int), const at::Tensor& 
                       residual->scalar_type(), " ", residual->sizes());
     TORCH_CHECK_VALUE(ln_weight && ln_bias, "a residual needs ln_weight and ln_bias (LayerNorm follows it)");
     TORCH_CHECK_VALUE(!act, "pass an activation or a residual + LayerNorm, not both");
-    res = residual->reshape({-1, n}).contiguous();
+    res = residual->is_contiguous() && residual->dim() == 2 ? *residual : residual->reshape({-1, n}).contiguous();
     lw = params(*ln_weight, n, kCpu, "ln_weight");
     lb = params(*ln_bias, n, kCpu, "ln_bias");
   }
@@ -561,17 +561,16 @@ at::Tensor onednn_gemm(const at::Tensor& x, const at::Tensor& packed, const at::
 // One GEMM of encoder_layers from its operands as fastbert's backends pack them: {packed weight, per-channel scales,
 // bias}, the scales empty for an fp32 or bf16 pack (the `gemm` backend) and set for an int8 one (the `int8`
 // backend); an MKLDNN weight is the `onednn` backend's, with its calls' row parts in place of scales and its bias in
-// the GEMM's dtype.
-at::Tensor stack_gemm(const at::Tensor& x, const at::Tensor* w, const std::optional<std::string>& act,
-                      const std::optional<at::Tensor>& residual = std::nullopt,
+// the GEMM's dtype. fastbert's GEMMs write `out` (oneDNN's return a tensor of their own).
+at::Tensor stack_gemm(const at::Tensor& x, const at::Tensor* w, const at::Tensor& out,
+                      const std::optional<std::string>& act, const std::optional<at::Tensor>& residual = std::nullopt,
                       const std::optional<at::Tensor>& ln_weight = std::nullopt,
                       const std::optional<at::Tensor>& ln_bias = std::nullopt, double eps = 0.0) {
   if (w[0].is_mkldnn()) return onednn_gemm(x, w[0], w[1], w[2], act, residual, ln_weight, ln_bias, eps);
   if (w[0].scalar_type() == at::kBFloat16)
-    return bf16_linear(x, w[0], w[2].numel(), w[2], act, residual, ln_weight, ln_bias, eps, std::nullopt);
-  if (w[1].numel() == 0)
-    return fp32_linear(x, w[0], w[2].numel(), w[2], act, residual, ln_weight, ln_bias, eps, std::nullopt, 0);
-  return int8_linear(x, w[0], w[1], w[2], act, residual, ln_weight, ln_bias, eps, std::nullopt, 0);
+    return bf16_linear(x, w[0], w[2].numel(), w[2], act, residual, ln_weight, ln_bias, eps, out);
+  if (w[1].numel() == 0) return fp32_linear(x, w[0], w[2].numel(), w[2], act, residual, ln_weight, ln_bias, eps, out, 0);
+  return int8_linear(x, w[0], w[1], w[2], act, residual, ln_weight, ln_bias, eps, out, 0);
 }
 
 // Post-LN encoder layers one after another in one call, for inference: per layer the QKV GEMM, attention, the output
@@ -592,19 +591,31 @@ at::Tensor encoder_layers(const at::Tensor& x_in, const at::Tensor& cu_seqlens, 
   TORCH_CHECK_VALUE(x_in.dim() == 2 && heads > 0, "x must be [T, H] and heads > 0, got ", x_in.sizes(), ", ", heads);
   const int64_t tokens = x_in.size(0), hidden = x_in.size(1);
   TORCH_CHECK_VALUE(hidden % heads == 0, "hidden size ", hidden, " is not a multiple of ", heads, " heads");
-  at::Tensor x = x_in;
+  const int64_t inner = weights.empty() ? 0 : weights[10].numel();  // FFN in's width: its bias's length
   for (size_t layer = 0; layer < weights.size() / kPerLayer; ++layer) {
     const at::Tensor* w = weights.data() + layer * kPerLayer;
     // an fp32 GEMM's width is its bias's length (the pack is padded): each must be what the layer's shapes say
-    TORCH_CHECK_VALUE(w[2].numel() == 3 * hidden && w[5].numel() == hidden && w[13].numel() == hidden, "layer ", layer,
-                      ": biases must have 3H, H and H (FFN out) elements for H = ", hidden, ", got ", w[2].numel(),
-                      ", ", w[5].numel(), ", ", w[13].numel());
-    const at::Tensor qkv = stack_gemm(x, w, std::nullopt).view({tokens, 3, heads, hidden / heads});
-    const at::Tensor ctx = attention(qkv, cu_seqlens, max_seqlen, scale, position_bias, std::nullopt, std::nullopt,
-                                     std::nullopt, std::nullopt, std::nullopt, bf16_products)
-                               .view({tokens, hidden});
-    const at::Tensor h = stack_gemm(ctx, w + 3, std::nullopt, x, w[6], w[7], eps[2 * layer]);
-    x = stack_gemm(stack_gemm(h, w + 8, act), w + 11, std::nullopt, h, w[14], w[15], eps[2 * layer + 1]);
+    TORCH_CHECK_VALUE(w[2].numel() == 3 * hidden && w[5].numel() == hidden && w[10].numel() == inner &&
+                          w[13].numel() == hidden,
+                      "layer ", layer, ": biases must have 3H, H, I and H elements for H = ", hidden, " and I = ",
+                      inner, ", got ", w[2].numel(), ", ", w[5].numel(), ", ", w[10].numel(), ", ", w[13].numel());
+  }
+  // Every layer's activations in the same few buffers, allocated once: a GEMM's own output would be an allocation and
+  // a free of up to [T, I] per GEMM, four a layer, where the kernels take microseconds. The layers' outputs alternate
+  // between two, so that none overwrites the residual it reads.
+  const auto buffer = [&](int64_t width) { return at::empty({tokens, width}, x_in.options()); };
+  const at::Tensor qkv = buffer(3 * hidden), ctx = buffer(hidden), h = buffer(hidden), mid = buffer(inner);
+  const at::Tensor outs[2] = {buffer(hidden), buffer(hidden)};
+  at::Tensor x = x_in;
+  for (size_t layer = 0; layer < weights.size() / kPerLayer; ++layer) {
+    const at::Tensor* w = weights.data() + layer * kPerLayer;
+    const at::Tensor q = stack_gemm(x, w, qkv, std::nullopt).view({tokens, 3, heads, hidden / heads});
+    const at::Tensor c = attention(q, cu_seqlens, max_seqlen, scale, position_bias, std::nullopt, std::nullopt,
+                                   std::nullopt, std::nullopt, ctx.view({tokens, heads, hidden / heads}), bf16_products)
+                             .view({tokens, hidden});
+    const at::Tensor hs = stack_gemm(c, w + 3, h, std::nullopt, x, w[6], w[7], eps[2 * layer]);
+    x = stack_gemm(stack_gemm(hs, w + 8, mid, act), w + 11, outs[layer % 2], std::nullopt, hs, w[14], w[15],
+                   eps[2 * layer + 1]);
   }
   return x;
 }
