@@ -396,7 +396,8 @@ at::Tensor run_linear(void (*kernel)(const LinearArgs&, int), const at::Tensor& 
                       const std::optional<at::Tensor>& bias, const std::optional<std::string>& act,
                       const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& ln_weight,
                       const std::optional<at::Tensor>& ln_bias, double eps, const std::optional<at::Tensor>& out_opt,
-                      int64_t gated, int64_t tile_cols, at::ScalarType io = at::kFloat) {
+                      int64_t gated, int64_t tile_cols, at::ScalarType io = at::kFloat,
+                      const Handoff& handoff = {}) {
   check_device(x, kCpu, "x");
   check_device(packed, kCpu, "packed");
   const char* io_name = io == at::kFloat ? "float32" : "bfloat16";
@@ -450,6 +451,8 @@ at::Tensor run_linear(void (*kernel)(const LinearArgs&, int), const at::Tensor& 
   a.m = m;
   a.n = n;
   a.k = k;
+  a.quantised_x = handoff.in;
+  a.quantise_out = handoff.out;
   const int64_t macs = m * n * k;  // compute-bound: a thread per ~256k multiply-adds at least
   kernel(a, int(std::min<int64_t>(max_threads(), std::max<int64_t>(1, macs >> 18))));
   return out;
@@ -489,12 +492,12 @@ int64_t int8_k_per_step() { return kernels().int8_quad_linear != nullptr ? 4 : 2
 int64_t int8_max_k(bool quads) { return ((int64_t(1) << 31) - 1) / (127 * (quads ? 255 : 127)); }
 
 // W int8 per channel (packed by fastbert.backends.int8: int16 pairs, or int8 quads where int8_k_per_step() is 4),
-// x quantised to int8 per row here: see linear.inc.
+// x quantised to int8 per row here, or by the GEMM before where `handoff` says so (encoder_layers): see linear.inc.
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale,
                        const std::optional<at::Tensor>& bias, const std::optional<std::string>& act,
                        const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& ln_weight,
                        const std::optional<at::Tensor>& ln_bias, double eps, const std::optional<at::Tensor>& out,
-                       int64_t gated) {
+                       int64_t gated, const Handoff& handoff) {
   const int64_t n = w_scale.numel();
   at::Tensor ws = params(w_scale, n, kCpu, "w_scale");
   const bool quads = packed.scalar_type() == at::kChar;
@@ -506,8 +509,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     TORCH_CHECK_VALUE(k.int8_quad_linear != nullptr, "an int8 quad pack needs the VNNI kernels; the ", k.isa,
                       " kernels in use read int16 pairs (see int8_k_per_step())");
     return run_linear(k.int8_quad_linear, x, packed, at::kChar, 4, n, ws.data_ptr<float>(), bias, act, residual,
-                      ln_weight, ln_bias, eps, out, gated, k.tile_cols);
+                      ln_weight, ln_bias, eps, out, gated, k.tile_cols, at::kFloat, handoff);
   }
+  TORCH_CHECK_VALUE(handoff.in.qx == nullptr && handoff.out.qx == nullptr, "quantised rows are handed on between "
+                    "int8 quad GEMMs only");
   return run_linear(k.int8_linear, x, packed, at::kShort, 2, n, ws.data_ptr<float>(), bias, act, residual, ln_weight,
                     ln_bias, eps, out, gated, k.tile_cols);
 }
@@ -562,7 +567,7 @@ at::Tensor onednn_gemm(const at::Tensor& x, const at::Tensor& packed, const at::
 // bias}, the scales empty for an fp32 or bf16 pack (the `gemm` backend) and set for an int8 one (the `int8`
 // backend); an MKLDNN weight is the `onednn` backend's, with its calls' row parts in place of scales and its bias in
 // the GEMM's dtype. fastbert's GEMMs write `out` (oneDNN's return a tensor of their own).
-at::Tensor stack_gemm(const at::Tensor& x, const at::Tensor* w, const at::Tensor& out,
+at::Tensor stack_gemm(const at::Tensor& x, const at::Tensor* w, const at::Tensor& out, const Handoff& handoff,
                       const std::optional<std::string>& act, const std::optional<at::Tensor>& residual = std::nullopt,
                       const std::optional<at::Tensor>& ln_weight = std::nullopt,
                       const std::optional<at::Tensor>& ln_bias = std::nullopt, double eps = 0.0) {
@@ -570,8 +575,25 @@ at::Tensor stack_gemm(const at::Tensor& x, const at::Tensor* w, const at::Tensor
   if (w[0].scalar_type() == at::kBFloat16)
     return bf16_linear(x, w[0], w[2].numel(), w[2], act, residual, ln_weight, ln_bias, eps, out);
   if (w[1].numel() == 0) return fp32_linear(x, w[0], w[2].numel(), w[2], act, residual, ln_weight, ln_bias, eps, out, 0);
-  return int8_linear(x, w[0], w[1], w[2], act, residual, ln_weight, ln_bias, eps, out, 0);
+  return int8_linear(x, w[0], w[1], w[2], act, residual, ln_weight, ln_bias, eps, out, 0, handoff);
 }
+
+// An int8 quad GEMM of encoder_layers (the `int8` backend's pack on VNNI kernels): the only kind that hands on or
+// takes quantised rows
+bool quad_gemm(const at::Tensor* w) { return !w[0].is_mkldnn() && w[0].scalar_type() == at::kChar; }
+
+// Rows quantised by one int8 quad GEMM's LayerNorm for the next one's x: [tokens up to a whole block of 32, K / 4]
+// words, the rows past `tokens` set to the code of 0 once (the AMX GEMM reads whole blocks), and [tokens] scales
+struct QuantisedBuffer {
+  at::Tensor qx, sx;
+  QuantisedBuffer(int64_t tokens, int64_t k) {
+    const int64_t rows = (tokens + 31) / 32 * 32;
+    qx = at::empty({rows, (k + 3) / 4}, at::kInt);
+    qx.narrow(0, tokens, rows - tokens).fill_(int32_t(0x80808080u));  // four u8 128s
+    sx = at::empty({tokens}, at::kFloat);
+  }
+  QuantisedRowsRef ref() const { return {qx.data_ptr<int32_t>(), sx.data_ptr<float>()}; }
+};
 
 // Post-LN encoder layers one after another in one call, for inference: per layer the QKV GEMM, attention, the output
 // projection + residual + LayerNorm, FFN in + activation, FFN out + residual + LayerNorm. The kernels and their order
@@ -606,15 +628,23 @@ at::Tensor encoder_layers(const at::Tensor& x_in, const at::Tensor& cu_seqlens, 
   const auto buffer = [&](int64_t width) { return at::empty({tokens, width}, x_in.options()); };
   const at::Tensor qkv = buffer(3 * hidden), ctx = buffer(hidden), h = buffer(hidden), mid = buffer(inner);
   const at::Tensor outs[2] = {buffer(hidden), buffer(hidden)};
+  // Between int8 quad GEMMs, a LayerNorm's rows go on quantised (LinearArgs): x's to the next QKV, h's to FFN in.
+  const QuantisedBuffer quantised[2] = {{tokens, hidden}, {tokens, hidden}};
+  const size_t layers = weights.size() / kPerLayer;
   at::Tensor x = x_in;
-  for (size_t layer = 0; layer < weights.size() / kPerLayer; ++layer) {
+  QuantisedRowsRef x_rows;  // x quantised for this layer's QKV by the last layer's FFN out, or none
+  for (size_t layer = 0; layer < layers; ++layer) {
     const at::Tensor* w = weights.data() + layer * kPerLayer;
-    const at::Tensor q = stack_gemm(x, w, qkv, std::nullopt).view({tokens, 3, heads, hidden / heads});
+    const at::Tensor q = stack_gemm(x, w, qkv, Handoff{x_rows, {}}, std::nullopt).view({tokens, 3, heads, hidden / heads});
     const at::Tensor c = attention(q, cu_seqlens, max_seqlen, scale, position_bias, std::nullopt, std::nullopt,
                                    std::nullopt, std::nullopt, ctx.view({tokens, heads, hidden / heads}), bf16_products)
                              .view({tokens, hidden});
-    const at::Tensor hs = stack_gemm(c, w + 3, h, std::nullopt, x, w[6], w[7], eps[2 * layer]);
-    x = stack_gemm(stack_gemm(hs, w + 8, mid, act), w + 11, outs[layer % 2], std::nullopt, hs, w[14], w[15],
+    const QuantisedRowsRef h_rows = quad_gemm(w + 3) && quad_gemm(w + 8) ? quantised[1].ref() : QuantisedRowsRef{};
+    const at::Tensor hs = stack_gemm(c, w + 3, h, Handoff{{}, h_rows}, std::nullopt, x, w[6], w[7], eps[2 * layer]);
+    const at::Tensor up = stack_gemm(hs, w + 8, mid, Handoff{h_rows, {}}, act);
+    x_rows = layer + 1 < layers && quad_gemm(w + 11) && quad_gemm(w + kPerLayer) ? quantised[0].ref()
+                                                                                 : QuantisedRowsRef{};
+    x = stack_gemm(up, w + 11, outs[layer % 2], Handoff{{}, x_rows}, std::nullopt, hs, w[14], w[15],
                    eps[2 * layer + 1]);
   }
   return x;
@@ -661,7 +691,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("position_scores") = py::none(), py::arg("position_columns") = py::none(),
         py::arg("rotary") = py::none(), py::arg("window") = py::none(), py::arg("out") = py::none(),
         py::arg("bf16_products") = false, py::call_guard<py::gil_scoped_release>());
-  m.def("int8_linear", &int8_linear,
+  m.def("int8_linear",
+        [](const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale,
+           const std::optional<at::Tensor>& bias, const std::optional<std::string>& act,
+           const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& ln_weight,
+           const std::optional<at::Tensor>& ln_bias, double eps, const std::optional<at::Tensor>& out,
+           int64_t gated) { return int8_linear(x, packed, w_scale, bias, act, residual, ln_weight, ln_bias, eps, out,
+                                               gated, Handoff{}); },
         "act(x @ W^T + bias) or LayerNorm(x @ W^T + bias + residual), W int8 per channel, x int8 per row",
         py::arg("x"), py::arg("packed"), py::arg("w_scale"), py::arg("bias") = py::none(), py::arg("act") = py::none(),
         py::arg("residual") = py::none(), py::arg("ln_weight") = py::none(), py::arg("ln_bias") = py::none(),

@@ -72,6 +72,17 @@ struct AttentionArgs {
 
 // out = act(x @ W^T + bias), or LayerNorm(x @ W^T + bias + residual), W packed in panels (linear.inc). x, the
 // residual and out are fp32, but bf16 for bf16_linear (the `*32` accessors: the fp32 kernels' typed view).
+// x's rows quantised to u8 for an int8 quad GEMM: qx [rows][ceil(K / 4)] words, sx [M] (see LinearArgs)
+struct QuantisedRowsRef {
+  int32_t* qx = nullptr;
+  float* sx = nullptr;
+};
+
+// What an int8 quad GEMM takes quantised from the GEMM before, and what it hands on (encoder_layers; LinearArgs)
+struct Handoff {
+  QuantisedRowsRef in, out;
+};
+
 struct LinearArgs {
   const void* x;              // [M, K], row stride x_stride
   int64_t x_stride;
@@ -92,6 +103,10 @@ struct LinearArgs {
   float eps;
   void* out;                  // [M, N] contiguous
   int64_t m, n, k;
+  // int8 quads only (the layer stack hands a LayerNorm's rows to the next GEMM quantised), else null: x already
+  // quantised as this GEMM would quantise it (qx: u8 rows of ceil(K / 4) words, rows up to a whole block of 32 set to
+  // the code of 0, 128; sx: [M] scales); and, with a residual, where to write the LayerNorm's output rows quantised so
+  QuantisedRowsRef quantised_x, quantise_out;
 
   const float* x32() const { return static_cast<const float*>(x); }
   const float* residual32() const { return static_cast<const float*>(residual); }
