@@ -574,7 +574,8 @@ at::Tensor stack_gemm(const at::Tensor& x, const at::Tensor* w, const at::Tensor
   if (w[0].is_mkldnn()) return onednn_gemm(x, w[0], w[1], w[2], act, residual, ln_weight, ln_bias, eps);
   if (w[0].scalar_type() == at::kBFloat16)
     return bf16_linear(x, w[0], w[2].numel(), w[2], act, residual, ln_weight, ln_bias, eps, out);
-  if (w[1].numel() == 0) return fp32_linear(x, w[0], w[2].numel(), w[2], act, residual, ln_weight, ln_bias, eps, out, 0);
+  if (w[1].numel() == 0)
+    return fp32_linear(x, w[0], w[2].numel(), w[2], act, residual, ln_weight, ln_bias, eps, out, 0);
   return int8_linear(x, w[0], w[1], w[2], act, residual, ln_weight, ln_bias, eps, out, 0, handoff);
 }
 
@@ -635,7 +636,8 @@ at::Tensor encoder_layers(const at::Tensor& x_in, const at::Tensor& cu_seqlens, 
   QuantisedRowsRef x_rows;  // x quantised for this layer's QKV by the last layer's FFN out, or none
   for (size_t layer = 0; layer < layers; ++layer) {
     const at::Tensor* w = weights.data() + layer * kPerLayer;
-    const at::Tensor q = stack_gemm(x, w, qkv, Handoff{x_rows, {}}, std::nullopt).view({tokens, 3, heads, hidden / heads});
+    const at::Tensor q =
+        stack_gemm(x, w, qkv, Handoff{x_rows, {}}, std::nullopt).view({tokens, 3, heads, hidden / heads});
     const at::Tensor c = attention(q, cu_seqlens, max_seqlen, scale, position_bias, std::nullopt, std::nullopt,
                                    std::nullopt, std::nullopt, ctx.view({tokens, heads, hidden / heads}), bf16_products)
                              .view({tokens, hidden});

@@ -70,8 +70,6 @@ struct AttentionArgs {
   void* out;                  // [T, nH, D] contiguous
 };
 
-// out = act(x @ W^T + bias), or LayerNorm(x @ W^T + bias + residual), W packed in panels (linear.inc). x, the
-// residual and out are fp32, but bf16 for bf16_linear (the `*32` accessors: the fp32 kernels' typed view).
 // x's rows quantised to u8 for an int8 quad GEMM: qx [rows][ceil(K / 4)] words, sx [M] (see LinearArgs)
 struct QuantisedRowsRef {
   int32_t* qx = nullptr;
@@ -83,6 +81,8 @@ struct Handoff {
   QuantisedRowsRef in, out;
 };
 
+// out = act(x @ W^T + bias), or LayerNorm(x @ W^T + bias + residual), W packed in panels (linear.inc). x, the
+// residual and out are fp32, but bf16 for bf16_linear (the `*32` accessors: the fp32 kernels' typed view).
 struct LinearArgs {
   const void* x;              // [M, K], row stride x_stride
   int64_t x_stride;
@@ -105,7 +105,8 @@ struct LinearArgs {
   int64_t m, n, k;
   // int8 quads only (the layer stack hands a LayerNorm's rows to the next GEMM quantised), else null: x already
   // quantised as this GEMM would quantise it (qx: u8 rows of ceil(K / 4) words, rows up to a whole block of 32 set to
-  // the code of 0, 128; sx: [M] scales); and, with a residual, where to write the LayerNorm's output rows quantised so
+  // the code of 0, 128; sx: [M] scales); and, with a residual, where to write the LayerNorm's output rows quantised
+  // the same way for the GEMM that reads them next
   QuantisedRowsRef quantised_x, quantise_out;
 
   const float* x32() const { return static_cast<const float*>(x); }
