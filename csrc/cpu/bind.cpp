@@ -405,7 +405,8 @@ at::Tensor run_linear(void (*kernel)(const LinearArgs&, int), const at::Tensor& 
   TORCH_CHECK_VALUE(x.dim() >= 1, "x must be [*, K], got a scalar");
   const int64_t k = x.size(-1);
   const int64_t sum_steps = k_per_step == 4 ? 1 : 0;  // a quad pack's column sums, a step after each panel's k
-  const int64_t expected = (n + 31) / 32 * 32 * ((k + k_per_step - 1) / k_per_step + sum_steps) * k_per_step;
+  const int64_t parts = packed_type == at::kBFloat16 && io == at::kFloat ? 3 : 1;  // bf16x3: three bf16 packs
+  const int64_t expected = (n + 31) / 32 * 32 * ((k + k_per_step - 1) / k_per_step + sum_steps) * k_per_step * parts;
   TORCH_CHECK_VALUE(packed.scalar_type() == packed_type && packed.is_contiguous() && packed.numel() == expected,
                     "packed must be the ", c10::toString(packed_type), " pack of an [", n, ", ", k, "] weight (",
                     expected, " elements), got ", packed.scalar_type(), " with ", packed.numel());
@@ -482,6 +483,21 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                     x.dim() >= 1 ? x.size(-1) : 0);
   return run_linear(k.bf16_linear, x, packed, at::kBFloat16, 2, n, nullptr, bias, act, residual, ln_weight, ln_bias,
                     eps, out, 0, k.tile_cols, at::kBFloat16);
+}
+
+// fp32 x, fp32 W as three bf16 parts packed by fastbert.backends.gemm, on AMX tiles: see amx_bf16x3_linear.inc.
+at::Tensor bf16x3_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::optional<at::Tensor>& bias,
+                         const std::optional<std::string>& act, const std::optional<at::Tensor>& residual,
+                         const std::optional<at::Tensor>& ln_weight, const std::optional<at::Tensor>& ln_bias,
+                         double eps, const std::optional<at::Tensor>& out) {
+  TORCH_CHECK_VALUE(n >= 0, "n must be >= 0, got ", n);
+  const KernelTable& k = kernels();
+  TORCH_CHECK_VALUE(k.bf16x3_linear != nullptr, "bf16x3_linear needs AMX bf16 tiles; the ", k.isa,
+                    " kernels in use have none (see has_bf16_linear())");
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) % 32 == 0, "bf16x3_linear takes K in whole tile steps of 32, got ",
+                    x.dim() >= 1 ? x.size(-1) : 0);
+  return run_linear(k.bf16x3_linear, x, packed, at::kBFloat16, 2, n, nullptr, bias, act, residual, ln_weight, ln_bias,
+                    eps, out, 0, k.tile_cols);
 }
 
 // k values per step of the int8 pack the kernels in use read fastest: 4 (int8 quads, u8 x s8 on VNNI) or 2 (pairs).
@@ -572,6 +588,8 @@ at::Tensor stack_gemm(const at::Tensor& x, const at::Tensor* w, const at::Tensor
                       const std::optional<at::Tensor>& ln_weight = std::nullopt,
                       const std::optional<at::Tensor>& ln_bias = std::nullopt, double eps = 0.0) {
   if (w[0].is_mkldnn()) return onednn_gemm(x, w[0], w[1], w[2], act, residual, ln_weight, ln_bias, eps);
+  if (w[0].scalar_type() == at::kBFloat16 && x.scalar_type() == at::kFloat)
+    return bf16x3_linear(x, w[0], w[2].numel(), w[2], act, residual, ln_weight, ln_bias, eps, out);
   if (w[0].scalar_type() == at::kBFloat16)
     return bf16_linear(x, w[0], w[2].numel(), w[2], act, residual, ln_weight, ln_bias, eps, out);
   if (w[1].numel() == 0)
@@ -715,6 +733,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear", &bf16_linear,
         "act(x @ W^T + bias) or LayerNorm(x @ W^T + bias + residual) in bf16 on AMX tiles (fp32 sums and epilogue), "
         "W bf16 packed in panels of 16 columns and k pairs, K a multiple of 32",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), py::arg("act") = py::none(),
+        py::arg("residual") = py::none(), py::arg("ln_weight") = py::none(), py::arg("ln_bias") = py::none(),
+        py::arg("eps") = 1e-12, py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("bf16x3_linear", &bf16x3_linear,
+        "act(x @ W^T + bias) or LayerNorm(x @ W^T + bias + residual) in fp32 on AMX bf16 tiles: x and W split into "
+        "three bf16 parts each, six products summed in fp32; W packed as three bf16 packs per panel, K a multiple of 32",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), py::arg("act") = py::none(),
         py::arg("residual") = py::none(), py::arg("ln_weight") = py::none(), py::arg("ln_bias") = py::none(),
         py::arg("eps") = 1e-12, py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());

@@ -1,7 +1,8 @@
 // CPU kernels compiled for the avx512bf16 set plus AMX tiles (Sapphire Rapids, Emerald Rapids, Granite Rapids): the
 // int8 quad GEMM runs on tdpbusd where K is whole tiles (amx_linear.inc), the bf16 GEMM on tdpbf16ps
-// (amx_bf16_linear.inc), bf16 attention and an int8 model's fp32 attention on tdpbf16ps where the head dim allows
-// (attention.inc), everything else as in avx512bf16. bind.cpp prefers this table when the CPU has AMX-TILE, AMX-INT8
+// (amx_bf16_linear.inc), fp32 as three bf16 parts on the same tiles (amx_bf16x3_linear.inc), bf16 attention and an
+// int8 model's fp32 attention on tdpbf16ps where the head dim allows (attention.inc), everything else as in
+// avx512bf16. bind.cpp prefers this table when the CPU has AMX-TILE, AMX-INT8
 // and AMX-BF16 and the kernel grants this process the tile state.
 #include <algorithm>
 #include <cmath>
@@ -9,6 +10,7 @@
 #include <cstring>
 #include <memory>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kernels.h"

@@ -83,6 +83,7 @@ struct Handoff {
 
 // out = act(x @ W^T + bias), or LayerNorm(x @ W^T + bias + residual), W packed in panels (linear.inc). x, the
 // residual and out are fp32, but bf16 for bf16_linear (the `*32` accessors: the fp32 kernels' typed view).
+// bf16x3_linear's W is three bf16 packs of bf16_linear's layout, [ceil(N / 32) * 2][3][K / 2][16][2].
 struct LinearArgs {
   const void* x;              // [M, K], row stride x_stride
   int64_t x_stride;
@@ -124,6 +125,7 @@ struct KernelTable {
   void (*int8_linear)(const LinearArgs&, int threads);
   void (*int8_quad_linear)(const LinearArgs&, int threads);  // null where the ISA has no u8 x s8 dot product (VNNI)
   void (*bf16_linear)(const LinearArgs&, int threads);       // null where the ISA has no AMX bf16 tiles
+  void (*bf16x3_linear)(const LinearArgs&, int threads);     // fp32 on AMX bf16 tiles; null without them
   void (*gated_act)(const RowsArgs&, DType, int threads);
   int64_t tile_cols;          // output columns per GEMM tile: a gated weight interleaves groups of half of it
 };
