@@ -2,13 +2,14 @@
 
 FASTBERT_BUILD_NATIVE=1 builds `fastbert._native_cpu` (C++/OpenMP, csrc/cpu); FASTBERT_BUILD_CUDA=1 also builds
 `fastbert._native_cuda` (csrc/cuda, needs torch with CUDA). MAX_JOBS bounds parallel compile jobs. Each build writes
-`_build_info.json` beside the extensions (compiler, flags, torch version, ISAs, C++ runtime), which the native backend
-checks. Each extension must link the C++ runtime dynamically, as torch does: a kernel's C++ exception (TORCH_CHECK_*)
-crosses into torch's libraries, and with a static copy of libstdc++ (a wrapper compiler in CC/CXX that adds
--static-libstdc++) it reaches Python garbled or kills the process. A build that would not is refused.
+`_build_info.json` beside the extensions (a digest of csrc/, compiler, flags, torch version, ISAs, C++ runtime), which
+the native backend checks. Each extension must link the C++ runtime dynamically, as torch does: a kernel's C++
+exception (TORCH_CHECK_*) crosses into torch's libraries, and with a static copy of libstdc++ (a wrapper compiler in
+CC/CXX that adds -static-libstdc++) it reaches Python garbled or kills the process. A build that would not is refused.
 """
 
 import glob
+import hashlib
 import json
 import os
 import platform
@@ -89,7 +90,12 @@ def native_build() -> dict:
                         f"{torch_runtime}: a kernel's C++ exception would crash the process; the compiler "
                         f"{os.environ.get('CXX') or self.compiler.compiler_so[0]} must link it dynamically"
                     )
+            sources = hashlib.sha1()  # every kernel source: a changed kernel is a new build, its GEMMs timed again
+            for file in sorted(glob.glob("csrc/**/*", recursive=True)):
+                if os.path.isfile(file):
+                    sources.update(file.encode() + b"\0" + open(file, "rb").read())
             self.build_info = {
+                "sources": sources.hexdigest()[:16],
                 "torch": torch.__version__,
                 "torch_cuda": torch.version.cuda,
                 "machine": platform.machine(),

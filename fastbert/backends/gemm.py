@@ -5,6 +5,11 @@ products of its outputs), bias + residual + LayerNorm for the output projections
 amx_bf16_linear.inc). Weights are packed once into panels of 16 columns (bf16: of k pairs) and cached until they
 change.
 
+fp32 on AMX tiles (`bf16x3_linear`, amx_bf16x3_linear.inc): where the kernels have AMX bf16 tiles, an fp32 GEMM
+whose K is a multiple of 32 splits x and W into three bf16 parts each and sums the six products that reach fp32's
+rounding, with fp32's accuracy (its error against an fp64 reference is at most torch fp32's own, tests/
+test_bf16x3_gemm.py) at 1.4-2x the FMA kernel's speed. `FASTBERT_CPU_FP32=fma` keeps fp32 GEMMs on vector FMA.
+
 Why its own kernel: at the encoder's shapes (a few hundred rows of K = 384..3072) torch's MKL GEMM and oneDNN leave
 15-30% of a core's FMA throughput idle, more at small M, and neither fuses LayerNorm; this tile reaches about 85% of
 the FMA peak on AVX2 (`python -m benchmarks.bench_gemm`). In bf16 on AMX, a layer's weights come from L3 or memory
@@ -19,6 +24,7 @@ serve the int8 backend, whose kernel shares the fp32 one's tiling and epilogue.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 
@@ -33,6 +39,8 @@ PANEL = 16  # output columns per packed panel
 PANEL_COLUMNS = 32  # the pack pads N to a multiple of this (the widest tile, AVX-512's 32 columns)
 NO_SCALES = torch.empty(0)  # an fp32 pack's per-channel scales, for `operands`
 _TIE_MARGIN = 1.0  # its epilogues are in both timings: faster outright, or the other path keeps the call
+FP32_ENV = "FASTBERT_CPU_FP32"
+FP32_MODES = ("auto", "bf16x3", "fma")
 
 _packs = WeightCache()  # (weight) -> packed fp32 panels
 # (N, K, act, epilogue (_EPILOGUES), size class) -> (gemm wins, why)
@@ -75,10 +83,51 @@ def packed(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Te
     return _packs.get(weight, (dtype,), (), lambda: pack_panels(weight.detach().to(dtype), step))
 
 
+def bf16_parts(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 values as three bf16 parts, v ~ v0 + v1 + v2 to fp32's 24 bits (each part the rounded remainder of the
+    ones before); an infinite or NaN v0 has zero lower parts."""
+    v = values.float()
+    v0 = v.bfloat16()
+    rest = torch.where(v0.float().isfinite(), v - v0.float(), 0.0)
+    v1 = rest.bfloat16()
+    return v0, v1, (rest - v1.float()).bfloat16()
+
+
+def pack_bf16x3(weight: torch.Tensor) -> torch.Tensor:
+    """An [N, K] fp32 weight as `bf16x3_linear` reads it: [ceil(N / 32) * 2, 3, K / 2, 16, 2] bf16, each panel's three
+    parts (bf16_parts) one after another, each a bf16 pack's panel."""
+    return torch.stack([pack_panels(part, 2) for part in bf16_parts(weight.detach())], 1).contiguous()
+
+
+def fp32_mode() -> str:
+    """How fastbert's fp32 GEMMs multiply here: "bf16x3" (AMX bf16 tiles, three bf16 parts an operand) where the
+    kernels have AMX bf16 tiles, else "fma"; FASTBERT_CPU_FP32=fma asks for vector FMA anywhere. A value that is
+    not a mode is a ValueError listing them."""
+    asked = os.environ.get(FP32_ENV, "auto")
+    if asked not in FP32_MODES:
+        raise ValueError(f"{FP32_ENV}={asked!r} is not one of {', '.join(FP32_MODES)}")
+    cpu, _ = native.load("_native_cpu")
+    has_tiles = cpu is not None and hasattr(cpu, "bf16x3_linear") and cpu.has_bf16_linear()
+    return "bf16x3" if asked != "fma" and has_tiles else "fma"
+
+
+def fp32_kernel(k: int) -> str:
+    """The kernel an fp32 GEMM over K takes: "bf16x3" where fp32_mode() says so and K is whole tile steps of 32,
+    else "fma"."""
+    return "bf16x3" if k % 32 == 0 and fp32_mode() == "bf16x3" else "fma"
+
+
+def fp32_pack(weight: torch.Tensor) -> torch.Tensor:
+    """The cached pack of an fp32 weight for the kernel its K takes (fp32_kernel): bf16x3 parts or fp32 panels."""
+    if fp32_kernel(weight.shape[1]) == "bf16x3":
+        return _packs.get(weight, ("bf16x3",), (), lambda: pack_bf16x3(weight))
+    return packed(weight)
+
+
 def operands(weight: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A GEMM as the native `encoder_layers` takes it (fastbert.execution.stack): (packed panels in the weight's
-    dtype, bf16 or fp32, no scales, bias)."""
-    return packed(weight, torch.bfloat16 if weight.dtype == torch.bfloat16 else torch.float32), NO_SCALES, bias
+    """A GEMM as the native `encoder_layers` takes it (fastbert.execution.stack): (packed panels, bf16 for a bf16
+    weight, bf16x3 parts or fp32 for an fp32 one (fp32_pack); no scales; bias)."""
+    return packed(weight, torch.bfloat16) if weight.dtype == torch.bfloat16 else fp32_pack(weight), NO_SCALES, bias
 
 
 def bf16_refusal(op: str, call: dict) -> str | None:
@@ -106,7 +155,9 @@ def linear(
     cpu, _ = native.load("_native_cpu")
     if x.dtype == torch.bfloat16:
         return cpu.bf16_linear(x, packed(weight, torch.bfloat16), weight.shape[0], bias, act)
-    return cpu.fp32_linear(x, packed(weight), weight.shape[0], bias, act)
+    pack = fp32_pack(weight)
+    run = cpu.bf16x3_linear if pack.dtype == torch.bfloat16 else cpu.fp32_linear
+    return run(x, pack, weight.shape[0], bias, act)
 
 
 def gate_group() -> int:
@@ -195,7 +246,9 @@ def dense_residual_layernorm(
     if x.dtype == torch.bfloat16:
         return cpu.bf16_linear(x, packed(weight, torch.bfloat16), weight.shape[0], bias, None, residual, ln_weight,
                                ln_bias, eps)  # fmt: skip
-    return cpu.fp32_linear(x, packed(weight), weight.shape[0], bias, None, residual, ln_weight, ln_bias, eps)
+    pack = fp32_pack(weight)
+    run = cpu.bf16x3_linear if pack.dtype == torch.bfloat16 else cpu.fp32_linear
+    return run(x, pack, weight.shape[0], bias, None, residual, ln_weight, ln_bias, eps)
 
 
 # a verdict key's epilogue part: False (bias and activation), True (residual + LayerNorm), "gated" (act * up); a
@@ -263,13 +316,16 @@ def judge(
     other: Callable[..., torch.Tensor],
     names: tuple[str, str],
     margin: float,
+    kernel: str | None = None,
 ) -> tuple[bool, str]:
     """`mine` against `other` (the path that runs without it) on this call, per (weight shape, epilogue, size class):
     the fp32 and int8 GEMM backends' first-use verdict, checked again while provisional (timing.judge). `names`:
-    (mine, other) in words."""
+    (mine, other) in words; `kernel`: which of its kernels `mine` runs, where that varies (a verdict per kernel)."""
     x, weight = call["x"], call["weight"]
     rows = x.numel() // x.shape[-1]
     dtype = str(x.dtype).removeprefix("torch.")
+    if kernel is not None:
+        dtype += f" on {kernel}"
     key = (*weight.shape, call.get("act"), _EPILOGUES.get(op, False), timing.size_class(rows), dtype)
     verdict = verdicts.get(key)
     if verdict is not None and getattr(verdict, "evidence", None) is None:  # settled: no words to build
@@ -297,8 +353,11 @@ def _refuses(op: str, call: dict, forced: bool) -> str | None:
         return f"FASTBERT_CPU_GEMM={mode}"
     mine = {"linear": linear, "dense_residual_layernorm": dense_residual_layernorm, "gated_linear": gated_linear}[op]
     forced = forced or mode == "gemm"
+    x = call["x"]
+    kernel = fp32_kernel(x.shape[-1]) if x.dtype == torch.float32 and op != "gated_linear" else None
     return refuses_call(
-        call, forced, op, lambda: judge(_verdicts, op, call, mine, fallback[op], ("gemm", "oneDNN/torch"), _TIE_MARGIN),
+        call, forced, op,
+        lambda: judge(_verdicts, op, call, mine, fallback[op], ("gemm", "oneDNN/torch"), _TIE_MARGIN, kernel),
         bf16_refusal,
     )  # fmt: skip
 
@@ -316,8 +375,14 @@ def describe() -> str | None:
     cpu, _ = native.load("_native_cpu")
     bf16 = ("bf16 on AMX tiles (tdpbf16ps: 16 x 16 fp32 sums of 32 bf16 products each) where K is a multiple of 32"
             if getattr(cpu, "has_bf16_linear", bool)() else "no bf16 (no AMX tiles here: bf16 GEMMs run on oneDNN)")
+    if fp32_mode() == "bf16x3":
+        fp32 = ("fp32 on AMX bf16 tiles where K is a multiple of 32 (bf16x3: each operand as three bf16 parts, six "
+                f"products summed in fp32, fp32's accuracy; {FP32_ENV}=fma for vector FMA), else on vector FMA tiles")
+    else:
+        why = f"{FP32_ENV}=fma" if os.environ.get(FP32_ENV) == "fma" else "no AMX bf16 tiles here"
+        fp32 = f"fp32 on vector FMA tiles ({why})"
     judged = summary(_verdicts, "GEMMs on fastbert's kernels", "the rest run on oneDNN or torch, measured faster")
-    return f"fastbert's GEMMs: fp32 on vector FMA tiles; {bf16}" + (f"\n{judged}" if judged else "")
+    return f"fastbert's GEMMs: {fp32}; {bf16}" + (f"\n{judged}" if judged else "")
 
 
 SPEC = Backend(
