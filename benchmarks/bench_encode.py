@@ -27,7 +27,8 @@ MPNet has no token types: its plain export has no token_type_ids input and its r
 the inputs the graph has; the fastbert export is of fastbert's own MPNetModel, whose Session is given no token types.
 
 The bound: this workload's useful FLOPs (per sentence of s real tokens: s * (2 * encoder_params + 4 * layers * s *
-hidden)) at the fp32 FMA peak measured in the same run (what the silicon can do; the best large matmul where the native
+hidden)) at the fp32 arithmetic peak measured in the same run (what the silicon can do: the FMAs', or where fastbert's
+fp32 GEMMs run as bf16x3 on AMX tiles, a sixth of the tiles' if higher; the best large matmul where the native
 extension is not built), and at the int8 kernel's rate on a large GEMM.
 Results: benchmarks/results/encode_cpu-<cpu kind>.{json,md,png} for MiniLM, encode_cpu-<cpu kind>-mpnet.* for MPNet.
 """
@@ -367,7 +368,8 @@ def markdown(doc: dict) -> str:
         system = r["system"] + (f" ({r['note']})" if r.get("note") else "")
         lines.append(f"| {system} | {r['sentences_per_s']:,.0f} | {ratio} | {r['spearman']:.2f} | {cos} |")
     lines += ["", "Bound for this workload (its useful FLOPs at the peak rate measured in this run): fp32 "
-              + (f"{bounds['fp32']:,.0f}" if bounds.get("fp32") else "n/a") + " sentences/s (the FMA peak); int8 "
+              + (f"{bounds['fp32']:,.0f}" if bounds.get("fp32") else "n/a") + " sentences/s (the fp32 arithmetic peak: "
+              "FMAs, or a sixth of the AMX bf16 tiles' where fp32 GEMMs run as bf16x3); int8 "
               + (f"{bounds['int8']:,.0f}" if bounds.get("int8") else "n/a") + " sentences/s (fastbert's int8 kernel "
               "on a 2048^3 GEMM)."]  # fmt: skip
     return "\n".join(lines) + "\n"

@@ -1,6 +1,7 @@
 """The encoder's GEMMs with their epilogues, side by side in one run: fastbert's fp32 kernel (the `gemm` backend),
 oneDNN with a prepacked weight, torch (F.linear, then the epilogue), and fastbert's int8 kernel for scale (on VNNI
-kernels also as int16 pairs, the pack it reads without VNNI: what the u8 x s8 quads gain).
+kernels also as int16 pairs, the pack it reads without VNNI: what the u8 x s8 quads gain). Where fastbert's fp32
+GEMMs run as bf16x3 on AMX tiles (gemm.fp32_mode()), its vector FMA kernel is a column of its own.
 
 Per layer of a BERT encoder with hidden size H on M tokens: QKV [M, H] x [H, 3H]; attention output [M, H] x [H, H]
 + residual + LayerNorm; FFN in [M, H] x [H, 4H] + GELU; FFN out [M, 4H] x [4H, H] + residual + LayerNorm; and a gated
@@ -9,7 +10,8 @@ half) * second half, which the unfused systems write out whole and then combine.
 FLOPs = 2 M N K (the epilogues' few per output are not counted); bytes at least 4 (M K + N K + M N) for fp32 (and
 4 M N more for a residual), so at these sizes every GEMM is compute-bound (>= 40 FLOPs per byte): the roof is the FMA
 peak measured in the same run (`arithmetic_peak`, before and after the GEMMs, the higher kept; on a shared machine the
-share of it can still read above 100% when the neighbours were busier during the peak than during a GEMM).
+share of it can still read above 100% when the neighbours were busier during the peak than during a GEMM); with
+bf16x3, a sixth of the AMX bf16 tiles' peak where that is higher (six bf16 products per fp32 one).
 Timing: the systems' calls interleaved for --budget seconds per shape, fastest call kept (bench_native's rule).
 
     python -m benchmarks.bench_gemm                      # MiniLM (H 384) and BERT-base (H 768) shapes
@@ -36,6 +38,7 @@ from fastbert.backends import gemm, int8, native, onednn
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SYSTEMS = ("fastbert gemm", "oneDNN", "torch", "fastbert int8")
 PAIRS = "fastbert int8 (int16 pairs)"  # on VNNI kernels only: the same int8 GEMM on the pack read without VNNI
+FMA = "fastbert gemm (FMA)"  # where fp32 GEMMs run as bf16x3: the vector FMA kernel they would run otherwise
 
 
 def layers(hidden: int) -> list[tuple[str, int, int, str | None]]:
@@ -52,6 +55,7 @@ def system_calls(m: int, k: int, n: int, epilogue: str | None) -> dict[str, Call
     cpu, _ = native.load("_native_cpu")
     values, scale = int8.quantize_rows(w)
     pairs, scale = gemm.pack_panels(values.to(torch.int16), 2), scale[:, 0].contiguous()
+    fma = gemm.pack_panels(w, 1)
     if epilogue == "layernorm":
         res, lw, lb = torch.randn(m, n, generator=g), torch.ones(n), torch.zeros(n)
         ln = (res, lw, lb, 1e-12)
@@ -61,6 +65,7 @@ def system_calls(m: int, k: int, n: int, epilogue: str | None) -> dict[str, Call
             "torch": lambda: F.layer_norm(F.linear(x, w, b) + res, (n,), lw, lb, 1e-12),
             "fastbert int8": lambda: int8.dense_residual_layernorm(x, w, b, *ln),
             PAIRS: lambda: cpu.int8_linear(x, pairs, scale, b, None, *ln),
+            FMA: lambda: cpu.fp32_linear(x, fma, n, b, None, *ln),
         }
     elif epilogue == "gated":  # ModernBERT's Wi: [2I, H] stacked, GELU(first half) * second half
         group = gemm.gate_group()
@@ -73,6 +78,7 @@ def system_calls(m: int, k: int, n: int, epilogue: str | None) -> dict[str, Call
             "torch": lambda: _gelu_times_up(F.linear(x, w)),
             "fastbert int8": lambda: int8.gated_linear(x, w, None, None, None, "gelu"),
             PAIRS: lambda: cpu.int8_linear(x, pairs, scale, None, "gelu", gated=group),
+            FMA: lambda: gemm.gated_linear(x, w, None, None, None, "gelu"),  # gated GEMMs run on FMA tiles anyway
         }
     else:
         act = (lambda t: F.gelu(t)) if epilogue == "gelu" else (lambda t: t)
@@ -82,6 +88,7 @@ def system_calls(m: int, k: int, n: int, epilogue: str | None) -> dict[str, Call
             "torch": lambda: act(F.linear(x, w, b)),
             "fastbert int8": lambda: int8.linear(x, w, b, epilogue),
             PAIRS: lambda: cpu.int8_linear(x, pairs, scale, b, epilogue),
+            FMA: lambda: cpu.fp32_linear(x, fma, n, b, epilogue),
         }
     return {name: call for name, call in calls.items() if name in systems()}
 
@@ -93,13 +100,16 @@ def _gelu_times_up(y: torch.Tensor) -> torch.Tensor:
 
 
 def systems() -> tuple[str, ...]:
-    """The columns of this run: the int16-pair int8 GEMM only where the kernels in use read quads (VNNI)."""
-    return SYSTEMS + ((PAIRS,) if int8.k_per_step() == 4 else ())
+    """The columns of this run: the int16-pair int8 GEMM only where the kernels in use read quads (VNNI), the FMA fp32
+    GEMM only where fp32 GEMMs run as bf16x3."""
+    return SYSTEMS + ((PAIRS,) if int8.k_per_step() == 4 else ()) + ((FMA,) if gemm.fp32_mode() == "bf16x3" else ())
 
 
 def run(hiddens: list[int], rows: list[int], budget: float) -> dict:
     cpu, _ = native.load("_native_cpu")
+    tiles = gemm.fp32_mode() == "bf16x3"
     peaks = [cpu.arithmetic_peak("fp32", 0.5)]  # measured before and after the GEMMs: the higher is the roof
+    tile_peaks = [cpu.arithmetic_peak("amx_bf16", 0.5) if tiles else None]
     results = []
     for hidden in hiddens:
         for m in rows:
@@ -114,26 +124,41 @@ def run(hiddens: list[int], rows: list[int], budget: float) -> dict:
                                 "gflops": gflops})  # fmt: skip
                 print(f"H {hidden} M {m} {name}: " + ", ".join(f"{s} {v:.0f}" for s, v in gflops.items()), flush=True)
     peaks.append(cpu.arithmetic_peak("fp32", 0.5))
-    peak = max((p for p in peaks if p), default=None)
+    tile_peaks.append(cpu.arithmetic_peak("amx_bf16", 0.5) if tiles else None)
+    peak, tile_peak = (max((p for p in ps if p), default=None) for ps in (peaks, tile_peaks))
     return {
         **model_report.cpu_run(),
         "fma_peak_gflops": peak / 1e9 if peak else None,
+        "bf16x3_peak_gflops": tile_peak / 6 / 1e9 if tile_peak else None,  # six bf16 tile products an fp32 one
         "systems": list(systems()),
         "results": results,
     }
 
 
+def roof(doc: dict) -> tuple[float | None, str]:
+    """The fp32 roof of a run and its name: the FMA peak, or a sixth of the AMX bf16 peak where fastbert's fp32 GEMMs
+    ran as bf16x3 and that is higher."""
+    fma, tiles = doc["fma_peak_gflops"], doc.get("bf16x3_peak_gflops")
+    if tiles and (not fma or tiles > fma):
+        return tiles, "bf16x3 peak (AMX bf16 / 6)"
+    return fma, "fp32 FMA peak"
+
+
 def markdown(doc: dict) -> str:
-    peak, names = doc["fma_peak_gflops"], doc.get("systems", SYSTEMS)
+    (peak, label), names = roof(doc), doc.get("systems", SYSTEMS)
+    fma, tiles = doc["fma_peak_gflops"], doc.get("bf16x3_peak_gflops")
+    peaks = f"FMA peak {fma:.0f} GFLOP/s" if fma else "FMA peak n/a"
     lines = [
         "# The encoder's GEMMs with their epilogues (fp32; int8 for scale)",
         "",
         f"{doc['device']}, CPU kind {doc['cpu_kind']}, {doc['threads']} threads; commit {doc['commit']}; "
-        f"{doc['date_utc']}; load average {', '.join(f'{x:.2f}' for x in doc['load_average'])}; FMA peak "
-        + (f"{peak:.0f} GFLOP/s" if peak else "n/a"),
+        f"{doc['date_utc']}; load average {', '.join(f'{x:.2f}' for x in doc['load_average'])}; {peaks}"
+        + (f"; bf16x3 peak (AMX bf16 / 6) {tiles:.0f} GFLOP/s" if tiles else ""),
         "",
         *((f"**{warning}**", "") if (warning := model_report.load_warning(doc)) else ()),
-        "GFLOP/s (2 M N K per second; int8: multiply-adds x 2), and fastbert gemm's share of the FMA peak.",
+        f"GFLOP/s (2 M N K per second; int8: multiply-adds x 2), and fastbert gemm's share of the {label}."
+        + (" fastbert gemm runs fp32 as bf16x3 on AMX tiles where K is a multiple of 32; fastbert gemm (FMA) is its "
+           "vector FMA kernel." if FMA in names else ""),
         "",
         "| H | M | layer | " + " | ".join(names) + " | gemm / oneDNN | gemm / torch | gemm % of peak |",
         "|---:|---:|---|" + "---:|" * (len(names) + 3),
@@ -152,7 +177,7 @@ def plot(doc: dict, path: str) -> bool:
     title = (f"Encoder GEMMs with their epilogues (int8: GOP/s, its own roof), {doc['device']} "
                  f"({doc['cpu_kind']})" + (f"\n{warning}" if warning else ""))
     doc = {**doc, "systems": doc.get("systems", SYSTEMS)}  # files written before the int16-pair column
-    return gemm_bars(doc, doc["fma_peak_gflops"], "fp32 FMA peak", title, path)
+    return gemm_bars(doc, *roof(doc), title, path)
 
 
 def main(argv: list[str] | None = None) -> int:

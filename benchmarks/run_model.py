@@ -312,15 +312,22 @@ def measure_peak(device: torch.device, dtype: torch.dtype) -> float:
 
 def measure_arithmetic_peak(device: torch.device, dtype_name: str) -> float | None:
     """FLOP/s of FMAs (fp32) or bf16 dot products from registers on every thread: what the silicon can do, the
-    ceiling of any GEMM. CPU only, from the native extension; None where it is not built or lacks the instruction."""
+    ceiling of any GEMM. fp32 where fastbert runs it as bf16x3 on AMX tiles: the higher of the FMAs' and a sixth of
+    the tiles' (six bf16 products per fp32 one). CPU only, from the native extension; None where it is not built or
+    lacks the instruction."""
     if device.type != "cpu" or dtype_name not in ("fp32", "bf16"):
         return None
-    from fastbert.backends import native
+    from fastbert.backends import gemm, native
 
     if dtype_name == "bf16" and capabilities.bf16_via_fp32(device):
         dtype_name = "fp32"  # bf16 runs on fp32 FMAs here
     module, _ = native.load("_native_cpu")
-    return module.arithmetic_peak(dtype_name) if module is not None else None
+    if module is None:
+        return None
+    peak = module.arithmetic_peak(dtype_name)
+    if dtype_name == "fp32" and gemm.fp32_mode() == "bf16x3" and (tiles := module.arithmetic_peak("amx_bf16")):
+        peak = max(peak or 0.0, tiles / 6)
+    return peak
 
 
 def dtype_label(device: torch.device, dtype_name: str) -> str:
