@@ -353,13 +353,13 @@ def _refuses(op: str, call: dict, forced: bool) -> str | None:
         return f"FASTBERT_CPU_GEMM={mode}"
     mine = {"linear": linear, "dense_residual_layernorm": dense_residual_layernorm, "gated_linear": gated_linear}[op]
     forced = forced or mode == "gemm"
-    x = call["x"]
-    kernel = fp32_kernel(x.shape[-1]) if x.dtype == torch.float32 and op != "gated_linear" else None
-    return refuses_call(
-        call, forced, op,
-        lambda: judge(_verdicts, op, call, mine, fallback[op], ("gemm", "oneDNN/torch"), _TIE_MARGIN, kernel),
-        bf16_refusal,
-    )  # fmt: skip
+
+    def verdict() -> tuple[bool, str]:
+        x = call["x"]
+        kernel = fp32_kernel(x.shape[-1]) if x.dtype == torch.float32 and op != "gated_linear" else None
+        return judge(_verdicts, op, call, mine, fallback[op], ("gemm", "oneDNN/torch"), _TIE_MARGIN, kernel)
+
+    return refuses_call(call, forced, op, verdict, bf16_refusal)
 
 
 def verdicts() -> dict[tuple, tuple[bool, str]]:
