@@ -93,6 +93,8 @@ def test_bad_kernel_arguments_raise(amx) -> None:
         amx.bf16_linear(torch.randn(4, 64), p, 8)
     with pytest.raises(ValueError, match="32"):
         amx.bf16_linear(torch.randn(4, 48).bfloat16(), gemm.pack_panels(torch.randn(8, 48).bfloat16(), 2), 8)
+    with pytest.raises(ValueError, match="at least one"):  # K = 0 divided by zero in the job plan
+        amx.bf16_linear(torch.randn(4, 0).bfloat16(), gemm.pack_panels(torch.randn(8, 0).bfloat16(), 2), 8)
     with pytest.raises(ValueError, match="pack"):
         amx.bf16_linear(torch.randn(4, 64).bfloat16(), gemm.pack_panels(torch.randn(8, 64), 1), 8)  # an fp32 pack
     with pytest.raises(ValueError, match="residual"):

@@ -138,6 +138,8 @@ def test_bad_kernel_arguments_raise(amx) -> None:
         amx.bf16x3_linear(torch.randn(4, 64).bfloat16(), p, 8)
     with pytest.raises(ValueError, match="32"):
         amx.bf16x3_linear(torch.randn(4, 48), gemm.pack_bf16x3(torch.randn(8, 48)), 8)
+    with pytest.raises(ValueError, match="at least one"):  # K = 0: no chunk to cut (it divided by zero)
+        amx.bf16x3_linear(torch.randn(4, 0), gemm.pack_bf16x3(torch.randn(8, 0)), 8)
     with pytest.raises(ValueError, match="pack"):
         amx.bf16x3_linear(torch.randn(4, 64), gemm.pack_panels(torch.randn(8, 64).bfloat16(), 2), 8)  # one part
     with pytest.raises(ValueError, match="pack"):

@@ -479,7 +479,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   const KernelTable& k = kernels();
   TORCH_CHECK_VALUE(k.bf16_linear != nullptr, "bf16_linear needs AMX bf16 tiles; the ", k.isa,
                     " kernels in use have none (see has_bf16_linear())");
-  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) % 32 == 0, "bf16_linear takes K in whole tile steps of 32, got ",
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) > 0 && x.size(-1) % 32 == 0,
+                    "bf16_linear takes K in whole tile steps of 32 (at least one), got ",
                     x.dim() >= 1 ? x.size(-1) : 0);
   return run_linear(k.bf16_linear, x, packed, at::kBFloat16, 2, n, nullptr, bias, act, residual, ln_weight, ln_bias,
                     eps, out, 0, k.tile_cols, at::kBFloat16);
@@ -494,7 +495,8 @@ at::Tensor bf16x3_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const KernelTable& k = kernels();
   TORCH_CHECK_VALUE(k.bf16x3_linear != nullptr, "bf16x3_linear needs AMX bf16 tiles; the ", k.isa,
                     " kernels in use have none (see has_bf16_linear())");
-  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) % 32 == 0, "bf16x3_linear takes K in whole tile steps of 32, got ",
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) > 0 && x.size(-1) % 32 == 0,
+                    "bf16x3_linear takes K in whole tile steps of 32 (at least one), got ",
                     x.dim() >= 1 ? x.size(-1) : 0);
   return run_linear(k.bf16x3_linear, x, packed, at::kBFloat16, 2, n, nullptr, bias, act, residual, ln_weight, ln_bias,
                     eps, out, 0, k.tile_cols);
