@@ -91,9 +91,10 @@ def native_build() -> dict:
                         f"{os.environ.get('CXX') or self.compiler.compiler_so[0]} must link it dynamically"
                     )
             sources = hashlib.sha1()  # every kernel source: a changed kernel is a new build, its GEMMs timed again
-            for file in sorted(glob.glob("csrc/**/*", recursive=True)):
+            root = os.path.dirname(os.path.abspath(__file__))
+            for file in sorted(glob.glob(os.path.join(root, "csrc", "**", "*"), recursive=True)):
                 if os.path.isfile(file):
-                    sources.update(file.encode() + b"\0" + open(file, "rb").read())
+                    sources.update(os.path.relpath(file, root).encode() + b"\0" + open(file, "rb").read())
             self.build_info = {
                 "sources": sources.hexdigest()[:16],
                 "torch": torch.__version__,

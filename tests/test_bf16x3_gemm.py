@@ -26,13 +26,15 @@ AMX = EXT is not None and hasattr(EXT, "bf16x3_linear") and "avx512amx" in EXT.r
 pytestmark = pytest.mark.skipif(not AMX, reason=f"needs AMX tiles and the native extension ({EXT_REASON or 'no AMX'})")
 ACTS = (None, "gelu", "gelu_tanh", "relu")  # silu is a gate activation only
 # (M, K, N): one row, rows short of a block (M % 32), columns short of a tile (N % 32, N < 16), the encoder's, and K
-# over one chunk of 768: two chunks, the last one step (800), three (1600), four whole ones (3072)
-SHAPES = [(1, 32, 1), (7, 64, 50), (33, 96, 97), (130, 768, 2304), (37, 800, 48), (64, 1600, 33), (203, 3072, 40)]
+# over one chunk of 768: two chunks, the last one step (800), three (1600), four whole ones (3072);
+SHAPES = [(1, 32, 1), (7, 64, 50), (33, 96, 97), (130, 768, 2304), (37, 800, 48), (64, 1600, 33), (203, 3072, 40),
+          (300, 1600, 97)]  # the last: several row groups (a group's x fits half the L2) and several chunks
 
 
 @pytest.fixture
-def amx():
-    """The extension with the AMX kernels selected (restored after)."""
+def amx(monkeypatch: pytest.MonkeyPatch):
+    """The extension with the AMX kernels selected (restored after), fp32 GEMMs in their automatic mode."""
+    monkeypatch.delenv("FASTBERT_CPU_FP32", raising=False)
     default = EXT.isa()
     assert EXT.set_isa("avx512amx")
     yield EXT
@@ -84,7 +86,8 @@ def test_residual_layernorm_epilogue_has_fp32_accuracy(amx, shape: tuple[int, in
     x, w, b = operands(m, k, n)
     g = torch.Generator().manual_seed(n)
     ln = (torch.randn(m, n, generator=g), torch.rand(n, generator=g) + 0.5, torch.randn(n, generator=g), 1e-12)
-    out = amx.bf16x3_linear(x, gemm.pack_bf16x3(w), n, b, None, *ln)
+    out = torch.full((m, n), float("nan"))  # poisoned: every element written, LayerNorm in place
+    amx.bf16x3_linear(x, gemm.pack_bf16x3(w), n, b, None, *ln, out=out)
     fma = amx.fp32_linear(x, gemm.pack_panels(w, 1), n, b, None, *ln)
     assert_fp32_accuracy(f"bf16x3_linear {shape} + LayerNorm", out, layer(x.double(), w, b, ln=ln),
                          layer(x, w, b, ln=ln), fma)  # fmt: skip
@@ -106,6 +109,19 @@ def test_strided_rows_and_no_bias(amx) -> None:
     out = amx.bf16x3_linear(x, gemm.pack_bf16x3(w), 48)
     assert_fp32_accuracy("bf16x3_linear strided", out, layer(x.double(), w, None), layer(x, w, None))
     assert torch.equal(out, amx.bf16x3_linear(x.contiguous(), gemm.pack_bf16x3(w), 48))
+
+
+def test_a_non_finite_weight_stays_in_its_column(amx) -> None:
+    """An infinite or NaN weight gives non-finite outputs in its own column only."""
+    x, w, b = operands(40, 64, 48)
+    clean = amx.bf16x3_linear(x, gemm.pack_bf16x3(w), 48, b)
+    w[7, 3], w[30, 60] = float("-inf"), float("nan")
+    out = amx.bf16x3_linear(x, gemm.pack_bf16x3(w), 48, b)
+    cols = torch.tensor([7, 30])
+    assert not out[:, cols].isfinite().any()
+    keep = torch.ones(48, dtype=torch.bool)
+    keep[cols] = False
+    assert torch.equal(out[:, keep], clean[:, keep])
 
 
 def test_a_non_finite_row_stays_in_its_row(amx) -> None:
@@ -193,3 +209,7 @@ def test_an_fp32_model_on_it_matches_transformers_and_stacks_bitwise(amx, monkey
     valid = mask.bool()
     assert (outs[0][valid] - expected[valid]).abs().max().item() <= 1e-5
     assert chosen == "gemm" and gemm.fp32_kernel(64) == "bf16x3"
+    monkeypatch.setenv(gemm.FP32_ENV, "fma")  # the same model on the FMA kernel: other roundings, so bf16x3 ran above
+    with torch.inference_mode():
+        fma = model(ids, attention_mask=mask).last_hidden_state
+    assert not torch.equal(fma, outs[0]) and (fma[valid] - expected[valid]).abs().max().item() <= 1e-5

@@ -54,7 +54,14 @@ def ops() -> dict[str, Callable[[], object]]:
     tables = [torch.randn(rows, H, generator=g) for rows in (50, T, 2)]
     qkv, cu = torch.randn(T, 3, HEADS, H // HEADS, generator=g), torch.tensor([0, 40, T], dtype=torch.int32)
     packed, q8, out, heads_out = gemm.packed(w), int8.quantized(w), torch.empty(T, H), torch.empty(T, HEADS, H // HEADS)
-    return {
+    amx = {}  # the GEMMs on AMX tiles, where the kernels in use have them
+    if EXT is not None and EXT.has_bf16_linear():
+        x16, w16, split = x.bfloat16(), gemm.packed(w, torch.bfloat16), gemm.pack_bf16x3(w)
+        amx = {
+            "bf16_linear": lambda: EXT.bf16_linear(x16, w16, H, bias, "gelu"),
+            "bf16x3_linear": lambda: EXT.bf16x3_linear(x, split, H, bias, "gelu", out=out),
+        }
+    return amx | {
         "embedding_layernorm": lambda: EXT.embedding_layernorm(ids, zeros, positions, *tables, lw, lb, 1e-12, None,
                                                                out=out),
         "bias_act": lambda: EXT.bias_act(x, bias, "gelu", out=out),

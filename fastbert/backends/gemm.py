@@ -1,14 +1,16 @@
-"""The `gemm` backend: fastbert's own GEMMs on CPU, fp32 everywhere (the native extension's `fp32_linear`) and bf16
-on AMX tiles (`bf16_linear`), with the epilogues fused on each tile while it is in L1: bias + GELU for the FFN's
-first GEMM, act(gate) * up for a gated one (GeGLU, SwiGLU, fp32: the two weights interleaved, so a tile holds both
-products of its outputs), bias + residual + LayerNorm for the output projections (csrc/cpu/linear.inc,
-amx_bf16_linear.inc). Weights are packed once into panels of 16 columns (bf16: of k pairs) and cached until they
-change.
+"""The `gemm` backend: fastbert's own GEMMs on CPU, fp32 everywhere (the native extension's `fp32_linear`, or
+`bf16x3_linear` below) and bf16 on AMX tiles (`bf16_linear`), with the epilogues fused on each tile while it is in L1:
+bias + GELU for the FFN's first GEMM, act(gate) * up for a gated one (GeGLU, SwiGLU, fp32: the two weights
+interleaved, so a tile holds both products of its outputs), bias + residual + LayerNorm for the output projections
+(csrc/cpu/linear.inc, amx_bf16_linear.inc). Weights are packed once into panels of 16 columns (bf16: of k pairs) and
+cached until they change.
 
 fp32 on AMX tiles (`bf16x3_linear`, amx_bf16x3_linear.inc): where the kernels have AMX bf16 tiles, an fp32 GEMM
 whose K is a multiple of 32 splits x and W into three bf16 parts each and sums the six products that reach fp32's
-rounding, with fp32's accuracy (its error against an fp64 reference is at most torch fp32's own, tests/
-test_bf16x3_gemm.py) at 1.4-2x the FMA kernel's speed. `FASTBERT_CPU_FP32=fma` keeps fp32 GEMMs on vector FMA.
+rounding, with fp32's accuracy (its error against an fp64 reference within 2x that of torch fp32 or the FMA kernel,
+tests/test_bf16x3_gemm.py) at 1.4-2x the FMA kernel's speed. `FASTBERT_CPU_FP32=fma` keeps fp32 GEMMs on vector FMA.
+The kernel keeps its split rows (and, at K over 768, its running sums) allocated on each calling thread between calls,
+up to 64 MiB each.
 
 Why its own kernel: at the encoder's shapes (a few hundred rows of K = 384..3072) torch's MKL GEMM and oneDNN leave
 15-30% of a core's FMA throughput idle, more at small M, and neither fuses LayerNorm; this tile reaches about 85% of
@@ -42,7 +44,7 @@ _TIE_MARGIN = 1.0  # its epilogues are in both timings: faster outright, or the 
 FP32_ENV = "FASTBERT_CPU_FP32"
 FP32_MODES = ("auto", "bf16x3", "fma")
 
-_packs = WeightCache()  # (weight) -> packed fp32 panels
+_packs = WeightCache()  # (weight) -> packed panels: fp32, bf16 or bf16x3 parts
 # (N, K, act, epilogue (_EPILOGUES), size class) -> (gemm wins, why)
 _verdicts: dict[tuple, tuple[bool, str]] = {}
 
@@ -325,7 +327,7 @@ def judge(
     rows = x.numel() // x.shape[-1]
     dtype = str(x.dtype).removeprefix("torch.")
     if kernel is not None:
-        dtype += f" on {kernel}"
+        dtype += f" as {kernel}"
     key = (*weight.shape, call.get("act"), _EPILOGUES.get(op, False), timing.size_class(rows), dtype)
     verdict = verdicts.get(key)
     if verdict is not None and getattr(verdict, "evidence", None) is None:  # settled: no words to build

@@ -96,9 +96,11 @@ def path() -> Path | None:
 
 
 def _key(store: str, key: tuple) -> str:
-    """The file's key for a verdict: the paths compared, the GEMM shape, and what decides the path it is compared with
-    (FASTBERT_CPU_GEMM, backends excluded in this block)."""
+    """The file's key for a verdict: the paths compared, the GEMM shape, and what decides the paths compared
+    (FASTBERT_CPU_GEMM, FASTBERT_CPU_FP32: the fp32 kernel an int8 GEMM is timed against, backends excluded in this
+    block)."""
     paths = f"FASTBERT_CPU_GEMM={os.environ.get('FASTBERT_CPU_GEMM', 'auto')}"
+    paths += f" FASTBERT_CPU_FP32={os.environ.get('FASTBERT_CPU_FP32', 'auto')}"
     if excluded := scope.excluded_backends():
         paths += f" without {','.join(sorted(excluded))}"
     return "|".join([store, paths, *map(str, key)])
