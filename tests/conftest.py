@@ -118,6 +118,32 @@ def tiny_bert(**overrides):
     return BertModel(BertConfig(**{**fields, **overrides})).eval()
 
 
+@pytest.fixture
+def amx(monkeypatch: pytest.MonkeyPatch):
+    """The native CPU extension with its AMX kernels selected (restored after), fp32 GEMMs in their automatic mode; for
+    modules that skip without AMX."""
+    cpu, _ = native.load("_native_cpu")
+    monkeypatch.delenv("FASTBERT_CPU_FP32", raising=False)
+    default = cpu.isa()
+    assert cpu.set_isa("avx512amx")
+    yield cpu
+    cpu.set_isa(default)
+
+
+def loop_and_stack(model, monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """(ids, mask, [last hidden state per op, stacked]) of `model` on a 3 x 37 batch, one row padded from 9 tokens:
+    FASTBERT_LAYER_STACK off, then on."""
+    ids = torch.randint(1, 120, (3, 37), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    outs = []
+    for stacked in ("0", "1"):
+        monkeypatch.setenv("FASTBERT_LAYER_STACK", stacked)
+        with torch.inference_mode():
+            outs.append(model(ids, attention_mask=mask).last_hidden_state)
+    return ids, mask, outs
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)

@@ -1,4 +1,5 @@
-"""Helpers for the Triton kernel tests: devices, NaN-poisoned allocation, fp64-referenced error bounds.
+"""Helpers for the kernel tests: devices, NaN-poisoned allocation, fp64-referenced error bounds, a GEMM layer's
+reference.
 
 Bounds (DESIGN.md): fp32 within 1e-5 of the fp64 reference, relative to max(1, max|ref|); fp16 / bf16 error at most
 2x the error of plain torch at that precision (the reference run in that dtype) plus a floor of the dtype's machine
@@ -15,6 +16,7 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from fastbert import kernels
 
@@ -145,3 +147,17 @@ def check_inference(
     ], f"{name}: allocated {allocated}, expected only the output"
     assert out.dtype == dtype, f"{name}: output dtype {out.dtype}, expected {dtype}"
     assert_close(f"{name}/inference", out, ref, low)
+
+
+def gemm_layer(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, act: str | None = None,
+               ln: tuple | None = None) -> torch.Tensor:  # fmt: skip
+    """A GEMM with its epilogue as the CPU GEMM kernels fuse it: bias, then the activation (gelu, gelu_tanh, relu,
+    silu) or residual + LayerNorm (`ln` = (residual, weight, bias, eps)), in x's dtype (fp64 for the reference, the
+    kernel's dtype for plain torch's own error)."""
+    out = F.linear(x, w.to(x.dtype), b.to(x.dtype) if b is not None else None)
+    if ln is not None:
+        residual, lw, lb, eps = ln
+        return F.layer_norm(out + residual.to(x.dtype), out.shape[-1:], lw.to(x.dtype), lb.to(x.dtype), eps)
+    if act in ("gelu", "gelu_tanh"):
+        return F.gelu(out, approximate="tanh" if act == "gelu_tanh" else "none")
+    return {"relu": F.relu, "silu": F.silu}.get(act, lambda v: v)(out)

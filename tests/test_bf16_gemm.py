@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import fastbert
 from fastbert import ops
 from fastbert.backends import gemm, native
 from fastbert.execution import stack as layer_stack
-from tests.conftest import tiny_bert
-from tests.kernel_checks import assert_close
+from tests.conftest import loop_and_stack, tiny_bert
+from tests.kernel_checks import assert_close, gemm_layer
 
 EXT, EXT_REASON = native.load("_native_cpu")
 AMX = EXT is not None and hasattr(EXT, "bf16_linear") and "avx512amx" in EXT.runnable_isas()
@@ -28,32 +27,10 @@ ACTS = (None, "gelu", "gelu_tanh", "relu")
 SHAPES = [(1, 32, 1), (7, 64, 50), (33, 96, 97), (64, 384, 96), (130, 768, 2304), (203, 3072, 40)]
 
 
-@pytest.fixture
-def amx():
-    """The extension with the AMX kernels selected (restored after)."""
-    default = EXT.isa()
-    assert EXT.set_isa("avx512amx")
-    yield EXT
-    EXT.set_isa(default)
-
-
 def operands(m: int, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(m * 1000 + k)
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k**0.5
     return x.bfloat16(), w.bfloat16(), torch.randn(n, generator=g).bfloat16()
-
-
-def layer(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, act: str | None = None,
-          ln: tuple | None = None) -> torch.Tensor:  # fmt: skip
-    """GEMM, bias, then the activation or residual + LayerNorm (`ln` = (residual, w, b, eps)), in x's dtype: fp64 for
-    the reference, bf16 for plain torch's own error."""
-    out = F.linear(x, w.to(x.dtype), b.to(x.dtype) if b is not None else None)
-    if ln is not None:
-        residual, lw, lb, eps = ln
-        return F.layer_norm(out + residual.to(x.dtype), out.shape[-1:], lw.to(x.dtype), lb.to(x.dtype), eps)
-    if act in ("gelu", "gelu_tanh"):
-        return F.gelu(out, approximate="tanh" if act == "gelu_tanh" else "none")
-    return out.relu() if act == "relu" else out
 
 
 @pytest.mark.parametrize("act", ACTS)
@@ -62,7 +39,7 @@ def test_kernel_meets_the_bf16_rule(amx, shape: tuple[int, int, int], act: str |
     x, w, b = operands(*shape)
     out = torch.full((shape[0], shape[2]), float("nan"), dtype=torch.bfloat16)  # poisoned: every element written
     amx.bf16_linear(x, gemm.pack_panels(w, 2), w.shape[0], b, act, out=out)
-    assert_close(f"bf16_linear {shape} {act}", out, layer(x.double(), w, b, act), layer(x, w, b, act))
+    assert_close(f"bf16_linear {shape} {act}", out, gemm_layer(x.double(), w, b, act), gemm_layer(x, w, b, act))
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -74,7 +51,8 @@ def test_residual_layernorm_epilogue_meets_the_bf16_rule(amx, shape: tuple[int, 
           torch.randn(n, generator=g).bfloat16(), 1e-12)  # fmt: skip
     out = amx.bf16_linear(x, gemm.pack_panels(w, 2), n, b, None, *ln)
     assert out.dtype == torch.bfloat16
-    assert_close(f"bf16_linear {shape} + LayerNorm", out, layer(x.double(), w, b, ln=ln), layer(x, w, b, ln=ln))
+    assert_close(f"bf16_linear {shape} + LayerNorm", out, gemm_layer(x.double(), w, b, ln=ln),
+                 gemm_layer(x, w, b, ln=ln))  # fmt: skip
 
 
 @pytest.mark.parametrize("rows", [40, 64])  # the last block read in place (64) or copied from strided rows (40)
@@ -83,7 +61,7 @@ def test_strided_rows_and_no_bias(amx, rows: int) -> None:
     wide, w = torch.randn(rows, 160, generator=g).bfloat16(), torch.randn(48, 64, generator=g).bfloat16()
     x = wide[:, 32:96]  # a row stride of 160: read in place
     out = amx.bf16_linear(x, gemm.pack_panels(w, 2), 48)
-    assert_close("bf16_linear strided", out, layer(x.double(), w, None), layer(x, w, None))
+    assert_close("bf16_linear strided", out, gemm_layer(x.double(), w, None), gemm_layer(x, w, None))
     assert torch.equal(out, amx.bf16_linear(x.contiguous(), gemm.pack_panels(w, 2), 48))
 
 
@@ -128,14 +106,7 @@ def test_a_bf16_model_stacks_on_it_bitwise_like_the_loop(amx, monkeypatch: pytes
     monkeypatch.setenv("FASTBERT_CPU_GEMM", "gemm")
     model = tiny_bert(hidden_size=64, num_attention_heads=4, intermediate_size=128, num_hidden_layers=3,
                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0).to(torch.bfloat16)  # fmt: skip
-    ids = torch.randint(1, 120, (3, 37), generator=torch.Generator().manual_seed(2))
-    mask = torch.ones_like(ids)
-    mask[1, 9:] = 0
-    outs = []
-    for stacked in ("0", "1"):
-        monkeypatch.setenv("FASTBERT_LAYER_STACK", stacked)
-        with torch.inference_mode():
-            outs.append(model(ids, attention_mask=mask).last_hidden_state)
+    ids, mask, outs = loop_and_stack(model, monkeypatch)
     assert torch.equal(outs[0], outs[1])
     assert "every GEMM on gemm" in layer_stack.describe()
     with torch.no_grad():  # a bf16 call of a K the kernel takes goes to it (forced: FASTBERT_CPU_GEMM=gemm)

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from fastbert import ops
 from fastbert.backends import gemm, native
 from fastbert.execution import stack as layer_stack
-from tests.conftest import tiny_bert
-from tests.kernel_checks import assert_close
+from tests.conftest import loop_and_stack, tiny_bert
+from tests.kernel_checks import assert_close, gemm_layer
 
 EXT, EXT_REASON = native.load("_native_cpu")
 AMX = EXT is not None and hasattr(EXT, "bf16x3_linear") and "avx512amx" in EXT.runnable_isas()
@@ -31,32 +30,9 @@ SHAPES = [(1, 32, 1), (7, 64, 50), (33, 96, 97), (130, 768, 2304), (37, 800, 48)
           (300, 1600, 97)]  # the last: several row groups (a group's x fits half the L2) and several chunks
 
 
-@pytest.fixture
-def amx(monkeypatch: pytest.MonkeyPatch):
-    """The extension with the AMX kernels selected (restored after), fp32 GEMMs in their automatic mode."""
-    monkeypatch.delenv("FASTBERT_CPU_FP32", raising=False)
-    default = EXT.isa()
-    assert EXT.set_isa("avx512amx")
-    yield EXT
-    EXT.set_isa(default)
-
-
 def operands(m: int, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(m * 1000 + k)
     return torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k**0.5, torch.randn(n, generator=g)
-
-
-def layer(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, act: str | None = None,
-          ln: tuple | None = None) -> torch.Tensor:  # fmt: skip
-    """GEMM, bias, then the activation or residual + LayerNorm (`ln` = (residual, w, b, eps)), in x's dtype: fp64 for
-    the reference, fp32 for plain torch's own error."""
-    out = F.linear(x, w.to(x.dtype), b.to(x.dtype) if b is not None else None)
-    if ln is not None:
-        residual, lw, lb, eps = ln
-        return F.layer_norm(out + residual.to(x.dtype), out.shape[-1:], lw.to(x.dtype), lb.to(x.dtype), eps)
-    if act in ("gelu", "gelu_tanh"):
-        return F.gelu(out, approximate="tanh" if act == "gelu_tanh" else "none")
-    return {"relu": F.relu, "silu": F.silu}.get(act, lambda v: v)(out)
 
 
 def assert_fp32_accuracy(name: str, out: torch.Tensor, ref64: torch.Tensor, *fp32: torch.Tensor) -> None:
@@ -77,7 +53,8 @@ def test_kernel_has_fp32_accuracy(amx, shape: tuple[int, int, int], act: str | N
     out = torch.full((shape[0], shape[2]), float("nan"))  # poisoned: every element written
     amx.bf16x3_linear(x, gemm.pack_bf16x3(w), w.shape[0], b, act, out=out)
     fma = amx.fp32_linear(x, gemm.pack_panels(w, 1), w.shape[0], b, act)
-    assert_fp32_accuracy(f"bf16x3_linear {shape} {act}", out, layer(x.double(), w, b, act), layer(x, w, b, act), fma)
+    ref = gemm_layer(x.double(), w, b, act)
+    assert_fp32_accuracy(f"bf16x3_linear {shape} {act}", out, ref, gemm_layer(x, w, b, act), fma)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -89,8 +66,8 @@ def test_residual_layernorm_epilogue_has_fp32_accuracy(amx, shape: tuple[int, in
     out = torch.full((m, n), float("nan"))  # poisoned: every element written, LayerNorm in place
     amx.bf16x3_linear(x, gemm.pack_bf16x3(w), n, b, None, *ln, out=out)
     fma = amx.fp32_linear(x, gemm.pack_panels(w, 1), n, b, None, *ln)
-    assert_fp32_accuracy(f"bf16x3_linear {shape} + LayerNorm", out, layer(x.double(), w, b, ln=ln),
-                         layer(x, w, b, ln=ln), fma)  # fmt: skip
+    assert_fp32_accuracy(f"bf16x3_linear {shape} + LayerNorm", out, gemm_layer(x.double(), w, b, ln=ln),
+                         gemm_layer(x, w, b, ln=ln), fma)  # fmt: skip
 
 
 def test_the_sums_are_kept_apart_over_chunks(amx) -> None:
@@ -99,7 +76,7 @@ def test_the_sums_are_kept_apart_over_chunks(amx) -> None:
     g = torch.Generator().manual_seed(5)
     x, w = torch.rand(96, 3072, generator=g), torch.rand(64, 3072, generator=g) / 3072
     out = amx.bf16x3_linear(x, gemm.pack_bf16x3(w), 64)
-    assert_fp32_accuracy("bf16x3_linear, growing sums", out, layer(x.double(), w, None), layer(x, w, None))
+    assert_fp32_accuracy("bf16x3_linear, growing sums", out, gemm_layer(x.double(), w, None), gemm_layer(x, w, None))
 
 
 def test_strided_rows_and_no_bias(amx) -> None:
@@ -107,7 +84,7 @@ def test_strided_rows_and_no_bias(amx) -> None:
     wide, w = torch.randn(40, 160, generator=g), torch.randn(48, 64, generator=g)
     x = wide[:, 32:96]  # a row stride of 160
     out = amx.bf16x3_linear(x, gemm.pack_bf16x3(w), 48)
-    assert_fp32_accuracy("bf16x3_linear strided", out, layer(x.double(), w, None), layer(x, w, None))
+    assert_fp32_accuracy("bf16x3_linear strided", out, gemm_layer(x.double(), w, None), gemm_layer(x, w, None))
     assert torch.equal(out, amx.bf16x3_linear(x.contiguous(), gemm.pack_bf16x3(w), 48))
 
 
@@ -193,14 +170,7 @@ def test_an_fp32_model_on_it_matches_transformers_and_stacks_bitwise(amx, monkey
     model = tiny_bert(**fields)
     reference = transformers.BertModel(transformers.BertConfig(vocab_size=120, **fields)).eval()
     reference.load_state_dict(model.state_dict(), strict=False)
-    ids = torch.randint(1, 120, (3, 37), generator=torch.Generator().manual_seed(2))
-    mask = torch.ones_like(ids)
-    mask[1, 9:] = 0
-    outs = []
-    for stacked in ("0", "1"):
-        monkeypatch.setenv("FASTBERT_LAYER_STACK", stacked)
-        with torch.inference_mode():
-            outs.append(model(ids, attention_mask=mask).last_hidden_state)
+    ids, mask, outs = loop_and_stack(model, monkeypatch)
     assert torch.equal(outs[0], outs[1])
     assert "every GEMM on gemm" in layer_stack.describe()
     with torch.no_grad():
