@@ -8,7 +8,8 @@ cached until they change.
 fp32 on AMX tiles (`bf16x3_linear`, amx_bf16x3_linear.inc): where the kernels have AMX bf16 tiles, an fp32 GEMM
 whose K is a multiple of 32 splits x and W into three bf16 parts each and sums the six products that reach fp32's
 rounding, with fp32's accuracy (its error against an fp64 reference within 2x that of torch fp32 or the FMA kernel,
-tests/test_bf16x3_gemm.py) at 1.4-2x the FMA kernel's speed. `FASTBERT_CPU_FP32=fma` keeps fp32 GEMMs on vector FMA.
+tests/test_bf16x3_gemm.py) at 1.1-1.6x the FMA kernel's speed at BERT-base's shapes (`python -m
+benchmarks.bench_gemm`). `FASTBERT_CPU_FP32=fma` keeps fp32 GEMMs on vector FMA.
 The kernel keeps its split rows (and, at K over 768, its running sums) allocated on each calling thread between calls,
 up to 64 MiB each.
 
