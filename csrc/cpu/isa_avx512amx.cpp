@@ -10,7 +10,6 @@
 #include <cstring>
 #include <memory>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 #include "kernels.h"
