@@ -13,15 +13,14 @@ FLOPs = 2 M N K. The roof is the AMX bf16 tile peak measured in the same run (ti
     python -m benchmarks.bench_bf16_gemm
     python -m benchmarks.bench_bf16_gemm --hidden 768 --rows 128 --budget 1 --out /tmp/b
 
-Results: benchmarks/results/bf16_gemm_cpu-<cpu kind>.{json,md,png}. Needs AMX tiles (skipped elsewhere: bf16 GEMMs
-there are oneDNN's).
+Results: bf16_gemm_cpu-<cpu kind>.{json,md,png} in --out (default: a fresh folder, benchmarks/run_folder.py). Needs AMX
+tiles (skipped elsewhere: bf16 GEMMs there are oneDNN's).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import sys
 from collections.abc import Callable
 
@@ -31,9 +30,9 @@ import torch.nn.functional as F
 from benchmarks import model_report
 from benchmarks.bench_native import cpu_best_seconds
 from benchmarks.plotting import gemm_bars
+from benchmarks.run_folder import run_folder
 from fastbert.backends import gemm, native, onednn
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SYSTEMS = ("fastbert bf16 (AMX)", "oneDNN", "torch")
 GEMMS = ("QKV", "attention out", "FFN in", "FFN out")
 
@@ -153,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[128, 512, 1024], help="tokens per GEMM (M)")
     parser.add_argument("--budget", type=float, default=1.0, help="seconds of interleaved calls per shape")
     parser.add_argument("--layers", type=int, default=12, help="weight copies each system cycles through")
-    parser.add_argument("--out", default=RESULTS, help="directory for bf16_gemm_cpu-<kind>.{json,md,png}")
+    parser.add_argument("--out", default=run_folder(), help="directory for bf16_gemm_cpu-<kind>.{json,md,png}")
     args = parser.parse_args(argv)
     cpu, reason = native.load("_native_cpu")
     if cpu is None or not getattr(cpu, "has_bf16_linear", bool)():

@@ -7,7 +7,8 @@ start-up (not timed: it is the server's start, before traffic). BERT-base on thi
 
 Each run is a fresh Python process: build the model (random weights, BERT-base config), then time its first forward
 and the median of the next five. The figure is the ratio first / steady: what the first request pays over every later
-one (1.0: no stall). Results: benchmarks/results/cold_start_cpu.{json,md}.
+one (1.0: no stall). Results: cold_start_cpu.{json,md} in --out
+(default: a fresh folder, benchmarks/run_folder.py).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import tempfile
 import torch
 
 from benchmarks import model_report
+from benchmarks.run_folder import run_folder
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHILD = """
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["1x16", "8x128"])
     parser.add_argument("--runs", type=int, default=3, help="fresh processes per row (the median is reported)")
-    parser.add_argument("--out", default=RESULTS)
+    parser.add_argument("--out", default=run_folder())
     args = parser.parse_args(argv)
     table = [r for shape in args.shapes for r in rows(shape, args.runs)]
     lines = ["| shape | system | first forward / steady | first ms | steady ms |", "|---|---|---|---|---|"]

@@ -30,7 +30,8 @@ The bound: this workload's useful FLOPs (per sentence of s real tokens: s * (2 *
 hidden)) at the fp32 arithmetic peak measured in the same run (what the silicon can do: the FMAs', or where fastbert's
 fp32 GEMMs run as bf16x3 on AMX tiles, a sixth of the tiles' if higher; the best large matmul where the native
 extension is not built), and at the int8 kernel's rate on a large GEMM.
-Results: benchmarks/results/encode_cpu-<cpu kind>.{json,md,png} for MiniLM, encode_cpu-<cpu kind>-mpnet.* for MPNet.
+Results: encode_cpu-<cpu kind>.{json,md,png} for MiniLM, encode_cpu-<cpu kind>-mpnet.* for MPNet, in --out
+(default: a fresh folder, benchmarks/run_folder.py).
 """
 
 from __future__ import annotations
@@ -53,10 +54,10 @@ from benchmarks import model_report, neighbours
 from benchmarks.model_systems import failure, nncf_int8, onnxruntime_runner, openvino_runner
 from benchmarks.onnx_row import session_runner
 from benchmarks.plotting import pyplot
+from benchmarks.run_folder import run_folder
 from benchmarks.run_model import measure_arithmetic_peak, measure_peak
 from fastbert import BertModel, capabilities
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 STSB_DEV = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data", "stsb",
                         "sts-dev.csv")  # fmt: skip
 BATCH = 32
@@ -430,8 +431,8 @@ def main(argv: list[str] | None = None) -> int:
                         "spin=N single-threaded busy loops, torch=N torch workers with a thread per core")  # fmt: skip
     parser.add_argument("--passes", type=int, default=3, help="timed passes over the 3,000 sentences per system")
     parser.add_argument("--stsb", default=STSB_DEV, help="path of sts-dev.csv")
-    parser.add_argument("--out", default=RESULTS, help="directory for the results: encode_cpu-<kind>.{json,md,png} "
-                        "(minilm), encode_cpu-<kind>-mpnet.* (mpnet)")  # fmt: skip
+    parser.add_argument("--out", default=run_folder(), help="directory for the results: encode_cpu-<kind>.{json,md,"
+                        "png} (minilm), encode_cpu-<kind>-mpnet.* (mpnet)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.passes < 1:
         parser.error("--passes must be at least 1")

@@ -17,13 +17,12 @@ Timing: the systems' calls interleaved for --budget seconds per shape, fastest c
     python -m benchmarks.bench_gemm                      # MiniLM (H 384) and BERT-base (H 768) shapes
     python -m benchmarks.bench_gemm --hidden 384 --rows 64 512 --budget 1
 
-Results: benchmarks/results/gemm_cpu-<cpu kind>.{json,md,png}.
+Results: gemm_cpu-<cpu kind>.{json,md,png} in --out (default: a fresh folder, benchmarks/run_folder.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable
 
@@ -33,9 +32,9 @@ import torch.nn.functional as F
 from benchmarks import model_report
 from benchmarks.bench_native import cpu_best_seconds
 from benchmarks.plotting import gemm_bars
+from benchmarks.run_folder import run_folder
 from fastbert.backends import gemm, int8, native, onednn
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SYSTEMS = ("fastbert gemm", "oneDNN", "torch", "fastbert int8")
 PAIRS = "fastbert int8 (int16 pairs)"  # on VNNI kernels only: the same int8 GEMM on the pack read without VNNI
 FMA = "fastbert gemm (FMA)"  # where fp32 GEMMs run as bf16x3: the vector FMA kernel they would run otherwise
@@ -185,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, nargs="+", default=[384, 768], help="hidden sizes (MiniLM, BERT-base)")
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 512], help="tokens per GEMM (M)")
     parser.add_argument("--budget", type=float, default=1.5, help="seconds of interleaved calls per shape")
-    parser.add_argument("--out", default=RESULTS, help="directory for gemm_cpu-<kind>.{json,md,png}")
+    parser.add_argument("--out", default=run_folder(), help="directory for gemm_cpu-<kind>.{json,md,png}")
     args = parser.parse_args(argv)
     if (reason := gemm.unavailable_reason()) is not None:  # make bench goes on without the native extension
         print(f"bench_gemm: skipped, fastbert's GEMMs {reason}")

@@ -8,7 +8,8 @@ host ms is the wall time of one forward with the Triton launches stubbed and tor
 includes the GEMMs: a figure for comparing the rows of one run, not a GPU host time. The graphed row stubs graph
 capture and replay (benchmarks/host_work.py), and is also counted phase by phase: before the host sync, between it and
 the replay (what serialises the GPU), after. The training rows: a forward under bf16 autocast, and a whole step
-(forward, backward, fused AdamW) next to transformers'. Results: benchmarks/results/host_work_cpu.{json,md}.
+(forward, backward, fused AdamW) next to transformers'. Results: host_work_cpu.{json,md} in --out
+(default: a fresh folder, benchmarks/run_folder.py).
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ import torch  # noqa: E402
 
 from benchmarks import model_report  # noqa: E402
 from benchmarks.host_work import BERT_BASE, count, cuda_path, host_ms, phases, stub_graphs, training_step  # noqa: E402
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from benchmarks.run_folder import run_folder
 
 
 def inputs(shape: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["1x128", "8x128"])
     parser.add_argument("--train-shape", default="2x64", help="the training rows' shape (a step runs backward on CPU)")
-    parser.add_argument("--out", default=RESULTS)
+    parser.add_argument("--out", default=run_folder())
     args = parser.parse_args(argv)
     results = [rows(shape) for shape in args.shapes]
     table, phased = [r for t, _ in results for r in t], [r for _, p in results for r in p]

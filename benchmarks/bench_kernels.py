@@ -1,6 +1,6 @@
 """GPU micro-benchmarks of the Triton kernels vs torch eager, torch.compile and (attention) SDPA's flash backend.
 
-    python -m benchmarks.bench_kernels [--dtype bf16] [--batch 32] [--out benchmarks/results]
+    python -m benchmarks.bench_kernels [--dtype bf16] [--batch 32] [--out DIR]
 
 Every case runs forward and forward+backward on the same inputs, timed by `triton.testing.do_bench` (median of
 its repetitions; do_bench clears a 256 MB buffer before each run, which flushes L2). Memory-bound ops report GB/s
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from benchmarks.model_report import git_commit
 from benchmarks.plotting import pyplot
+from benchmarks.run_folder import run_folder
 from fastbert import reference
 from fastbert.rotary import inverse_frequencies, rotary_rows
 
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--out", type=Path, default=Path(run_folder()))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels needs a CUDA device (the Triton kernels are benchmarked on GPU only)", file=sys.stderr)

@@ -8,7 +8,8 @@ the native stack through torch's operator registry), interleaved, median of --it
 
 What the stack removes is the Python between kernels (module calls, dispatch, views): ~31 returns to Python per
 MiniLM-L6 forward become 6. Its share falls as the GEMMs grow (2 * tokens * params FLOPs), so the table runs from one
-short sentence to a typical sorted batch. Results: benchmarks/results/layer_stack_cpu-<cpu kind>.{json,md}.
+short sentence to a typical sorted batch. Results: layer_stack_cpu-<cpu kind>.{json,md} in --out
+(default: a fresh folder, benchmarks/run_folder.py).
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ import torch
 
 import fastbert
 from benchmarks import model_report
+from benchmarks.run_folder import run_folder
 from fastbert import BertConfig, BertModel, capabilities
 from fastbert.backends import timing
 from fastbert.execution import stack as layer_stack
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SHAPES = ((1, 16), (8, 24), (32, 14), (32, 40))  # (batch, tokens per sentence)
 
 
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--shapes", default=",".join(f"{b}x{t}" for b, t in SHAPES), help="batch x tokens, ...")
-    parser.add_argument("--out", default=RESULTS)
+    parser.add_argument("--out", default=run_folder())
     args = parser.parse_args(argv)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     fp32, weights = minilm()

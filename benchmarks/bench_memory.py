@@ -6,7 +6,7 @@
 A server sees a new (batch, length) on almost every call. Anything cached per shape (oneDNN primitives keyed on the
 row count, allocator arenas) shows here as growth; a flat line is the goal. What is built once per weight (packed GEMM
 weights, the fused QKV weight) shows as the step from "loaded" to the first call. Results:
-benchmarks/results/memory_cpu.{json,md,png}.
+memory_cpu.{json,md,png} in --out (default: a fresh folder, benchmarks/run_folder.py).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import torch
 
 from benchmarks import model_report
 from benchmarks.plotting import pyplot
+from benchmarks.run_folder import run_folder
 from fastbert import capabilities
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SYSTEMS = {  # name -> (environment, code that builds `model` from the transformers model `hf`)
     "transformers sdpa": ({}, "model = hf"),
     "fastbert": ({}, "import fastbert; model = fastbert.optimize(hf)"),
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--systems", nargs="+", choices=sorted(SYSTEMS), default=list(SYSTEMS))
-    parser.add_argument("--out", default=RESULTS)
+    parser.add_argument("--out", default=run_folder())
     args = parser.parse_args(argv)
     if args.calls < 2:
         parser.error("--calls must be at least 2")

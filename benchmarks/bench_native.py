@@ -6,7 +6,7 @@ CPU timing: native and torch calls interleaved for --budget seconds, each keepin
 one on a machine shared with other jobs); --repeats such windows per op, spread over the run, reported as medians with
 the range of the per-window speedups. CUDA timing: CUDA events, L2 flushed before every call, median.
 Usage: python -m benchmarks.bench_native [--device cpu|cuda --batch 8 --seqlen 128 --hidden 768 --heads 12]
-Writes JSON, Markdown and a PNG plot to benchmarks/results/; the native backend's
+Writes JSON, Markdown and a PNG plot to --out (default: a fresh folder, benchmarks/run_folder.py); the native backend's
 CPU_SLOWER_THAN_TORCH follows them.
 """
 
@@ -24,10 +24,10 @@ import torch
 
 from benchmarks.model_report import git_commit
 from benchmarks.plotting import pyplot
+from benchmarks.run_folder import run_folder
 from fastbert import reference
 from fastbert.backends import native
 
-RESULTS = Path(__file__).resolve().parent / "results"
 Fn = Callable[[], torch.Tensor]
 
 
@@ -175,7 +175,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch (and native) CPU threads; default: torch's")
     parser.add_argument("--budget", type=float, default=1.0, help="CPU seconds of interleaved calls per op and repeat")
     parser.add_argument("--repeats", type=int, default=5, help="report medians over this many timing windows per op")
-    parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/bench_native_<device>")
+    parser.add_argument("--out", type=Path, default=None, help="default: bench_native_<device> in a fresh run folder")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -213,7 +213,7 @@ def main() -> int:
         "commit": git_commit(),
         "copy_GB/s": copy_bandwidth(args.device, args.budget),
     }
-    out = args.out or RESULTS / f"bench_native_{args.device}"
+    out = args.out or Path(run_folder()) / f"bench_native_{args.device}"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
     out.with_suffix(".md").write_text(table(meta, rows) + "\n")

@@ -6,7 +6,8 @@ threads; row_parts finds the same at first use on the GEMM's own input.
     python -m benchmarks.bench_onednn_rows
     python -m benchmarks.bench_onednn_rows --iters 50 --out /tmp/r
 
-Results: benchmarks/results/onednn_rows_cpu-<cpu kind>.{json,md,png}. bf16 only: fp32 GEMMs are never cut.
+Results: onednn_rows_cpu-<cpu kind>.{json,md,png} in --out (default: a fresh folder, benchmarks/run_folder.py). bf16
+only: fp32 GEMMs are never cut.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ import torch
 
 from benchmarks import model_report
 from benchmarks.plotting import pyplot
+from benchmarks.run_folder import run_folder
 from fastbert import capabilities
 from fastbert.backends import onednn
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SHAPES = {"BERT-base": ((2304, 768), (768, 768), (3072, 768), (768, 3072)),
           "MiniLM-L6": ((1152, 384), (384, 384), (1536, 384), (384, 1536))}  # fmt: skip  (N, K): QKV, out, FFN in/out
 ROWS = (128, 256, 384, 512, 640, 768, 1024)
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts, comma-separated")
-    parser.add_argument("--out", default=RESULTS)
+    parser.add_argument("--out", default=run_folder())
     args = parser.parse_args(argv)
     if (why := onednn.unavailable_reason()) is not None:
         parser.error(f"oneDNN's prepacked GEMM is unavailable: {why}")

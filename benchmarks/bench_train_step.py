@@ -18,8 +18,8 @@ layers of width d does 6 * P * tokens + 12 * L * sum(s_i^2) * d per step (forwar
 token; attention's QK^T and PV 4 * s^2 * d per layer forward, 3x that with backward); a forward without grad (the
 teacher) a third of that. Padding and the heads are not counted. loss0 is each system's loss on the first step (the
 same weights and batch for all): the check that they train the same model. A system that fails is a row with its
-reason. Writes benchmarks/results/train_step_<device>[-<asked precision>].{json,md,png} with device, versions and
-commit.
+reason. Writes train_step_<device>[-<asked precision>].{json,md,png} with device, versions and commit
+to --out (default: a fresh folder, benchmarks/run_folder.py).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ from torch import nn
 from benchmarks import model_report
 from benchmarks.model_systems import failure
 from benchmarks.plotting import pyplot
-from benchmarks.run_model import BERT_BASE, RESULTS, TINY, Shape, _time_once, make_batch, measure_peak
+from benchmarks.run_folder import run_folder
+from benchmarks.run_model import BERT_BASE, TINY, Shape, _time_once, make_batch, measure_peak
 from fastbert import capabilities
 from fastbert.distill.losses import embedding_loss, mean_pool
 
@@ -346,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, all cores)")
     p.add_argument("--note", default="", help="what the device name leaves out (CPU generation, machine load)")
     p.add_argument("--max-minutes", type=float, help="start no system after this (a compile under way finishes)")
-    p.add_argument("--out", default=RESULTS)
+    p.add_argument("--out", default=run_folder())
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if args.threads:

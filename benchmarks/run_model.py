@@ -9,7 +9,7 @@ alike. Each row: sequences/s, real (non-pad) tokens/s, speedup over transformers
 peak matmul FLOP/s measured in this run at that dtype, and the max abs error vs transformers fp32 (eager, TF32 off)
 at valid positions, of the last timed call (the steady path); on a GPU also the host ms: how long the call takes to
 return to Python (the launch side).
-Results go to benchmarks/results/model_<device>.{json,md,png}.
+Results go to model_<device>.{json,md,png} in --out (default: a fresh folder, benchmarks/run_folder.py).
 
 Every batch is checked against its model's limits (positions, vocabulary, token types) before anything runs: on CUDA
 an out-of-range index is a device-side assert, which loses the process's CUDA context for every later row. With
@@ -38,9 +38,9 @@ from tqdm import tqdm
 
 from benchmarks import model_report, neighbours
 from benchmarks.model_systems import System, build_systems, failure, scratch_dir, transformers_model
+from benchmarks.run_folder import run_folder
 from fastbert import capabilities
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CPU_SYSTEMS = (
     "transformers eager",
@@ -642,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), help="subset of the suite's dtypes")
     parser.add_argument("--systems", nargs="+", help="subset of the suite's systems (quote names with spaces)")
     parser.add_argument("--rounds", type=int, help="timed calls per system and shape (default 5; 20 on a GPU)")
-    parser.add_argument("--out", default=RESULTS, help="directory for model_<device>.{json,md,png}")
+    parser.add_argument("--out", default=run_folder(), help="directory for model_<device>.{json,md,png}")
     parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                         help="each (model, dtype) in a process of its own, so a lost CUDA context costs its rows "
                         "only (default: on CUDA)")  # fmt: skip
