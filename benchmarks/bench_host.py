@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from benchmarks import model_report  # noqa: E402
 from benchmarks.host_work import BERT_BASE, count, cuda_path, host_ms, phases, stub_graphs, training_step  # noqa: E402
-from benchmarks.run_folder import run_folder
+from benchmarks.run_folder import run_folder  # noqa: E402
 
 
 def inputs(shape: str) -> tuple[torch.Tensor, torch.Tensor]:

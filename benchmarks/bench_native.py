@@ -6,8 +6,8 @@ CPU timing: native and torch calls interleaved for --budget seconds, each keepin
 one on a machine shared with other jobs); --repeats such windows per op, spread over the run, reported as medians with
 the range of the per-window speedups. CUDA timing: CUDA events, L2 flushed before every call, median.
 Usage: python -m benchmarks.bench_native [--device cpu|cuda --batch 8 --seqlen 128 --hidden 768 --heads 12]
-Writes JSON, Markdown and a PNG plot to --out (default: a fresh folder, benchmarks/run_folder.py); the native backend's
-CPU_SLOWER_THAN_TORCH follows them.
+Writes --out.{json,md,png} (default: bench_native_<device> in a fresh folder, benchmarks/run_folder.py); the native
+backend's CPU_SLOWER_THAN_TORCH follows them.
 """
 
 from __future__ import annotations

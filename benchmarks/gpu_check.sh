@@ -66,7 +66,7 @@ for stage in $STAGES; do
             run kernels "$PY" -m benchmarks.bench_kernels --out benchmarks/results ;;
         native)
             if "$PY" -c "import sys; from fastbert.backends import native; sys.exit(native.load('_native_cuda')[0] is None)"; then
-                run native "$PY" -m benchmarks.bench_native --device cuda
+                run native "$PY" -m benchmarks.bench_native --device cuda --out benchmarks/results/bench_native_cuda
             else
                 skip native "the CUDA extension is not built here (see the install stage)"
             fi ;;
