@@ -100,19 +100,21 @@ bench: venv
 	$(PY) -m benchmarks.headline $(BENCH_OUT)
 	@echo "make bench: this run's tables, data and plots are in $(BENCH_OUT)/ (benchmarks/results/ is unchanged)"
 
-# The encode workload under each background load (benchmarks/neighbours.py), then one table and plot across them
-# (benchmarks/busy_summary.py): README's busy-host table. About 2-3 minutes a load on 2 cores.
+# The encode workload under each background load (benchmarks/neighbours.py), BUSY_ROUNDS times over, each round with
+# its own quiet run; then one table and plot across them (benchmarks/busy_summary.py: medians and ranges, each busy
+# run against the quiet run nearest in time): README's busy-host table. About 2-3 minutes a load and round on 2 cores.
 BUSY_LOADS   ?= none spin=1 spin=2 torch=1 torch=2
+BUSY_ROUNDS  ?= 2
 BUSY_SYSTEMS := "fastbert fp32" "fastbert int8" "fastbert bf16" "onnxruntime fp32 (plain export)" "OpenVINO fp32" \
                 "OpenVINO default" "onnxruntime dynamic int8" "OpenVINO int8 (NNCF)"
 bench-busy: venv
 	$(PIP) -r requirements/bench.txt
 	$(MAKE) native || echo "make bench-busy: the native CPU extension did not build (see above)"
-	for load in $(BUSY_LOADS); do \
+	for round in $$(seq $(BUSY_ROUNDS)); do for load in $(BUSY_LOADS); do \
 		neighbours=$$([ "$$load" = none ] || echo "--neighbours $$load"); \
 		$(PY) -m benchmarks.bench_encode --passes 2 --systems $(BUSY_SYSTEMS) $$neighbours \
-			--out $(BENCH_OUT)/busy/$$(echo $$load | tr -d =) || exit 1; \
-	done
+			--out $(BENCH_OUT)/busy/round$$round/$$(echo $$load | tr -d =) || exit 1; \
+	done; done
 	$(PY) -m benchmarks.busy_summary $(BENCH_OUT)/busy
 	@echo "make bench-busy: this run's tables, data and plots are in $(BENCH_OUT)/busy/"
 
