@@ -178,7 +178,7 @@ def markdown(summary: dict) -> str:
     word = {True: "yes", False: "**no**", None: "-"}
     for v in summary["verdicts"]:
         pair = ("-" if v["onnxruntime_busy_over_quiet"] is None
-                else f"{v['fastbert_busy_over_quiet']:.2f} / {v['onnxruntime_busy_over_quiet']:.2f}")  # fmt: skip
+                else f"{v['fastbert_busy_over_quiet']:.3f} / {v['onnxruntime_busy_over_quiet']:.3f}")  # fmt: skip
         lines.append(f"| {v['load']} | {v['precision']} | {v['lead']:.2f}x | {word[v['lead_holds']]} | {pair} | "
                      f"{word[v['ratio_holds']]} |")
     return "\n".join(lines) + "\n"
@@ -202,9 +202,9 @@ def plot(summary: dict, path: str) -> None:
         err = [[s["median"] - s["low"] if s else 0.0 for s in stats],
                [s["high"] - s["median"] if s else 0.0 for s in stats]]  # fmt: skip
         ax.bar(xs, ys, width, yerr=err, capsize=2, label=p, color=colours[p])
-        for x, y, r in zip(xs, ys, rows, strict=True):
+        for x, y, s, r in zip(xs, ys, stats, rows, strict=True):
             if y:
-                ax.annotate(f"{y:.2f}", (x, y), ha="center", va="bottom", fontsize=7)
+                ax.annotate(f"{y:.2f}", (x, s["high"]), ha="center", va="bottom", fontsize=7)  # above the whisker
                 ax.annotate(r["precisions"][p]["best_other"].replace(" (plain export)", ""), (x, 0.05), rotation=90,
                             ha="center", va="bottom", fontsize=6, color="white")  # fmt: skip
     ax.axhline(1.0, color="grey", lw=0.8)

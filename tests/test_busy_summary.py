@@ -55,7 +55,7 @@ def test_each_precision_against_its_best_other_system_and_busy_over_quiet(tmp_pa
     assert not verdicts["fp32"]["lead_holds"] and not verdicts["fp32"]["ratio_holds"]
     table = (tmp_path / "summary_cpu-avx512-amx.md").read_text()
     assert "**0.80x**" in table and "**1.25x**" in table and "bf16" not in table
-    assert "| 1 busy loop | fp32 | 0.80x | **no** | 0.50 / 0.83 | **no** |" in table
+    assert "| 1 busy loop | fp32 | 0.80x | **no** | 0.500 / 0.833 | **no** |" in table
     (tmp_path / "torch2").mkdir()
     _run(tmp_path / "torch2", "c", {"torch": 2}, BUSY)  # a folder per load (make bench-busy); the summary is no run
     assert [r["load"] for r in _summary(tmp_path)["rows"]] == ["none (quiet)", "1 busy loop", "2 torch workers"]
