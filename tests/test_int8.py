@@ -125,12 +125,13 @@ def test_a_quad_pack_ends_each_panel_with_its_column_sums() -> None:
     assert torch.equal(sums[:45], 128 * values.sum(1).to(torch.int32)) and not sums[45:].any()
 
 
-@pytest.mark.parametrize(("k", "n"), [(64, 77), (384, 77), (768, 77), (3072, 77), (768, 333)])
+@pytest.mark.parametrize(("k", "n"), [(64, 77), (384, 77), (768, 77), (3072, 77), (768, 333), (3072, 1100)])
 @pytest.mark.parametrize("m", [1, 31, 33, 130])
 def test_amx_tiles_give_the_vnni_tiles_numbers_bit_for_bit(m: int, k: int, n: int) -> None:
     """Both sum the same u8 x s8 quads in exact int32 and share the epilogue: every output (bias, activation, residual
     + LayerNorm, gated, a partial last column tile) equal, at row counts below, at and past a 32-row block, K of one
-    tile step to BERT's FFN (3072), and columns enough (333) that a job holds several column tiles."""
+    tile step to BERT's FFN (3072), and columns enough (333) that a job holds several column tiles. Jobs are cut by
+    rows where W fits in half the L2, by columns where it does not (3072 x 1100: 3.3 MB)."""
     if "avx512amx" not in EXT.runnable_isas():
         pytest.skip(f"no AMX tiles here (kernels for {', '.join(EXT.runnable_isas())})")
     default = EXT.isa()
