@@ -103,6 +103,7 @@ bench: venv
 # The encode workload under each background load (benchmarks/neighbours.py), BUSY_ROUNDS times over, each round with
 # its own quiet run; then one table and plot across them (benchmarks/busy_summary.py: medians and ranges, each busy
 # run against the quiet run nearest in time): README's busy-host table. About 2-3 minutes a load and round on 2 cores.
+# Rounds left in BENCH_OUT by an earlier run are removed first: the summary takes every run in the folder.
 BUSY_LOADS   ?= none spin=1 spin=2 torch=1 torch=2
 BUSY_ROUNDS  ?= 2
 BUSY_SYSTEMS := "fastbert fp32" "fastbert int8" "fastbert bf16" "onnxruntime fp32 (plain export)" "OpenVINO fp32" \
@@ -110,6 +111,7 @@ BUSY_SYSTEMS := "fastbert fp32" "fastbert int8" "fastbert bf16" "onnxruntime fp3
 bench-busy: venv
 	$(PIP) -r requirements/bench.txt
 	$(MAKE) native || echo "make bench-busy: the native CPU extension did not build (see above)"
+	rm -rf $(BENCH_OUT)/busy/round*
 	for round in $$(seq $(BUSY_ROUNDS)); do for load in $(BUSY_LOADS); do \
 		neighbours=$$([ "$$load" = none ] || echo "--neighbours $$load"); \
 		$(PY) -m benchmarks.bench_encode --passes 2 --systems $(BUSY_SYSTEMS) $$neighbours \

@@ -58,8 +58,12 @@ def load_runs(folder: str) -> list[dict]:
         found = {r[key] for r in runs if key in r}
         if len(found) > 1:
             raise SystemExit(f"busy_summary: runs from different CPUs ({key}) in {folder}: {sorted(found)}")
-    if all(r["neighbour_counts"] for r in runs):
+    quiet = [r for r in runs if not r["neighbour_counts"]]
+    if not quiet:
         raise SystemExit(f"busy_summary: no quiet run (bench_encode without --neighbours) in {folder}")
+    if len(quiet) > 1 and any("date_utc" not in r for r in runs):
+        raise SystemExit(f"busy_summary: runs without date_utc in {folder}: with several quiet runs, each busy run is "
+                         "compared with the one nearest it in time")  # fmt: skip
     return sorted(runs, key=when)
 
 
@@ -103,17 +107,17 @@ def summarise(runs: list[dict]) -> dict:
         row = {"load": load, "load_average": max(max(r.get("load_average") or [0.0]) for r in group),
                "runs": len(group), "precisions": {}, "busy_over_quiet": {}}  # fmt: skip
         for p in ORDER:
-            mine = [g[f"fastbert {p}"] for g in got if f"fastbert {p}" in g]
+            mine = [g for g in got if f"fastbert {p}" in g]  # the runs where fastbert's row of p ran
             others = defaultdict(list)
-            for g in got:
+            for g in mine:
                 for s, v in g.items():
                     if PRECISIONS[s] == p and not s.startswith("fastbert"):
                         others[s].append(v)
-            if not mine or not others:
+            if not others:
                 continue
             best = max(others, key=lambda s: statistics.median(others[s]))
-            ratios = [g[f"fastbert {p}"] / g[best] for g in got if f"fastbert {p}" in g and best in g]
-            row["precisions"][p] = {"fastbert": statistics.median(mine), "best_other": best,
+            ratios = [g[f"fastbert {p}"] / g[best] for g in mine if best in g]
+            row["precisions"][p] = {"fastbert": statistics.median(g[f"fastbert {p}"] for g in mine), "best_other": best,
                                     "other": statistics.median(others[best]), "ratio": spread(ratios)}  # fmt: skip
         if load != QUIET:
             paired = defaultdict(list)
@@ -150,7 +154,8 @@ def cell(s: dict, template: str = "{:.2f}") -> str:
 
 
 def markdown(summary: dict) -> str:
-    rounds = max(r["runs"] for r in summary["rows"])
+    runs = sorted({r["runs"] for r in summary["rows"]})
+    rounds = str(runs[0]) if len(runs) == 1 else f"{runs[0]}-{runs[-1]}"
     lines = [f"# The encode workload under background load: {summary['device']} ({summary['cpu_kind']})", "",
              f"{summary['workload']}; commits {', '.join(c[:7] for c in summary['commits'])}; {rounds} run(s) of each "
              "load. Sentences/s (medians over a load's runs); the ratio is fastbert over the best other system of that "
@@ -177,8 +182,8 @@ def markdown(summary: dict) -> str:
               "|---|---|---:|---|---:|---|"]  # fmt: skip
     word = {True: "yes", False: "**no**", None: "-"}
     for v in summary["verdicts"]:
-        pair = ("-" if v["onnxruntime_busy_over_quiet"] is None
-                else f"{v['fastbert_busy_over_quiet']:.3f} / {v['onnxruntime_busy_over_quiet']:.3f}")  # fmt: skip
+        mine, theirs = v["fastbert_busy_over_quiet"], v["onnxruntime_busy_over_quiet"]
+        pair = "-" if mine is None or theirs is None else f"{mine:.3f} / {theirs:.3f}"
         lines.append(f"| {v['load']} | {v['precision']} | {v['lead']:.2f}x | {word[v['lead_holds']]} | {pair} | "
                      f"{word[v['ratio_holds']]} |")
     return "\n".join(lines) + "\n"

@@ -79,6 +79,29 @@ def test_rounds_give_medians_and_ranges_and_each_busy_run_meets_its_nearest_quie
     assert "**1.50x** (1.20-1.80)" in (tmp_path / "summary_cpu-avx512-amx.md").read_text()
 
 
+def test_a_system_missing_from_some_runs_leaves_a_dash_not_a_crash(tmp_path: Path) -> None:
+    # fastbert int8 failed in round 1's quiet run; OpenVINO int8 ran in round 1 only, fastbert int8's busy run in round
+    # 2 only: the lead compares runs where both ran, and busy/quiet needs a quiet figure to divide by
+    without = {s: v for s, v in QUIET.items() if s != "fastbert int8"}
+    for r, quiet in ((1, without), (2, QUIET)):
+        (tmp_path / f"round{r}").mkdir()
+        _run(tmp_path / f"round{r}", "none", {}, quiet, at=f"2026-12-07T0{r}:00:00Z")
+    busy1 = {s: v for s, v in BUSY.items() if s != "fastbert int8"}
+    busy2 = {s: v for s, v in BUSY.items() if s != "OpenVINO int8 (NNCF)"}
+    _run(tmp_path / "round1", "spin1", {"spin": 1}, busy1, at="2026-12-07T01:05:00Z")
+    _run(tmp_path / "round2", "spin1", {"spin": 1}, busy2, at="2026-12-07T02:05:00Z")
+    summary = _summary(tmp_path)
+    int8 = summary["rows"][1]["precisions"]["int8"]
+    assert int8["best_other"] == "onnxruntime dynamic int8" and int8["ratio"]["runs"] == 1
+    assert summary["rows"][1]["busy_over_quiet"]["fastbert int8"]["runs"] == 1  # round 2's pair only
+    (tmp_path / "round1" / "spin1.json").unlink()
+    (tmp_path / "round2" / "spin1.json").unlink()
+    _run(tmp_path / "round1", "spin1", {"spin": 1}, busy2, at="2026-12-07T01:05:00Z")  # its quiet run lacks int8
+    verdicts = {v["precision"]: v for v in _summary(tmp_path)["verdicts"]}
+    assert verdicts["int8"]["fastbert_busy_over_quiet"] is None and verdicts["int8"]["ratio_holds"] is None
+    assert "| 1 busy loop | int8 | 1.71x | yes | - | - |" in (tmp_path / "summary_cpu-avx512-amx.md").read_text()
+
+
 def test_a_folder_without_runs_a_quiet_run_or_one_cpu_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="no bench_encode runs"):
         busy_summary.main([str(tmp_path)])
@@ -88,4 +111,10 @@ def test_a_folder_without_runs_a_quiet_run_or_one_cpu_is_refused(tmp_path: Path)
     _run(tmp_path, "a", {}, QUIET)
     _run(tmp_path, "b", {"spin": 1}, BUSY, kind="avx2")
     with pytest.raises(SystemExit, match="different CPUs"):
+        busy_summary.main([str(tmp_path)])
+    _run(tmp_path, "b", {"spin": 1}, BUSY)
+    doc = json.loads((tmp_path / "a.json").read_text())
+    del doc["date_utc"]
+    (tmp_path / "a2.json").write_text(json.dumps(doc))  # a second quiet run: which is nearest cannot be told
+    with pytest.raises(SystemExit, match="without date_utc"):
         busy_summary.main([str(tmp_path)])

@@ -131,7 +131,8 @@ def test_amx_tiles_give_the_vnni_tiles_numbers_bit_for_bit(m: int, k: int, n: in
     """Both sum the same u8 x s8 quads in exact int32 and share the epilogue: every output (bias, activation, residual
     + LayerNorm, gated, a partial last column tile) equal, at row counts below, at and past a 32-row block, K of one
     tile step to BERT's FFN (3072), and columns enough (333) that a job holds several column tiles. Jobs are cut by
-    rows where W fits in half the L2, by columns where it does not (3072 x 1100: 3.3 MB)."""
+    rows where W fits in half the L2, by columns where it does not (3072 x 1100: 3.3 MB, past half of any L2 up to
+    6 MB)."""
     if "avx512amx" not in EXT.runnable_isas():
         pytest.skip(f"no AMX tiles here (kernels for {', '.join(EXT.runnable_isas())})")
     default = EXT.isa()
