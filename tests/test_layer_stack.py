@@ -48,7 +48,68 @@ def test_stacked_layers_equal_the_per_op_path_bitwise(ext, act: str, monkeypatch
     stacked, ran = run(model, True, monkeypatch)
     assert not stacked_before and ran
     assert torch.equal(per_op, stacked)
-    assert "layers 2-3 in one native call (every GEMM on gemm, attention on native)" in fastbert.explain()
+    assert "layers 2-3 in one native call (every GEMM on gemm, attention on native;" in fastbert.explain()
+
+
+def chunked_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """11 sequences of 0-40 tokens, 246 in all: enough for the native call to cut the batch into chunks."""
+    ids = torch.randint(1, 120, (11, 40), generator=torch.Generator().manual_seed(5))
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate((39, 5, 0, 31, 12, 40, 1, 27, 18, 33, 40)):
+        mask[row, :length] = 1
+    return ids, mask
+
+
+def cu_of(mask: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.pad(mask.sum(1).cumsum(0), (1, 0)).to(torch.int32)
+
+
+@pytest.mark.parametrize("quantize", [None, "int8", "bf16"])
+@pytest.mark.parametrize("chunks", ["", "3", "1"])
+def test_chunks_of_sequences_equal_the_per_op_path_bitwise(quantize: str | None, chunks: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The native call's chunks of whole sequences, each through every layer on one thread (one per thread, 3, or the
+    batch whole): every row bitwise the per-op path's, fp32, int8 and bf16 on fastbert's own GEMMs."""
+    monkeypatch.setenv(layer_stack.CHUNKS_ENV, chunks)
+    hidden, inner = 64, 96
+    model = tiny_bert(num_hidden_layers=4, hidden_size=hidden, num_attention_heads=2, intermediate_size=inner,
+                      hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+    if quantize == "bf16":
+        model = model.to(torch.bfloat16)
+    elif quantize == "int8":
+        model = fastbert.optimize(model, quantize="int8")
+    ids, mask = chunked_batch()
+    starts = NATIVE_CPU.sequence_chunks(cu_of(mask), hidden, inner, int(chunks or 2))
+    assert len(starts) - 1 == int(chunks or 2)  # the batch is long enough to cut as asked
+    outs = []
+    with ops.use_backend("int8" if quantize == "int8" else "gemm"), torch.inference_mode():
+        for stacked in ("0", "1"):
+            monkeypatch.setenv("FASTBERT_LAYER_STACK", stacked)
+            outs.append(model(ids, attention_mask=mask).last_hidden_state)
+    assert "attention on native; the batch" in layer_stack.describe()
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_sequences_cut_into_chunks_of_equal_work() -> None:
+    """Chunks of whole, consecutive sequences, no more than asked, each of 48 tokens at least, each ending within one
+    sequence's work past an equal share of the whole."""
+    lengths = torch.tensor([3, 120, 7, 7, 64, 0, 30, 30, 30, 200, 9, 1, 40, 8])
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    hidden, inner = 384, 1536
+    work = (lengths * (4 * hidden + 2 * inner + 2 * lengths)).double()
+    before = torch.nn.functional.pad(work.cumsum(0), (1, 0))  # work before each sequence
+    for asked in (1, 2, 3, 4, 8, 100):
+        starts = NATIVE_CPU.sequence_chunks(cu, hidden, inner, asked)
+        assert starts[0] == 0 and starts[-1] == len(lengths) and starts == sorted(set(starts))
+        assert 1 < len(starts) - 1 <= asked if asked > 1 else starts == [0, len(lengths)]
+        assert all(cu[b] - cu[a] >= 48 for a, b in zip(starts, starts[1:], strict=False))
+        for i, cut in enumerate(starts[1:-1], 1):
+            past = before[cut] - work.sum() * i / asked  # work past the equal share where the chunk ends
+            assert past >= 0 and (past <= work[cut - 1] or cu[cut - 1] - cu[starts[i - 1]] < 48)
+    sixes = torch.arange(0, 140, 20, dtype=torch.int32)  # six sequences of 20 tokens: two chunks of 48+ at most
+    assert NATIVE_CPU.sequence_chunks(sixes, hidden, inner, 4) == [0, 3, 6]
+    assert NATIVE_CPU.sequence_chunks(sixes[:6], hidden, inner, 4) == [0, 5]  # 100 tokens: 60 + 40 or 40 + 60
+    assert NATIVE_CPU.sequence_chunks(torch.tensor([0, 500], dtype=torch.int32), hidden, inner, 4) == [0, 1]
 
 
 @pytest.mark.parametrize("hidden", [78, 128])
@@ -61,7 +122,7 @@ def test_int8_layers_stack_with_their_int8_kernels(ext, hidden: int, monkeypatch
     with ops.use_backend("int8"):  # every GEMM int8, whatever this CPU's timings say
         per_op, _ = run(model, False, monkeypatch)
         stacked, ran = run(model, True, monkeypatch)
-    assert ran and "(every GEMM on int8, attention on native)" in layer_stack.describe()
+    assert ran and "(every GEMM on int8, attention on native;" in layer_stack.describe()
     assert torch.equal(per_op, stacked)  # an fp32 GEMM, or rows quantised otherwise, would change the numbers
 
 
@@ -240,6 +301,21 @@ def test_bad_native_arguments_raise() -> None:
              x, torch.empty(0), bias, bias, bias]  # fmt: skip
     with pytest.raises(ValueError, match="packed must be"):
         NATIVE_CPU.encoder_layers(x, cu, 5, 2, 1.0, layer, "gelu", [1e-12, 1e-12])
+    with pytest.raises(ValueError, match=r"chunks must be >= 0 \(0: one per thread\), got -1"):
+        NATIVE_CPU.encoder_layers(x, cu, 5, 2, 1.0, [], "gelu", [], chunks=-1)
+    with pytest.raises(ValueError, match="packed must be"):  # a bad GEMM inside a chunk raises on the calling thread
+        NATIVE_CPU.encoder_layers(torch.randn(100, 6), torch.tensor([0, 50, 100], dtype=torch.int32), 50, 2, 1.0,
+                                  layer, "gelu", [1e-12, 1e-12], chunks=2)  # fmt: skip
+
+
+def test_a_bad_chunk_count_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FASTBERT_CPU_GEMM", "gemm")
+    model = tiny_model()
+    run(model, False, monkeypatch)  # the plan's first forward
+    assert run(model, True, monkeypatch)[1]
+    monkeypatch.setenv(layer_stack.CHUNKS_ENV, "two")
+    with pytest.raises(ValueError, match="FASTBERT_STACK_CHUNKS='two': a count of chunks, 0 for one per thread"):
+        run(model, True, monkeypatch)
 
 
 def test_benchmark_times_both_paths_and_writes_its_table(tmp_path) -> None:
@@ -264,5 +340,5 @@ def test_onednn_gemms_stack_through_torch_registry(dtype: torch.dtype, monkeypat
     model = tiny_model().to(dtype)
     per_op, _ = run(model, False, monkeypatch)
     stacked, ran = run(model, True, monkeypatch)
-    assert ran and "(every GEMM on onednn, attention on native)" in layer_stack.describe()
+    assert ran and "(every GEMM on onednn, attention on native;" in layer_stack.describe()
     assert per_op.dtype == dtype and torch.equal(per_op, stacked)

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <exception>
 #include <numeric>
 #include <optional>
 #include <string>
@@ -298,11 +299,14 @@ std::pair<at::Tensor, at::Tensor> position_scores_of(const at::Tensor& scores_in
   return {scores, columns};
 }
 
+// `batch_longest`: the longest sequence of the batch these sequences are a chunk of (encoder_layers), at most
+// max_seqlen; the kernels choose their path and blocking by the longest sequence, so a chunk's rows come out as the
+// whole batch's would.
 at::Tensor attention(const at::Tensor& qkv_in, const at::Tensor& cu_seqlens, int64_t max_seqlen, double scale,
                      const std::optional<at::Tensor>& position_bias, const std::optional<at::Tensor>& position_scores,
                      const std::optional<at::Tensor>& position_columns, const std::optional<at::Tensor>& rotary_in,
-                     std::optional<int64_t> window, const std::optional<at::Tensor>& out_opt,
-                     bool bf16_products) {
+                     std::optional<int64_t> window, const std::optional<at::Tensor>& out_opt, bool bf16_products,
+                     int64_t batch_longest = 0) {
   check_device(qkv_in, kCpu, "qkv");
   check_device(cu_seqlens, kCpu, "cu_seqlens");
   const DType dtype = dtype_of(qkv_in, "qkv");
@@ -378,7 +382,7 @@ at::Tensor attention(const at::Tensor& qkv_in, const at::Tensor& cu_seqlens, int
   a.batch = batch;
   a.heads = heads;
   a.dim = dim;
-  a.max_seqlen = longest;
+  a.max_seqlen = std::max(longest, std::min(batch_longest, max_seqlen));
   a.scale = float(scale);
   a.out = out.data_ptr();
   kernels().attention(a, dtype, int(std::min<int64_t>(max_threads(), batch * heads)));
@@ -616,36 +620,16 @@ struct QuantisedBuffer {
   QuantisedRowsRef ref() const { return {qx.data_ptr<int32_t>(), sx.data_ptr<float>()}; }
 };
 
-// Post-LN encoder layers one after another in one call, for inference: per layer the QKV GEMM, attention, the output
-// projection + residual + LayerNorm, FFN in + activation, FFN out + residual + LayerNorm. The kernels and their order
-// are those of the per-op path (fastbert/layer_stack.py), without a return to Python between them. `weights`: 16 per
-// layer, {packed, scales, bias} for QKV, then for the output projection followed by its LayerNorm's weight and bias,
-// then for FFN in, then for FFN out with its LayerNorm's; `eps`: the two LayerNorms' per layer; `position_bias`: the
-// attention's relative position table, shared by every layer (MPNet), or none; `bf16_products`: the attention's, as
-// the per-op path passes it (AttentionArgs).
-at::Tensor encoder_layers(const at::Tensor& x_in, const at::Tensor& cu_seqlens, int64_t max_seqlen, int64_t heads,
-                          double scale, const std::vector<at::Tensor>& weights, const std::optional<std::string>& act,
-                          const std::vector<double>& eps, const std::optional<at::Tensor>& position_bias,
-                          bool bf16_products) {
+// The layers of encoder_layers over x's rows (whole sequences, cu_seqlens), the last layer's output into `out`. Every
+// layer's activations live in the same few buffers, allocated once: a GEMM's own output would be an allocation and a
+// free of up to [T, I] per GEMM, four a layer, where the kernels take microseconds. The layers' outputs alternate
+// between two, so that none overwrites the residual it reads.
+void run_layers(const at::Tensor& x_in, const at::Tensor& cu_seqlens, int64_t max_seqlen, int64_t heads, double scale,
+                const std::vector<at::Tensor>& weights, const std::optional<std::string>& act,
+                const std::vector<double>& eps, const std::optional<at::Tensor>& position_bias, bool bf16_products,
+                int64_t inner, int64_t batch_longest, const at::Tensor& out) {
   constexpr size_t kPerLayer = 16;
-  TORCH_CHECK_VALUE(weights.size() % kPerLayer == 0 && eps.size() * kPerLayer == 2 * weights.size(),
-                    "weights must hold 16 tensors and eps 2 values per layer, got ", weights.size(), " and ",
-                    eps.size());
-  TORCH_CHECK_VALUE(x_in.dim() == 2 && heads > 0, "x must be [T, H] and heads > 0, got ", x_in.sizes(), ", ", heads);
   const int64_t tokens = x_in.size(0), hidden = x_in.size(1);
-  TORCH_CHECK_VALUE(hidden % heads == 0, "hidden size ", hidden, " is not a multiple of ", heads, " heads");
-  const int64_t inner = weights.empty() ? 0 : weights[10].numel();  // FFN in's width: its bias's length
-  for (size_t layer = 0; layer < weights.size() / kPerLayer; ++layer) {
-    const at::Tensor* w = weights.data() + layer * kPerLayer;
-    // an fp32 GEMM's width is its bias's length (the pack is padded): each must be what the layer's shapes say
-    TORCH_CHECK_VALUE(w[2].numel() == 3 * hidden && w[5].numel() == hidden && w[10].numel() == inner &&
-                          w[13].numel() == hidden,
-                      "layer ", layer, ": biases must have 3H, H, I and H elements for H = ", hidden, " and I = ",
-                      inner, ", got ", w[2].numel(), ", ", w[5].numel(), ", ", w[10].numel(), ", ", w[13].numel());
-  }
-  // Every layer's activations in the same few buffers, allocated once: a GEMM's own output would be an allocation and
-  // a free of up to [T, I] per GEMM, four a layer, where the kernels take microseconds. The layers' outputs alternate
-  // between two, so that none overwrites the residual it reads.
   const auto buffer = [&](int64_t width) { return at::empty({tokens, width}, x_in.options()); };
   const at::Tensor qkv = buffer(3 * hidden), ctx = buffer(hidden), h = buffer(hidden), mid = buffer(inner);
   const at::Tensor outs[2] = {buffer(hidden), buffer(hidden)};
@@ -659,17 +643,118 @@ at::Tensor encoder_layers(const at::Tensor& x_in, const at::Tensor& cu_seqlens, 
     const at::Tensor q =
         stack_gemm(x, w, qkv, Handoff{x_rows, {}}, std::nullopt).view({tokens, 3, heads, hidden / heads});
     const at::Tensor c = attention(q, cu_seqlens, max_seqlen, scale, position_bias, std::nullopt, std::nullopt,
-                                   std::nullopt, std::nullopt, ctx.view({tokens, heads, hidden / heads}), bf16_products)
+                                   std::nullopt, std::nullopt, ctx.view({tokens, heads, hidden / heads}), bf16_products,
+                                   batch_longest)
                              .view({tokens, hidden});
     const QuantisedRowsRef h_rows = quad_gemm(w + 3) && quad_gemm(w + 8) ? quantised[1].ref() : QuantisedRowsRef{};
     const at::Tensor hs = stack_gemm(c, w + 3, h, Handoff{{}, h_rows}, std::nullopt, x, w[6], w[7], eps[2 * layer]);
     const at::Tensor up = stack_gemm(hs, w + 8, mid, Handoff{h_rows, {}}, act);
     x_rows = layer + 1 < layers && quad_gemm(w + 11) && quad_gemm(w + kPerLayer) ? quantised[0].ref()
                                                                                  : QuantisedRowsRef{};
-    x = stack_gemm(up, w + 11, outs[layer % 2], Handoff{{}, x_rows}, std::nullopt, hs, w[14], w[15],
-                   eps[2 * layer + 1]);
+    x = stack_gemm(up, w + 11, layer + 1 < layers ? outs[layer % 2] : out, Handoff{{}, x_rows}, std::nullopt, hs,
+                   w[14], w[15], eps[2 * layer + 1]);
   }
-  return x;
+  if (!x.is_same(out)) out.copy_(x);  // a oneDNN GEMM returns a tensor of its own
+}
+
+// Where encoder_layers cuts a batch into at most `chunks` chunks of whole sequences, each chunk through every layer on
+// one thread: the first sequence of each chunk, then `batch`. A chunk ends where the work so far (a token's GEMMs,
+// 4H + 2I multiply-adds per hidden unit, and its attention, 2 per key per hidden unit) reaches its share of the whole,
+// once it and the rest of the batch each have kChunkTokens tokens: a GEMM of a few rows runs below its rate.
+constexpr int64_t kChunkTokens = 48;
+std::vector<int64_t> sequence_chunks(const int32_t* cu, int64_t batch, int64_t hidden, int64_t inner, int chunks) {
+  const auto work = [&](int64_t b) {
+    const double len = cu[b + 1] - cu[b];
+    return len * double(4 * hidden + 2 * inner + 2 * len);
+  };
+  double total = 0;
+  for (int64_t b = 0; b < batch; ++b) total += work(b);
+  std::vector<int64_t> starts{0};
+  double done = 0;
+  for (int64_t b = 0; b + 1 < batch && int64_t(starts.size()) < chunks; ++b) {
+    done += work(b);
+    if (done >= total * double(starts.size()) / chunks && cu[b + 1] - cu[starts.back()] >= kChunkTokens &&
+        cu[batch] - cu[b + 1] >= kChunkTokens)
+      starts.push_back(b + 1);
+  }
+  starts.push_back(batch);
+  return starts;
+}
+
+// Post-LN encoder layers one after another in one call, for inference: per layer the QKV GEMM, attention, the output
+// projection + residual + LayerNorm, FFN in + activation, FFN out + residual + LayerNorm. The kernels and their order
+// are those of the per-op path (fastbert/layer_stack.py), without a return to Python between them. `weights`: 16 per
+// layer, {packed, scales, bias} for QKV, then for the output projection followed by its LayerNorm's weight and bias,
+// then for FFN in, then for FFN out with its LayerNorm's; `eps`: the two LayerNorms' per layer; `position_bias`: the
+// attention's relative position table, shared by every layer (MPNet), or none; `bf16_products`: the attention's, as
+// the per-op path passes it (AttentionArgs).
+//
+// With fastbert's own GEMMs throughout, the batch is cut into `chunks` chunks of whole sequences (0: one per thread;
+// sequence_chunks), claimed by the threads one at a time (on one thread, one after another), each chunk through every layer on its thread alone: one
+// region a forward where the layers otherwise have five a layer, each thread's weights in its own L2, and a thread the
+// OS preempted on a busy machine holds up the others only at the end, not at every region. Each row's result is the
+// same either way (rows meet only in attention, inside a sequence; tests/test_layer_stack.py).
+at::Tensor encoder_layers(const at::Tensor& x_in, const at::Tensor& cu_seqlens, int64_t max_seqlen, int64_t heads,
+                          double scale, const std::vector<at::Tensor>& weights, const std::optional<std::string>& act,
+                          const std::vector<double>& eps, const std::optional<at::Tensor>& position_bias,
+                          bool bf16_products, int64_t chunks) {
+  constexpr size_t kPerLayer = 16;
+  TORCH_CHECK_VALUE(weights.size() % kPerLayer == 0 && eps.size() * kPerLayer == 2 * weights.size(),
+                    "weights must hold 16 tensors and eps 2 values per layer, got ", weights.size(), " and ",
+                    eps.size());
+  TORCH_CHECK_VALUE(x_in.dim() == 2 && heads > 0, "x must be [T, H] and heads > 0, got ", x_in.sizes(), ", ", heads);
+  TORCH_CHECK_VALUE(chunks >= 0, "chunks must be >= 0 (0: one per thread), got ", chunks);
+  const int64_t tokens = x_in.size(0), hidden = x_in.size(1);
+  TORCH_CHECK_VALUE(hidden % heads == 0, "hidden size ", hidden, " is not a multiple of ", heads, " heads");
+  const int64_t inner = weights.empty() ? 0 : weights[10].numel();  // FFN in's width: its bias's length
+  bool own_gemms = true;
+  for (size_t layer = 0; layer < weights.size() / kPerLayer; ++layer) {
+    const at::Tensor* w = weights.data() + layer * kPerLayer;
+    // an fp32 GEMM's width is its bias's length (the pack is padded): each must be what the layer's shapes say
+    TORCH_CHECK_VALUE(w[2].numel() == 3 * hidden && w[5].numel() == hidden && w[10].numel() == inner &&
+                          w[13].numel() == hidden,
+                      "layer ", layer, ": biases must have 3H, H, I and H elements for H = ", hidden, " and I = ",
+                      inner, ", got ", w[2].numel(), ", ", w[5].numel(), ", ", w[10].numel(), ", ", w[13].numel());
+    for (int g : {0, 3, 8, 11}) own_gemms = own_gemms && !w[g].is_mkldnn();  // oneDNN's run on torch's own threads
+  }
+  const at::Tensor out = at::empty_like(x_in, at::MemoryFormat::Contiguous);
+  int64_t batch_longest = 0;  // set where the batch is cut into chunks
+  const auto run_into = [&](const at::Tensor& x, const at::Tensor& cu, const at::Tensor& rows) {
+    run_layers(x, cu, max_seqlen, heads, scale, weights, act, eps, position_bias, bf16_products, inner, batch_longest,
+               rows);
+    return rows;
+  };
+  const bool valid_cu = cu_seqlens.device().is_cpu() && cu_seqlens.scalar_type() == at::kInt &&
+                        cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 2 && cu_seqlens.is_contiguous();
+  const int threads = max_threads();
+  if (chunks == 0) chunks = threads;
+  if (chunks == 1 || !own_gemms || !valid_cu || weights.empty()) return run_into(x_in, cu_seqlens, out);
+  const int32_t* c = cu_seqlens.data_ptr<int32_t>();
+  const int64_t batch = cu_seqlens.numel() - 1;
+  bool ordered = c[0] == 0 && c[batch] == tokens;
+  for (int64_t b = 0; ordered && b < batch; ++b) {
+    ordered = c[b + 1] >= c[b] && c[b + 1] - c[b] <= max_seqlen;
+    batch_longest = std::max<int64_t>(batch_longest, c[b + 1] - c[b]);
+  }
+  if (!ordered) return run_into(x_in, cu_seqlens, out);  // the sequential path says what is wrong
+  const std::vector<int64_t> starts = sequence_chunks(c, batch, hidden, inner, int(chunks));
+  if (starts.size() <= 2) return run_into(x_in, cu_seqlens, out);
+  std::vector<std::exception_ptr> failed(starts.size() - 1);
+  parallel_jobs(int64_t(starts.size()) - 1, threads, [&](int64_t job, int) {
+    try {
+      const SoloScope alone;
+      const int64_t first = starts[job], end = starts[job + 1], row = c[first], rows = c[end] - row;
+      const at::Tensor cu = at::empty({end - first + 1}, cu_seqlens.options());
+      int32_t* own = cu.data_ptr<int32_t>();
+      for (int64_t b = first; b <= end; ++b) own[b - first] = c[b] - int32_t(row);
+      run_into(x_in.narrow(0, row, rows), cu, out.narrow(0, row, rows));
+    } catch (...) {
+      failed[size_t(job)] = std::current_exception();
+    }
+  });
+  for (const std::exception_ptr& e : failed)
+    if (e) std::rethrow_exception(e);
+  return out;
 }
 
 // The pool's claim protocol, checked: `jobs` jobs on `threads` threads, each counting its runs. Returns (every job
@@ -708,7 +793,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bias_residual_layernorm", &bias_residual_layernorm, "LayerNorm(x + bias + residual)", py::arg("x"),
         py::arg("bias"), py::arg("residual"), py::arg("ln_weight"), py::arg("ln_bias"), py::arg("eps"),
         py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
-  m.def("attention", &attention, "varlen attention over packed qkv [T, 3, nH, D] -> [T, nH, D]", py::arg("qkv"),
+  m.def("attention",
+        [](const at::Tensor& qkv, const at::Tensor& cu_seqlens, int64_t max_seqlen, double scale,
+           const std::optional<at::Tensor>& position_bias, const std::optional<at::Tensor>& position_scores,
+           const std::optional<at::Tensor>& position_columns, const std::optional<at::Tensor>& rotary,
+           std::optional<int64_t> window, const std::optional<at::Tensor>& out, bool bf16_products) {
+          return attention(qkv, cu_seqlens, max_seqlen, scale, position_bias, position_scores, position_columns, rotary,
+                           window, out, bf16_products);
+        },
+        "varlen attention over packed qkv [T, 3, nH, D] -> [T, nH, D]", py::arg("qkv"),
         py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("scale"), py::arg("position_bias") = py::none(),
         py::arg("position_scores") = py::none(), py::arg("position_columns") = py::none(),
         py::arg("rotary") = py::none(), py::arg("window") = py::none(), py::arg("out") = py::none(),
@@ -752,7 +845,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "post-LN encoder layers in one call (inference), on the kernels the per-op path runs: [T, H] -> [T, H]",
         py::arg("x"), py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("heads"), py::arg("scale"),
         py::arg("weights"), py::arg("act"), py::arg("eps"), py::arg("position_bias") = py::none(),
-        py::arg("bf16_products") = false, py::call_guard<py::gil_scoped_release>());
+        py::arg("bf16_products") = false, py::arg("chunks") = 0, py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "sequence_chunks",
+      [](const at::Tensor& cu_seqlens, int64_t hidden, int64_t inner, int64_t chunks) {
+        TORCH_CHECK_TYPE(cu_seqlens.scalar_type() == at::kInt && cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 2,
+                         "cu_seqlens must be a 1-D int32 tensor [B + 1], got ", cu_seqlens.scalar_type(), " ",
+                         cu_seqlens.sizes());
+        TORCH_CHECK_VALUE(chunks >= 1, "chunks must be >= 1, got ", chunks);
+        const at::Tensor cu = cu_seqlens.contiguous();
+        return sequence_chunks(cu.data_ptr<int32_t>(), cu.numel() - 1, hidden, inner, int(chunks));
+      },
+      "where encoder_layers cuts a batch into chunks of whole sequences: each chunk's first sequence, then B",
+      py::arg("cu_seqlens"), py::arg("hidden"), py::arg("inner"), py::arg("chunks"));
   m.def("int8_k_per_step", &int8_k_per_step,
         "k values per step of the int8 weight pack the kernels in use take: 4 (int8 quads, VNNI) or 2 (int16 pairs)");
   m.def("int8_max_k", [] { return int8_max_k(int8_k_per_step() == 4); },

@@ -43,6 +43,7 @@ std::atomic<uint32_t> history{0};
 constexpr int kLateOfRecent = 3;
 
 std::atomic<BusyPolicy> policy{BusyPolicy::pool};
+thread_local int solo_depth = 0;  // SoloScopes open on this thread
 constexpr const char* kPolicyNames[] = {"pool", "solo", "off"};  // BusyPolicy's order
 
 // A child forked after the parent's team ran has none of its threads, and GNU OpenMP hangs the child's first region
@@ -129,7 +130,7 @@ int affinity_cpus() {
 
 void run_jobs(int64_t jobs, int threads, JobFn fn, void* body) {
   threads = int(std::min<int64_t>(threads, jobs));
-  if (threads > 1 && (omp_in_parallel() || forked.load(std::memory_order_relaxed))) threads = 1;
+  if (threads > 1 && (solo_depth > 0 || omp_in_parallel() || forked.load(std::memory_order_relaxed))) threads = 1;
   if (threads > 1 && busy.load(std::memory_order_relaxed) && now_ns() < next_probe.load(std::memory_order_relaxed)) {
     if (busy_policy() == BusyPolicy::pool && run_on_workers(jobs, threads, fn, body)) return;
     threads = 1;  // solo, or another calling thread holds the workers
@@ -182,6 +183,10 @@ bool team_narrowed() { return aside_threads > 0; }
 
 int usable_threads(int torch_threads, std::string* why) {
   static const int affinity = affinity_cpus(), quota = cgroup_cpus();
+  if (solo_depth > 0) {
+    if (why != nullptr) *why = "a job of a coarser region (SoloScope)";
+    return 1;
+  }
   int n = std::max(aside_threads > 0 ? aside_threads : torch_threads, 1);
   const char* reason = "torch's intra-op threads";
   if (affinity > 0 && affinity < n) n = affinity, reason = "this process's CPU affinity";
@@ -189,6 +194,10 @@ int usable_threads(int torch_threads, std::string* why) {
   if (why != nullptr) *why = reason;
   return n;
 }
+
+SoloScope::SoloScope() { ++solo_depth; }
+
+SoloScope::~SoloScope() { --solo_depth; }
 
 int64_t late_region_count() { return late_regions.load(std::memory_order_relaxed); }
 

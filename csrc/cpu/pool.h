@@ -93,8 +93,8 @@ class LineBuffer {
 };
 
 // The threads the kernels may use: torch's intra-op count (the count before team_enter narrowed it, inside its scope),
-// capped by this process's CPU affinity and by its cgroup's CPU quota (a container given 2 CPUs of a 64-core host);
-// `why` says which of the three set it.
+// capped by this process's CPU affinity and by its cgroup's CPU quota (a container given 2 CPUs of a 64-core host), 1
+// inside a SoloScope; `why` says which set it.
 int usable_threads(int torch_threads, std::string* why = nullptr);
 
 enum class BusyPolicy { pool, solo, off };
@@ -135,5 +135,15 @@ bool team_narrowed();
 
 // Threads workers.cpp has started so far (0 until the first busy spell).
 int worker_count();
+
+// A scope in which the calling thread's regions run on it alone and usable_threads() is 1: the work inside is one job
+// of a coarser region (encoder_layers' chunks of sequences) whose other jobs keep the other threads busy.
+class SoloScope {
+ public:
+  SoloScope();
+  ~SoloScope();
+  SoloScope(const SoloScope&) = delete;
+  SoloScope& operator=(const SoloScope&) = delete;
+};
 
 }  // namespace fastbert::cpu
