@@ -620,14 +620,15 @@ struct QuantisedBuffer {
   QuantisedRowsRef ref() const { return {qx.data_ptr<int32_t>(), sx.data_ptr<float>()}; }
 };
 
-// The layers of encoder_layers over x's rows (whole sequences, cu_seqlens), the last layer's output into `out`. Every
-// layer's activations live in the same few buffers, allocated once: a GEMM's own output would be an allocation and a
-// free of up to [T, I] per GEMM, four a layer, where the kernels take microseconds. The layers' outputs alternate
-// between two, so that none overwrites the residual it reads.
-void run_layers(const at::Tensor& x_in, const at::Tensor& cu_seqlens, int64_t max_seqlen, int64_t heads, double scale,
+// The layers of encoder_layers over x's rows (whole sequences, cu_seqlens), the last layer's output into `out` where
+// given (a chunk's rows of the batch's output; fastbert's GEMMs only). Every layer's activations live in the same few
+// buffers, allocated once: a GEMM's own output would be an allocation and a free of up to [T, I] per GEMM, four a
+// layer, where the kernels take microseconds. The layers' outputs alternate between two, so that none overwrites the
+// residual it reads.
+at::Tensor run_layers(const at::Tensor& x_in, const at::Tensor& cu_seqlens, int64_t max_seqlen, int64_t heads, double scale,
                 const std::vector<at::Tensor>& weights, const std::optional<std::string>& act,
                 const std::vector<double>& eps, const std::optional<at::Tensor>& position_bias, bool bf16_products,
-                int64_t inner, int64_t batch_longest, const at::Tensor& out) {
+                int64_t inner, int64_t batch_longest, const at::Tensor* out = nullptr) {
   constexpr size_t kPerLayer = 16;
   const int64_t tokens = x_in.size(0), hidden = x_in.size(1);
   const auto buffer = [&](int64_t width) { return at::empty({tokens, width}, x_in.options()); };
@@ -651,10 +652,10 @@ void run_layers(const at::Tensor& x_in, const at::Tensor& cu_seqlens, int64_t ma
     const at::Tensor up = stack_gemm(hs, w + 8, mid, Handoff{h_rows, {}}, act);
     x_rows = layer + 1 < layers && quad_gemm(w + 11) && quad_gemm(w + kPerLayer) ? quantised[0].ref()
                                                                                  : QuantisedRowsRef{};
-    x = stack_gemm(up, w + 11, layer + 1 < layers ? outs[layer % 2] : out, Handoff{{}, x_rows}, std::nullopt, hs,
-                   w[14], w[15], eps[2 * layer + 1]);
+    x = stack_gemm(up, w + 11, layer + 1 < layers || out == nullptr ? outs[layer % 2] : *out, Handoff{{}, x_rows},
+                   std::nullopt, hs, w[14], w[15], eps[2 * layer + 1]);
   }
-  if (!x.is_same(out)) out.copy_(x);  // a oneDNN GEMM returns a tensor of its own
+  return x;
 }
 
 // Where encoder_layers cuts a batch into at most `chunks` chunks of whole sequences, each chunk through every layer on
@@ -680,6 +681,8 @@ std::vector<int64_t> sequence_chunks(const int32_t* cu, int64_t batch, int64_t h
   starts.push_back(batch);
   return starts;
 }
+
+thread_local int64_t last_chunks = 0;  // chunks the last encoder_layers call on this thread ran (1: the batch whole)
 
 // Post-LN encoder layers one after another in one call, for inference: per layer the QKV GEMM, attention, the output
 // projection + residual + LayerNorm, FFN in + activation, FFN out + residual + LayerNorm. The kernels and their order
@@ -717,18 +720,17 @@ at::Tensor encoder_layers(const at::Tensor& x_in, const at::Tensor& cu_seqlens, 
                       inner, ", got ", w[2].numel(), ", ", w[5].numel(), ", ", w[10].numel(), ", ", w[13].numel());
     for (int g : {0, 3, 8, 11}) own_gemms = own_gemms && !w[g].is_mkldnn();  // oneDNN's run on torch's own threads
   }
-  const at::Tensor out = at::empty_like(x_in, at::MemoryFormat::Contiguous);
   int64_t batch_longest = 0;  // set where the batch is cut into chunks
-  const auto run_into = [&](const at::Tensor& x, const at::Tensor& cu, const at::Tensor& rows) {
-    run_layers(x, cu, max_seqlen, heads, scale, weights, act, eps, position_bias, bf16_products, inner, batch_longest,
-               rows);
-    return rows;
+  const auto whole = [&] {
+    last_chunks = 1;
+    return run_layers(x_in, cu_seqlens, max_seqlen, heads, scale, weights, act, eps, position_bias, bf16_products,
+                      inner, 0);
   };
   const bool valid_cu = cu_seqlens.device().is_cpu() && cu_seqlens.scalar_type() == at::kInt &&
                         cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 2 && cu_seqlens.is_contiguous();
   const int threads = max_threads();
   if (chunks == 0) chunks = threads;
-  if (chunks == 1 || !own_gemms || !valid_cu || weights.empty()) return run_into(x_in, cu_seqlens, out);
+  if (chunks == 1 || !own_gemms || !valid_cu || weights.empty()) return whole();
   const int32_t* c = cu_seqlens.data_ptr<int32_t>();
   const int64_t batch = cu_seqlens.numel() - 1;
   bool ordered = c[0] == 0 && c[batch] == tokens;
@@ -736,9 +738,10 @@ at::Tensor encoder_layers(const at::Tensor& x_in, const at::Tensor& cu_seqlens, 
     ordered = c[b + 1] >= c[b] && c[b + 1] - c[b] <= max_seqlen;
     batch_longest = std::max<int64_t>(batch_longest, c[b + 1] - c[b]);
   }
-  if (!ordered) return run_into(x_in, cu_seqlens, out);  // the sequential path says what is wrong
+  if (!ordered) return whole();  // which says what is wrong
   const std::vector<int64_t> starts = sequence_chunks(c, batch, hidden, inner, int(chunks));
-  if (starts.size() <= 2) return run_into(x_in, cu_seqlens, out);
+  if (starts.size() <= 2) return whole();
+  const at::Tensor x = x_in.contiguous(), out = at::empty_like(x);  // a chunk's copies would start a team of its own
   std::vector<std::exception_ptr> failed(starts.size() - 1);
   parallel_jobs(int64_t(starts.size()) - 1, threads, [&](int64_t job, int) {
     try {
@@ -747,13 +750,16 @@ at::Tensor encoder_layers(const at::Tensor& x_in, const at::Tensor& cu_seqlens, 
       const at::Tensor cu = at::empty({end - first + 1}, cu_seqlens.options());
       int32_t* own = cu.data_ptr<int32_t>();
       for (int64_t b = first; b <= end; ++b) own[b - first] = c[b] - int32_t(row);
-      run_into(x_in.narrow(0, row, rows), cu, out.narrow(0, row, rows));
+      const at::Tensor rows_out = out.narrow(0, row, rows);
+      run_layers(x.narrow(0, row, rows), cu, max_seqlen, heads, scale, weights, act, eps, position_bias, bf16_products,
+                 inner, batch_longest, &rows_out);
     } catch (...) {
       failed[size_t(job)] = std::current_exception();
     }
   });
   for (const std::exception_ptr& e : failed)
     if (e) std::rethrow_exception(e);
+  last_chunks = int64_t(starts.size()) - 1;
   return out;
 }
 
@@ -846,6 +852,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("cu_seqlens"), py::arg("max_seqlen"), py::arg("heads"), py::arg("scale"),
         py::arg("weights"), py::arg("act"), py::arg("eps"), py::arg("position_bias") = py::none(),
         py::arg("bf16_products") = false, py::arg("chunks") = 0, py::call_guard<py::gil_scoped_release>());
+  m.def("encoder_layers_chunks", [] { return last_chunks; },
+        "chunks the last encoder_layers call on this thread cut its batch into (1: the batch whole; 0: no call yet)");
   m.def(
       "sequence_chunks",
       [](const at::Tensor& cu_seqlens, int64_t hidden, int64_t inner, int64_t chunks) {

@@ -18,10 +18,11 @@ profiling per op).
 
 With fastbert's own GEMMs, the native call cuts the batch into a chunk of whole sequences per thread, each chunk through
 every layer on its thread alone (`FASTBERT_STACK_CHUNKS`: another count; 1 keeps the batch whole, each kernel parallel
-on its own). Five parallel regions a layer become one a forward, and each thread keeps its layer's weights in its own
-L2: MiniLM-L6 at 32 x 40 tokens ran 1.23x (fp32), 1.16x (int8) and 1.15x (bf16) faster than with the batch whole on
-2 threads (`python -m benchmarks.bench_layer_stack`). On a busy machine a thread the OS preempted holds up the other
-only at the end of the call, not at every region.
+on its own). A layer's parallel regions (seven to nine: GEMMs, their quantising or splitting, attention, LayerNorms)
+become one a forward, and each thread keeps its layer's weights in its own L2: on 2 vCPUs of a Xeon with AMX, MiniLM-L6
+at 32 x 40 tokens ran 1.23x (fp32), 1.16x (int8) and 1.15x (bf16) faster than with the batch whole
+(`python -m benchmarks.bench_layer_stack`; benchmarks/results/layer_stack_cpu-avx512-amx.md). On a busy machine a
+thread the OS preempted holds up the other only at the end of the call, not at every region.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from fastbert.execution.structure import Structure, same_layers
 from fastbert.padding import Packing
 
 GEMMS = ("QKV", "attention out", "FFN in", "FFN out")  # a layer's GEMMs, in order
-MIN_CHUNK_TOKENS = 48  # the native call's kChunkTokens: no chunk shorter (an int8 GEMM of a few rows runs slowly)
+MIN_CHUNK_TOKENS = 48  # the native call's kChunkTokens: no chunk shorter (a GEMM of a few rows runs slowly)
 # GEMM backend -> (weight, bias, rows) -> its three operands as the native call takes them: (pack, per-channel scales,
 # bias), oneDNN's (pack, the rows of each call, bias)
 OPERANDS: dict[str, Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, ...]]] = {
@@ -67,16 +68,18 @@ def chunks() -> int:
     return int(value)
 
 
-def chunking() -> str:
-    """explain()'s words for chunks()."""
-    n = chunks()
-    if n == 1:
-        return f"the batch whole, each kernel parallel on its own ({CHUNKS_ENV}=1)"
-    if n == 0 and (threads := native.load("_native_cpu")[0].threading()[0]) < 2:
-        return f"the batch whole: {threads} thread"
-    count = "one per thread" if n == 0 else f"{n}"
-    return (f"the batch cut into chunks of whole sequences ({count}, each of {MIN_CHUNK_TOKENS}+ tokens), each through "
-            "every layer on one thread")
+def chunking(used: int, asked: int, own_gemms: bool) -> str:
+    """explain()'s words for a native call that ran `used` chunks, asked for `asked` (chunks())."""
+    if used > 1:
+        return (f"the batch in {used} chunks of whole sequences, each through every layer on one thread"
+                + (f" ({CHUNKS_ENV}={asked})" if asked else ""))  # fmt: skip
+    if not own_gemms:
+        why = "oneDNN's GEMMs run on torch's threads"
+    elif asked == 1:
+        why = f"{CHUNKS_ENV}=1"
+    else:
+        why = f"too few threads, sequences or tokens to cut: {MIN_CHUNK_TOKENS}+ tokens a chunk"
+    return f"the batch whole, each kernel parallel on its own ({why})"
 
 
 def _choosing(plan: Plan, op: str, chosen: list[str]) -> Callable[..., torch.Tensor]:
@@ -130,6 +133,7 @@ class Stack:
             return "FASTBERT_LAYER_STACK=0"
         if call.hidden is not None:
             return "output_hidden_states asks for every layer's output"
+        chunks()  # a bad FASTBERT_STACK_CHUNKS raises before the first layer runs
         return None
 
     def run(self, plan: Plan, call: Call, packing: Packing) -> torch.Tensor | str:
@@ -160,14 +164,14 @@ class Stack:
         first = s.layers[0].self_attention
         cpu, _ = native.load("_native_cpu")
         scale = first.scale if first.scale is not None else 1.0 / math.sqrt(first.head_dim)  # DeBERTa's 1/sqrt(3D)
-        whole = "onednn" in gemms  # oneDNN's GEMMs run on torch's threads: the native call keeps the batch whole
+        own_gemms, asked = "onednn" not in gemms, chunks()  # oneDNN's GEMMs run on torch's threads: the batch whole
         x = cpu.encoder_layers(x, packing.cu_seqlens, int(packing.max_seqlen), first.num_heads, scale, operands,
                                s.layers[0].act, eps, s.position_bias(), bf16_products=native.bf16_products(),
-                               chunks=1 if whole else chunks())[:total]  # fmt: skip
+                               chunks=asked if own_gemms else 1)[:total]  # fmt: skip
         _status["stacked"] += 1
         on = (f"every GEMM on {gemms[0]}" if len(set(gemms)) == 1
               else ", ".join(f"{what} on {name}" for what, name in zip(GEMMS, gemms, strict=True)))  # fmt: skip
-        how = "the batch whole, each kernel parallel on its own (oneDNN's GEMMs)" if whole else chunking()
+        how = chunking(cpu.encoder_layers_chunks(), asked, own_gemms)
         _status["last"] = f"layers 2-{len(s.layers)} in one native call ({on}, attention on native; {how})"
         return x
 
