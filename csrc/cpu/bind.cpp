@@ -659,9 +659,11 @@ at::Tensor run_layers(const at::Tensor& x_in, const at::Tensor& cu_seqlens, int6
 }
 
 // Where encoder_layers cuts a batch into at most `chunks` chunks of whole sequences, each chunk through every layer on
-// one thread: the first sequence of each chunk, then `batch`. A chunk ends where the work so far (a token's GEMMs,
-// 4H + 2I multiply-adds per hidden unit, and its attention, 2 per key per hidden unit) reaches its share of the whole,
-// once it and the rest of the batch each have kChunkTokens tokens: a GEMM of a few rows runs below its rate.
+// one thread: the first sequence of each chunk, then `batch`. Each cut is the sequence boundary nearest the point where
+// the work so far (a token's GEMMs, 4H + 2I multiply-adds per hidden unit, and its attention, 2 per key per hidden
+// unit) reaches an equal share, so a chunk is off its share by half a sequence's work at most: with 8 sequences a cut
+// at the first boundary past the share left one thread 12% more work than the other. Every chunk has kChunkTokens
+// tokens at least (a GEMM of a few rows runs below its rate).
 constexpr int64_t kChunkTokens = 48;
 std::vector<int64_t> sequence_chunks(const int32_t* cu, int64_t batch, int64_t hidden, int64_t inner, int chunks) {
   const auto work = [&](int64_t b) {
@@ -671,12 +673,17 @@ std::vector<int64_t> sequence_chunks(const int32_t* cu, int64_t batch, int64_t h
   double total = 0;
   for (int64_t b = 0; b < batch; ++b) total += work(b);
   std::vector<int64_t> starts{0};
-  double done = 0;
+  const auto can_cut = [&](int64_t at) {  // before sequence `at`
+    return at > starts.back() && cu[at] - cu[starts.back()] >= kChunkTokens && cu[batch] - cu[at] >= kChunkTokens;
+  };
+  double done = 0;  // the work of sequences [0, b)
   for (int64_t b = 0; b + 1 < batch && int64_t(starts.size()) < chunks; ++b) {
-    done += work(b);
-    if (done >= total * double(starts.size()) / chunks && cu[b + 1] - cu[starts.back()] >= kChunkTokens &&
-        cu[batch] - cu[b + 1] >= kChunkTokens)
-      starts.push_back(b + 1);
+    const double share = total * double(starts.size()) / chunks, after = done + work(b);
+    if (after >= share) {
+      if (share - done < after - share && can_cut(b)) starts.push_back(b);
+      else if (can_cut(b + 1)) starts.push_back(b + 1);
+    }
+    done = after;
   }
   starts.push_back(batch);
   return starts;
