@@ -20,7 +20,7 @@ With fastbert's own GEMMs, the native call cuts the batch into a chunk of whole 
 every layer on its thread alone (`FASTBERT_STACK_CHUNKS`: another count; 1 keeps the batch whole, each kernel parallel
 on its own). A layer's parallel regions (seven to nine: GEMMs, their quantising or splitting, attention, LayerNorms)
 become one a forward, and each thread keeps its layer's weights in its own L2: on 2 vCPUs of a Xeon with AMX, MiniLM-L6
-at 32 x 40 tokens ran 1.23x (fp32), 1.16x (int8) and 1.15x (bf16) faster than with the batch whole
+at 32 x 40 tokens ran 1.21x (fp32), 1.10x (int8) and 1.21x (bf16) faster than with the batch whole
 (`python -m benchmarks.bench_layer_stack`; benchmarks/results/layer_stack_cpu-avx512-amx.md). On a busy machine a
 thread the OS preempted holds up the other only at the end of the call, not at every region.
 """
