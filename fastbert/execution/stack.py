@@ -58,8 +58,8 @@ _status = {"tried": 0, "stacked": 0, "last": ""}  # for explain(): forwards that
 
 def chunks() -> int:
     """How many chunks of whole sequences the native call cuts a batch into, each through every layer on one thread
-    (csrc/cpu/bind.cpp's encoder_layers): 0, one per thread, unless FASTBERT_STACK_CHUNKS gives a count (1: the batch
-    whole, each kernel parallel on its own)."""
+    (encoder_layers, csrc/cpu/layer_stack.inc): 0, one per thread, unless FASTBERT_STACK_CHUNKS gives a count (1: the
+    batch whole, each kernel parallel on its own)."""
     value = os.environ.get(CHUNKS_ENV, "").strip()
     if not value:
         return 0
