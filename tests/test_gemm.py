@@ -20,9 +20,11 @@ pytestmark = pytest.mark.skipif(
     EXT is None or not hasattr(EXT, "fp32_linear"), reason=f"needs the native CPU extension: {EXT_REASON}"
 )
 ACTS = (None, "gelu", "gelu_tanh", "relu")
-# (M, K, N): a single element, ragged row tiles (M % 6), ragged column panels (N % 16, N % 32), K = 0, the encoder's,
-# and rows long enough (K = 2048: 8 KiB) to need several L2 row panels
-SHAPES = [(1, 1, 1), (7, 33, 50), (13, 26, 97), (64, 384, 96), (130, 100, 33), (5, 0, 20), (203, 2048, 40)]
+# (M, K, N): a single element, ragged row tiles (M % 6, M % 7: AVX2's and AVX-512's tile heights, x packed in groups
+# of them), ragged column panels (N % 16, N % 32), K = 0 (within a group and over several), the encoder's, and rows
+# long enough (K = 2048: 8 KiB) to need several L2 row panels
+SHAPES = [(1, 1, 1), (7, 33, 50), (13, 26, 97), (64, 384, 96), (130, 100, 33), (5, 0, 20), (30, 0, 40),
+          (203, 2048, 40)]
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, act: str | None = None,
@@ -72,10 +74,11 @@ def test_residual_layernorm_epilogue_matches_reference(ext, shape: tuple[int, in
     assert_close(f"fp32_linear {shape} + LayerNorm", out, reference(x, w, b, ln=(residual, lw, lb, 1e-12)))
 
 
-def test_strided_rows_and_no_bias(ext) -> None:
-    g = torch.Generator().manual_seed(1)
-    wide, w = torch.randn(9, 80, generator=g), torch.randn(20, 40, generator=g)
-    x = wide[:, 10:50]  # a row stride of 80: read in place
+@pytest.mark.parametrize("m", [9, 130])
+def test_strided_rows_and_no_bias(ext, m: int) -> None:
+    g = torch.Generator().manual_seed(m)
+    wide, w = torch.randn(m, 80, generator=g), torch.randn(20, 40, generator=g)
+    x = wide[:, 10:50]  # a row stride of 80, packed (vector kernels) or read in place, one group or many
     assert_close("fp32_linear strided", ext.fp32_linear(x, gemm.pack_panels(w, 1), 20), reference(x, w, None))
 
 
