@@ -21,6 +21,7 @@ import argparse
 import copy
 import json
 import os
+import re
 import statistics
 import time
 
@@ -91,7 +92,7 @@ def forward_ms(model: BertModel, batch: int, tokens: int, iters: int) -> dict[st
 def _how(described: str | None) -> str:
     """The stack's account of a forward, short: where its GEMMs ran, or why the layers stayed in the loop."""
     how = (described or "not tried").split("in the last forward: ", 1)[-1].split(" (stacked in ")[0]
-    how = how.replace("layers 2-6 in one native call ", "stacked ")
+    how = re.sub(r"layers \d+-\d+ in one native call ", "stacked ", how)
     return how.split("; the batch")[0] + ")" if "; the batch" in how else how
 
 

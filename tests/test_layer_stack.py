@@ -48,7 +48,7 @@ def test_stacked_layers_equal_the_per_op_path_bitwise(ext, act: str, monkeypatch
     stacked, ran = run(model, True, monkeypatch)
     assert not stacked_before and ran
     assert torch.equal(per_op, stacked)
-    assert "layers 2-3 in one native call (every GEMM on gemm, attention on native;" in fastbert.explain()
+    assert "layers 1-3 in one native call (every GEMM on gemm, attention on native;" in fastbert.explain()
 
 
 def chunked_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,9 +225,9 @@ def test_dropout_in_a_later_sublayer_keeps_it_random(monkeypatch: pytest.MonkeyP
 
 
 def test_the_forward_that_times_a_gemm_shape_stacks_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    """First use of a shape times fastbert's GEMM against the path without it (dispatched ops inside the op): the first
-    layer's GEMMs report the backend each took, not the ones the timing ran, so that forward stacks like the ones
-    after it."""
+    """First use of a shape times fastbert's GEMM against the path without it (dispatched ops inside the op), on the
+    first layer's own inputs in the loop: its GEMMs report the backend each took, not the ones the timing ran, so that
+    forward stacks the layers after it, and the next one every layer."""
     monkeypatch.delenv("FASTBERT_CPU_GEMM", raising=False)
     monkeypatch.setattr(gemm, "_verdicts", {})
 
@@ -245,6 +245,10 @@ def test_the_forward_that_times_a_gemm_shape_stacks_too(monkeypatch: pytest.Monk
     layer_shapes = {(234, 78, None, False), (78, 78, None, True), (160, 78, "gelu", False), (78, 160, None, True)}
     assert layer_shapes <= {key[:4] for key in gemm._verdicts}  # all four timed in this forward
     assert ran and torch.equal(per_op, stacked)
+    assert "layers 2-3 in one native call" in layer_stack.describe()  # the first layer timed them in the loop
+    again, ran = run(model, True, monkeypatch)
+    assert ran and torch.equal(per_op, again)
+    assert "layers 1-3 in one native call" in layer_stack.describe()  # settled: every layer in the native call
 
 
 def test_the_first_layer_runs_the_ops_the_plan_bound_not_the_dispatchs_choice(monkeypatch: pytest.MonkeyPatch) -> None:

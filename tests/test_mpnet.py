@@ -89,7 +89,7 @@ def test_left_padding_matches() -> None:
 
 @pytest.mark.skipif(NATIVE_CPU is None, reason="native CPU extension unavailable")
 def test_the_layer_stack_and_graph_replay_add_the_bias(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without hidden states asked for, the CPU layer stack runs layers 2-3 with the table; a (CPU stand-in) graph
+    """Without hidden states asked for, the CPU layer stack runs the layers with the table; a (CPU stand-in) graph
     replays it; both give transformers' output."""
     monkeypatch.setenv("FASTBERT_CPU_GEMM", "gemm")
     hf = hf_mpnet()

@@ -133,3 +133,33 @@ def test_a_held_verdict_waits_for_the_end_of_the_block_to_be_rechecked(clock: Fa
     after = [call() for _ in range(timing.RECHECK_CALLS)]
     assert during == [False] * len(during) and not timed_during
     assert after[-1] and verdicts[("shape",)].evidence is None  # re-checked quietly after the block: int8, settled
+
+
+def test_peeking_answers_from_the_verdicts_held_and_times_nothing(clock: FakeClock) -> None:
+    """What the CPU layer stack asks before its first layer runs: a held verdict is the answer; a first use or a
+    re-check that fell due raises WouldTime without running either path, and the next plain call times it."""
+    verdicts: dict[tuple, tuple[bool, str]] = {}
+    mine, other = clock.path(0.5e-3, True), clock.path(1.0e-3, False)
+
+    def call() -> bool:
+        return timing.judge(verdicts, ("shape",), mine, other, ("int8", "fp32"), "[T, K] x [K, N]")[0]
+
+    with timing.peeking(), pytest.raises(timing.WouldTime):
+        call()  # first use
+    assert clock.now == 0.0 and not verdicts
+    assert not call()  # timed during the burst: provisional, fp32 kept
+    with timing.peeking():
+        assert not call()  # held, not due yet
+    clock.now = clock.burst_s + 60.0
+    for _ in range(timing.RECHECK_CALLS):
+        with timing.peeking():
+            try:
+                call()
+            except timing.WouldTime:
+                break
+    else:
+        pytest.fail("a due re-check was answered from the provisional verdict")
+    assert clock.now == clock.burst_s + 60.0  # nothing ran
+    assert call() and verdicts[("shape",)].evidence is None  # the plain call re-checked it: int8, settled
+    with timing.peeking():
+        assert call()

@@ -45,6 +45,7 @@ CONTRADICTED = 1.25  # a probe contradicts a stored verdict when the path it tur
 
 _recheck = threading.Lock()  # one re-check at a time; other threads meanwhile run the provisional verdict's path
 _held = [0]  # > 0 inside held(): provisional verdicts are not re-checked
+_peek = threading.local()  # .on inside peeking(), on this thread
 
 
 CPU_GEMM_MODES = ("auto", "gemm", "onednn", "torch")
@@ -73,6 +74,21 @@ def held() -> Iterator[None]:
         yield
     finally:
         _held[0] -= 1
+
+
+class WouldTime(Exception):
+    """judge() inside peeking(): the verdict asked for would be timed now (a first use, or a re-check that fell due)."""
+
+
+@contextlib.contextmanager
+def peeking() -> Iterator[None]:
+    """Inside the block (this thread) judge() answers from the verdicts it holds and runs nothing; one it would time
+    raises WouldTime. The CPU layer stack asks so which backend each of its first layer's GEMMs takes before it runs."""
+    before, _peek.on = getattr(_peek, "on", False), True
+    try:
+        yield
+    finally:
+        _peek.on = before
 
 
 def samples(*fns: Callable[[], object], repeats: int = REPEATS) -> list[list[float]]:
@@ -206,14 +222,16 @@ def judge(
     and again while provisional (see the module's docstring). `names`: (mine, other) in words; `what`: the work
     timed, e.g. "[T, K] x [K, N] + gelu". Threads that time the same key at once all take the first verdict stored,
     so every call of a key runs the same path (same output) until a re-check settles it."""
-    verdict = verdicts.get(key)
-    if verdict is None and (kept := timing_store.lookup("|".join(names), key)) is not None:
+    verdict, peeking = verdicts.get(key), getattr(_peek, "on", False)
+    if verdict is None and not peeking and (kept := timing_store.lookup("|".join(names), key)) is not None:
         if not _contradicted(kept[0], mine, other, margin):
             return verdicts.setdefault(key, Verdict(kept[0], f"{kept[1]}, confirmed by a probe", None))
         timing_store.note(f"a kept verdict was contradicted by a probe and timed again ({what})")
     evidence = getattr(verdict, "evidence", None)
     if verdict is not None and (evidence is None or _held[0] or not evidence.due()):
         return verdict
+    if peeking:
+        raise WouldTime(what)
     if verdict is not None and not _recheck.acquire(blocking=False):
         return verdict  # another thread is re-checking it
     try:
