@@ -7,6 +7,7 @@ pickle (zip or raw) is refused unless `allow_pickle=True`, and even then loaded 
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -423,7 +424,12 @@ class PreTrainedModel(nn.Module):
         config = BertConfig.from_dict({k: v for k, v in hf_config.items() if k in keep})
         _check_family(cls, config)
         param = next(hf_model.parameters())
-        model = cls(config)
+        # a bare model built without its pooler (add_pooling_layer=False) has none here either: no pooler_output
+        pooler_less = getattr(hf_model, "pooler", True) is None
+        if pooler_less and "add_pooling_layer" in inspect.signature(cls).parameters:
+            model = cls(config, add_pooling_layer=False)
+        else:
+            model = cls(config)
         model.load_checkpoint_state(hf_model.state_dict())
         return model.to(device=param.device, dtype=param.dtype).train(hf_model.training)
 

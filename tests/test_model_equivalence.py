@@ -58,6 +58,19 @@ def test_bert_model_matches_transformers(name: str) -> None:
     assert torch.isfinite(b.pooler_output).all()
 
 
+def test_a_model_without_its_pooler_converts_without_one(caplog: pytest.LogCaptureFixture) -> None:
+    """transformers' BertModel(config, add_pooling_layer=False): pooler_output None, nothing newly initialised."""
+    hf = transformers.BertModel(transformers.BertConfig(**TINY), add_pooling_layer=False).eval()
+    fb = fastbert.BertModel.from_hf(hf).eval()
+    optimized = fastbert.optimize(hf)
+    ids, mask, types = ragged_batch(TINY["vocab_size"], 3, 9)
+    with torch.no_grad():
+        a, b = hf(ids, attention_mask=mask), fb(ids, attention_mask=mask)
+    assert a.pooler_output is None and b.pooler_output is None and fb.pooler is None and optimized.pooler is None
+    assert_rows_close(b.last_hidden_state, a.last_hidden_state, mask)
+    assert "newly initialised" not in caplog.text
+
+
 def test_attention_probabilities_match_eager_transformers() -> None:
     hf = transformers.BertModel(transformers.BertConfig(**TINY, attn_implementation="eager")).eval()
     fb = fastbert.BertModel.from_hf(hf).eval()
