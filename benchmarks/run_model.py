@@ -209,7 +209,15 @@ def model_config(name: str) -> Any:
 def load_model(name: str) -> nn.Module:
     """The fp32 transformers encoder a row's weights come from: random BERT-base or RoBERTa-base, the real MiniLM,
     the 3-layer student shape of the distillation recipe (MiniLM's layers 0, 3, 5: docs/distill.md), or tiny (BERT,
-    and RoBERTa: every family runs through the same rows)."""
+    and RoBERTa: every family runs through the same rows). Without its pooler: every row computes last_hidden_state
+    alone, as the exported graphs of the onnxruntime and OpenVINO rows do."""
+    model = _load_model(name)
+    if getattr(model, "pooler", None) is not None:
+        model.pooler = None
+    return model
+
+
+def _load_model(name: str) -> nn.Module:
     import transformers
 
     torch.manual_seed(0)
