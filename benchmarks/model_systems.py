@@ -123,6 +123,8 @@ def fastbert_dropin_runner(
     if not os.path.exists(path):  # one checkpoint per model of the suite, shared by its dtypes
         transformers_model(hf, "eager", torch.device("cpu")).save_pretrained(path)
     model = fastbert.auto.model_class(hf.config.model_type, "model").from_pretrained(path).to(device)
+    if getattr(hf, "pooler", True) is None:  # saved without one: from_pretrained builds a fresh one, as transformers'
+        model.pooler = None
     model = (model if dtype == torch.float32 else model.to(dtype)).eval()
     if not graphs:
         cuda_graphs.disable(model)

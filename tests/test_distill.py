@@ -20,6 +20,7 @@ from fastbert.distill import (
 )
 from fastbert.distill.data import TeacherCache, collate
 from fastbert.distill.models import load_teacher, teacher_targets
+from fastbert.distill.trainer import build_student
 from fastbert.tokenization import WordPieceTokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -60,6 +61,16 @@ def test_student_copies_exactly_the_chosen_layers(teacher_dir):
                 assert not torch.equal(value, t[other]), key
         else:
             assert torch.equal(value, t[key]), key  # embeddings and the MLM head
+
+
+def test_a_bare_teacher_without_a_pooler_gives_a_student_without_one(teacher_dir):
+    """A live transformers BertModel(add_pooling_layer=False) as teacher: the student copies every tensor it has."""
+    transformers = pytest.importorskip("transformers")
+    live = transformers.BertModel.from_pretrained(teacher_dir, add_pooling_layer=False)
+    teacher = load_teacher(live)
+    config = DistillConfig("unused", num_layers=2, objectives=Objectives.sentence_embedding(), init="copy")
+    student, layer_map = build_student(teacher, config)
+    assert teacher.pooler is None and student.pooler is None and len(layer_map) == 2
 
 
 def test_albert_and_narrow_students(teacher_dir):

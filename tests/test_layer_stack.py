@@ -354,3 +354,39 @@ def test_onednn_gemms_stack_through_torch_registry(dtype: torch.dtype, monkeypat
     stacked, ran = run(model, True, monkeypatch)
     assert ran and "(every GEMM on onednn, attention on native;" in layer_stack.describe()
     assert per_op.dtype == dtype and torch.equal(per_op, stacked)
+
+
+def test_an_untimed_onednn_row_cut_runs_the_first_layer_in_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN takes some bf16 GEMMs in row parts, where those were timed faster at the row count (onednn.row_parts, in
+    the GEMM's call): a forward at a row count whose cut is not timed yet runs the first layer in the loop, which times
+    it, and the layers after it in the native call; the next forward sends every layer there. Both are bitwise the
+    per-op path's."""
+    if onednn.gemm_dtype(torch.bfloat16) != torch.bfloat16:
+        pytest.skip("oneDNN runs bf16 GEMMs in fp32 on this CPU: nothing is cut into row parts")
+    monkeypatch.setenv("FASTBERT_CPU_GEMM", "onednn")
+    monkeypatch.setattr(onednn, "_splits", {})
+
+    def parts_faster(*fns, repeats: int = 9) -> list[list[float]]:
+        for fn in fns:
+            fn()
+        return [[1.0], [2.0]]
+
+    monkeypatch.setattr(timing, "samples", parts_faster)
+    model = tiny_model().to(torch.bfloat16)
+
+    def forward(stacked: bool, rows: int) -> torch.Tensor:
+        monkeypatch.setenv("FASTBERT_LAYER_STACK", "1" if stacked else "0")
+        ids = torch.randint(1, 120, (10, rows // 10), generator=torch.Generator().manual_seed(7))
+        with torch.inference_mode():
+            return model(ids, attention_mask=torch.ones_like(ids)).last_hidden_state
+
+    forward(True, 300)  # binds the plan module by module, timing the cuts at its row count
+    timed = set(onednn._splits)
+    rows = 280  # a row count of its own (cut from 256 rows)
+    first = forward(True, rows)
+    assert "layers 2-3 in one native call (every GEMM on onednn" in layer_stack.describe()
+    assert set(onednn._splits) > timed  # its cuts, timed by the first layer in the loop
+    again = forward(True, rows)
+    assert "layers 1-3 in one native call (every GEMM on onednn" in layer_stack.describe()
+    per_op = forward(False, rows)
+    assert torch.equal(first, per_op) and torch.equal(again, per_op)

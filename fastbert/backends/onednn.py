@@ -203,6 +203,14 @@ def row_parts(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
     return _decided_parts(shape, m)
 
 
+def parts_settled(weight: torch.Tensor, rows: int) -> bool:
+    """Whether row_parts would time nothing for a GEMM of `weight` on `rows` rows (its cut is settled, or the GEMM is
+    never cut): the CPU layer stack's question before it sends a layer's oneDNN GEMMs to the native call."""
+    dtype = weight.dtype if weight.dtype == torch.bfloat16 else torch.float32
+    shape = (gemm_dtype(dtype), *weight.shape)
+    return not _cuttable(*shape, rows) or getattr(_splits.get((*shape, rows)), "evidence", True) is None
+
+
 def _decided_parts(shape: tuple, m: int) -> tuple[int, ...]:
     """The rows of each call for a GEMM of `shape` (GEMM dtype, N, K) on `m` rows, from the verdicts so far, timing
     nothing (one call where none was made): row_parts' answer, and what the native layer stack passes."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import os
 from array import array
@@ -132,7 +133,11 @@ def build_student(teacher: PreTrainedModel, cfg: DistillConfig) -> tuple[PreTrai
     layer_map = list(cfg.layer_map) if cfg.layer_map is not None else uniform_layer_map(t_cfg.num_hidden_layers, layers)
     s_cfg = student_config(t_cfg, layers, cfg.hidden_size, layer_map, **cfg.student_overrides)
     # the teacher's family; with a pooler where it has one, so its Model class's from_pretrained works
-    student = model_class(s_cfg.model_type, "mlm" if cfg.objectives.uses_logits else "model")(s_cfg)
+    cls = model_class(s_cfg.model_type, "mlm" if cfg.objectives.uses_logits else "model")
+    if getattr(teacher, "pooler", True) is None and "add_pooling_layer" in inspect.signature(cls).parameters:
+        student = cls(s_cfg, add_pooling_layer=False)  # a bare teacher built without one (nothing to copy)
+    else:
+        student = cls(s_cfg)
     if cfg.init not in ("auto", "copy", "random"):
         raise ValueError(f"init must be 'auto', 'copy' or 'random', got {cfg.init!r}")
     if cfg.init != "random":

@@ -109,7 +109,8 @@ def first_layer_backends(plan: Plan, s: Structure, x: torch.Tensor, layer: tuple
     """The backend each of the first layer's GEMMs takes in this forward (QKV, attention out, FFN in, FFN out), from
     the plan's bound ops or the dispatch's verdicts as they stand, asked with inputs of the calls' shapes (x's own,
     and a broadcast one for FFN out's [T, I]: nothing runs on them); None where the dispatch would time a GEMM now (a
-    first use, a due re-check), which takes the layer's real inputs: the loop runs that forward's first layer."""
+    first use, a due re-check) or oneDNN its cut into row parts, which take the layer's real inputs: the loop runs
+    that forward's first layer."""
     qkv_w, qkv_b, o_w, o_b, n1_w, n1_b, eps1, i_w, i_b, act, f_w, f_b, n2_w, n2_b, eps2, _ = layer
     p_hidden, training = s.layers[0].modules[3].dropout_p, plan.mode.training
     inner = x[:1, :1].expand(x.shape[0], i_w.shape[0])  # FFN out's x: [T, I]
@@ -119,9 +120,12 @@ def first_layer_backends(plan: Plan, s: Structure, x: torch.Tensor, layer: tuple
              ("dense_residual_layernorm", (inner, f_w, f_b, x, n2_w, n2_b, eps2, p_hidden, training)))  # fmt: skip
     try:
         with timing.peeking():
-            return tuple(plan.backends[op] or ops.select(op, args, {})[1] for op, args in calls)
+            chosen = tuple(plan.backends[op] or ops.select(op, args, {})[1] for op, args in calls)
     except timing.WouldTime:
         return None
+    weights = (qkv_w, o_w, i_w, f_w)
+    cuts = [onednn.parts_settled(w, x.shape[0]) for name, w in zip(chosen, weights, strict=True) if name == "onednn"]
+    return chosen if all(cuts) else None
 
 
 class Stack:
@@ -202,7 +206,7 @@ class Stack:
         return x
 
     def note(self, plan: Plan) -> str:
-        return f"the CPU layer stack (layer 1 in the loop): {_status['last']}"
+        return f"the CPU layer stack: {_status['last']}"
 
     def __reduce__(self) -> str:
         return "STACK"
@@ -212,7 +216,7 @@ STACK = Stack()
 
 
 def describe() -> str | None:
-    """explain()'s line: how the encoder's later layers ran in the last forward that tried, None before any did."""
+    """explain()'s line: how the encoder's layers ran in the last forward that tried, None before any did."""
     if not _status["last"]:
         return None
     return (f"the encoder's layers in the last forward: {_status['last']} (stacked in {_status['stacked']} of "
