@@ -16,8 +16,9 @@ registry), every layer goes to the extension's `encoder_layers`, each GEMM on th
 Where a GEMM would be timed first (a shape's first use, a due re-check), the first layer runs in the loop, which times
 it on the layer's real inputs, and the layers after it go to the native call. The output is bitwise the loop's
 (tests/test_layer_stack.py). `FASTBERT_LAYER_STACK=0` turns it off (every layer in the loop, as when profiling per
-op). With the first layer in the native call, a forward of one 128-token sequence through all-MiniLM-L6-v2's shape
-does no more in Python than embed, ask and call.
+op). The first layer in the native call, against in the loop, on all-MiniLM-L6-v2's shape: one 128-token sequence
+1.02x faster in fp32 and 1.03x in int8, one of 16 tokens 1.06x (fp32), 8 x 24 tokens 1.10x (int8: its chunks take the
+first layer too).
 
 With fastbert's own GEMMs, the native call cuts the batch into a chunk of whole sequences per thread, each chunk through
 every layer on its thread alone (`FASTBERT_STACK_CHUNKS`: another count; 1 keeps the batch whole, each kernel parallel
