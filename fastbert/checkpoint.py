@@ -424,14 +424,17 @@ class PreTrainedModel(nn.Module):
         config = BertConfig.from_dict({k: v for k, v in hf_config.items() if k in keep})
         _check_family(cls, config)
         param = next(hf_model.parameters())
-        # a bare model built without its pooler (add_pooling_layer=False) has none here either: no pooler_output
-        pooler_less = getattr(hf_model, "pooler", True) is None
-        if pooler_less and "add_pooling_layer" in inspect.signature(cls).parameters:
-            model = cls(config, add_pooling_layer=False)
-        else:
-            model = cls(config)
+        model = built_like(cls, config, hf_model)
         model.load_checkpoint_state(hf_model.state_dict())
         return model.to(device=param.device, dtype=param.dtype).train(hf_model.training)
+
+
+def built_like(cls: type[M], config: BertConfig, source: nn.Module) -> M:
+    """`cls(config)`, without a pooler where `cls` is a bare model class and `source` a bare model built without one
+    (transformers' add_pooling_layer=False): nothing to copy into it, and no pooler_output, as the source's."""
+    if getattr(source, "pooler", True) is None and "add_pooling_layer" in inspect.signature(cls).parameters:
+        return cls(config, add_pooling_layer=False)
+    return cls(config)
 
 
 def _check_family(cls: type, config: BertConfig) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import inspect
 import json
 import os
 from array import array
@@ -20,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fastbert.auto import model_class
-from fastbert.checkpoint import PreTrainedModel
+from fastbert.checkpoint import PreTrainedModel, built_like
 from fastbert.distill.data import TeacherCache, collate, read_corpus, tokenize_corpus
 from fastbert.distill.models import DistillStudent, has_mlm_head, load_teacher, teacher_targets
 from fastbert.distill.objectives import Objectives
@@ -134,10 +133,7 @@ def build_student(teacher: PreTrainedModel, cfg: DistillConfig) -> tuple[PreTrai
     s_cfg = student_config(t_cfg, layers, cfg.hidden_size, layer_map, **cfg.student_overrides)
     # the teacher's family; with a pooler where it has one, so its Model class's from_pretrained works
     cls = model_class(s_cfg.model_type, "mlm" if cfg.objectives.uses_logits else "model")
-    if getattr(teacher, "pooler", True) is None and "add_pooling_layer" in inspect.signature(cls).parameters:
-        student = cls(s_cfg, add_pooling_layer=False)  # a bare teacher built without one (nothing to copy)
-    else:
-        student = cls(s_cfg)
+    student = built_like(cls, s_cfg, teacher)
     if cfg.init not in ("auto", "copy", "random"):
         raise ValueError(f"init must be 'auto', 'copy' or 'random', got {cfg.init!r}")
     if cfg.init != "random":
