@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fastbert.backends import native
+
 
 @dataclass(frozen=True)
 class Packing:
@@ -68,6 +70,9 @@ def unpad_and_read(
     if attention_mask is None or batch == 0:
         packing = dense(batch, seqlen, device)  # launched before the sync, which then waits for it too
         return packing, (extra.tolist() if extra.numel() else [])
+    if device.type == "cpu" and (cpu := native.input_reader(attention_mask, extra)) is not None:
+        max_seqlen, _, cu, indices = cpu.mask_packing(attention_mask)  # one pass; the sync is the extra's read
+        return Packing(batch, seqlen, cu, max_seqlen, indices), (extra.tolist() if extra.numel() else [])
     valid = attention_mask.to(device=device, dtype=torch.bool)
     lengths = valid.sum(dim=1, dtype=torch.int64)
     cu = F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))  # before the sync: nothing after it waits for it

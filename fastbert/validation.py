@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fastbert.backends import native
 from fastbert.config import BertConfig
 
 _INT_DTYPES = (torch.int64, torch.int32)  # what every backend's embedding gather takes (torch's F.embedding included)
@@ -150,22 +151,34 @@ def _range_check(
         checks.append(("token_type_ids", token_type_ids))
     if position_ids is not None:
         checks.append(("position_ids", position_ids))
-    stats = [torch.stack([t.min(), t.max()]).long() for _, t in checks]
-    mask_bad = None
-    if attention_mask is not None and attention_mask.dtype != torch.bool:
-        mask_bad = ((attention_mask != 0) & (attention_mask != 1)).any().long().view(1)
+    flagged_mask = attention_mask if attention_mask is not None and attention_mask.dtype != torch.bool else None
     pad_id = config.pad_token_id if attention_mask is None and input_ids is not None else None
-    pad_seen = None
-    if pad_id is not None:  # transformers' cheap test: a pad id in the first or last column
-        ends = torch.stack([input_ids[:, 0], input_ids[:, -1]])  # slices: a list index is a host-to-device copy
-        pad_seen = (ends == pad_id).any().long().view(1)
-    parts = stats + [t for t in (mask_bad, pad_seen) if t is not None]
-    if not parts:
+    if not checks and flagged_mask is None and pad_id is None:
         return None
+    cpu = native.input_reader(input_ids, attention_mask, token_type_ids, position_ids)
+    if cpu is not None:  # one pass each, the same values
+        ends = input_ids if pad_id is not None else None
+        values = cpu.input_ranges([t for _, t in checks], flagged_mask, ends, 0 if pad_id is None else pad_id)
+    else:
+        values = _range_values([t for _, t in checks], flagged_mask, input_ids, pad_id)
     limits = {
         "input_ids": ("vocab_size", config.vocab_size),
         "token_type_ids": ("type_vocab_size", config.type_vocab_size),
         "position_ids": ("max_position_embeddings", config.max_position_embeddings),
     }
     named = tuple((name, *limits[name]) for name, _ in checks)
-    return RangeCheck(named, mask_bad is not None, torch.cat([t.to(parts[0].device) for t in parts]), pad_id)
+    return RangeCheck(named, flagged_mask is not None, values, pad_id)
+
+
+def _range_values(
+    ids: list[torch.Tensor], flagged_mask: torch.Tensor | None, input_ids: torch.Tensor | None, pad_id: int | None
+) -> torch.Tensor:
+    """RangeCheck.values with torch's ops, left on the inputs' device: (min, max) per id tensor, whether the mask
+    holds a value other than 0 and 1, whether a pad id is in the first or last column (the flags where asked)."""
+    parts = [torch.stack([t.min(), t.max()]).long() for t in ids]
+    if flagged_mask is not None:
+        parts.append(((flagged_mask != 0) & (flagged_mask != 1)).any().long().view(1))
+    if pad_id is not None:  # transformers' cheap test: a pad id in the first or last column
+        ends = torch.stack([input_ids[:, 0], input_ids[:, -1]])  # slices: a list index is a host-to-device copy
+        parts.append((ends == pad_id).any().long().view(1))
+    return torch.cat([t.to(parts[0].device) for t in parts])

@@ -13,6 +13,7 @@ pytest.importorskip("triton")
 EAGER_CEILING, GRAPHED_CEILING = 1000, 300  # Python calls per forward (transformers makes ~2,000)
 TRAINING_CEILING = 1000  # Python calls per training forward under bf16 autocast (4,571 when autocast was per call)
 REPLAY_ATEN_CEILING = 12  # ATen ops between the host sync and a replay: all that serialises the GPU there
+CPU_CEILING = 800  # Python calls per CPU inference forward, every layer in the native layer stack (712 measured)
 
 
 def bert_base(training: bool = False) -> fastbert.BertModel:
@@ -42,6 +43,25 @@ def test_eager_and_graphed_forwards_stay_under_their_python_call_ceilings() -> N
     assert eager.dispatches <= 1 and graphed.dispatches <= 1  # the pooler's GEMM; the encoder's ops are bound
     assert eager.python_calls < EAGER_CEILING, eager
     assert graphed.launches == 0 and graphed.python_calls < GRAPHED_CEILING, graphed
+
+
+def test_a_cpu_inference_forward_stays_under_its_python_call_ceiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU path's Python around the native layer stack: input checks and packing (read in the extension), the
+    dispatch's four questions about the first layer's GEMMs, the packed weights of every layer."""
+    from fastbert.backends import native
+    from fastbert.execution import stack
+
+    if native.load("_native_cpu")[0] is None:
+        pytest.skip(f"native CPU extension unavailable: {native.load('_native_cpu')[1]}")
+    monkeypatch.setenv("FASTBERT_CPU_GEMM", "gemm")  # fastbert's GEMMs without first-use timing: one path throughout
+    model, (ids, mask) = bert_base(), ragged()
+    with torch.inference_mode():
+        for _ in range(2):
+            model(ids, attention_mask=mask)
+        work = count(lambda: model(ids, attention_mask=mask))
+    assert "layers 1-12 in one native call" in stack.describe()
+    assert work.dispatches == 5, work  # the first layer's four GEMMs and the pooler's
+    assert work.python_calls < CPU_CEILING, work
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["dense", "ragged"])

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "../bind_utils.h"
+#include "inputs.h"
 #include "kernels.h"
 #include "pool.h"
 
@@ -122,8 +123,10 @@ at::Tensor ids_of(const at::Tensor& ids, at::ScalarType type, int64_t rows, cons
   check_device(ids, kCpu, what);
   at::Tensor flat = ids.reshape({-1}).to(type).contiguous();
   if (flat.numel() > 0) {
-    const int64_t lo = flat.min().item<int64_t>(), hi = flat.max().item<int64_t>();
-    TORCH_CHECK_INDEX(lo >= 0 && hi < rows, what, " out of range: [", lo, ", ", hi, "] for a table of ", rows, " rows");
+    int64_t range[2];
+    min_max(flat, range);
+    TORCH_CHECK_INDEX(range[0] >= 0 && range[1] < rows, what, " out of range: [", range[0], ", ", range[1],
+                      "] for a table of ", rows, " rows");
   }
   return flat;
 }
@@ -566,6 +569,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace fastbert::cpu;
   m.doc() = "fastbert native CPU kernels (C++, OpenMP, runtime ISA dispatch)";
   kernels();  // pick the ISA once, at import, before any thread can race on it
+  m.def("input_ranges", &input_ranges, "the input checks' values: (min, max) per id tensor, then the flags (inputs.h)",
+        py::arg("ids"), py::arg("mask"), py::arg("pad_ends"), py::arg("pad_id"));
+  m.def("mask_packing", &mask_packing, "a [B, S] mask's (longest, total, cu_seqlens, indices or None) (inputs.h)",
+        py::arg("mask"));
   m.def("embedding_layernorm", &embedding_layernorm, "LayerNorm(word[ids] + pos[pos] + type[tt]) -> [*, E]",
         py::arg("input_ids"), py::arg("token_type_ids"), py::arg("position_ids"), py::arg("word_weight"),
         py::arg("position_weight"), py::arg("type_weight"), py::arg("ln_weight"), py::arg("ln_bias"), py::arg("eps"),

@@ -114,23 +114,28 @@ def fp32_mode() -> str:
     return "bf16x3" if asked != "fma" and has_tiles else "fma"
 
 
-def fp32_kernel(k: int) -> str:
-    """The kernel an fp32 GEMM over K takes: "bf16x3" where fp32_mode() says so and K is whole tile steps of 32,
-    else "fma"."""
-    return "bf16x3" if k % 32 == 0 and fp32_mode() == "bf16x3" else "fma"
+def fp32_kernel(k: int, mode: str | None = None) -> str:
+    """The kernel an fp32 GEMM over K takes: "bf16x3" where `mode` (fp32_mode() when None) says so and K is whole
+    tile steps of 32, else "fma"."""
+    return "bf16x3" if k % 32 == 0 and (mode or fp32_mode()) == "bf16x3" else "fma"
 
 
-def fp32_pack(weight: torch.Tensor) -> torch.Tensor:
+def fp32_pack(weight: torch.Tensor, mode: str | None = None) -> torch.Tensor:
     """The cached pack of an fp32 weight for the kernel its K takes (fp32_kernel): bf16x3 parts or fp32 panels."""
-    if fp32_kernel(weight.shape[1]) == "bf16x3":
+    if fp32_kernel(weight.shape[1], mode) == "bf16x3":
         return _packs.get(weight, ("bf16x3",), (), lambda: pack_bf16x3(weight))
     return packed(weight)
 
 
-def operands(weight: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def operands(
+    weight: torch.Tensor, bias: torch.Tensor, mode: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A GEMM as the native `encoder_layers` takes it (fastbert.execution.stack): (packed panels, bf16 for a bf16
-    weight, bf16x3 parts or fp32 for an fp32 one (fp32_pack); no scales; bias)."""
-    return packed(weight, torch.bfloat16) if weight.dtype == torch.bfloat16 else fp32_pack(weight), NO_SCALES, bias
+    weight, bf16x3 parts or fp32 for an fp32 one (fp32_pack, in `mode`: fp32_mode() read once for a forward's
+    layers); no scales; bias)."""
+    if weight.dtype == torch.bfloat16:
+        return packed(weight, torch.bfloat16), NO_SCALES, bias
+    return fp32_pack(weight, mode), NO_SCALES, bias
 
 
 def bf16_refusal(op: str, call: dict) -> str | None:

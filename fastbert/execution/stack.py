@@ -48,12 +48,12 @@ from fastbert.padding import Packing
 
 GEMMS = ("QKV", "attention out", "FFN in", "FFN out")  # a layer's GEMMs, in order
 MIN_CHUNK_TOKENS = 48  # the native call's kChunkTokens: no chunk shorter (a GEMM of a few rows runs slowly)
-# GEMM backend -> (weight, bias, rows) -> its three operands as the native call takes them: (pack, per-channel scales,
-# bias), oneDNN's (pack, the rows of each call, bias)
-OPERANDS: dict[str, Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, ...]]] = {
-    "gemm": lambda w, b, rows: gemm.operands(w, b),
-    "int8": lambda w, b, rows: int8.operands(w, b),
-    "onednn": onednn.operands,
+# GEMM backend -> (weight, bias, rows, fp32 mode) -> its three operands as the native call takes them: (pack,
+# per-channel scales, bias), oneDNN's (pack, the rows of each call, bias)
+OPERANDS: dict[str, Callable[[torch.Tensor, torch.Tensor, int, str], tuple[torch.Tensor, ...]]] = {
+    "gemm": lambda w, b, rows, fp32: gemm.operands(w, b, fp32),
+    "int8": lambda w, b, rows, fp32: int8.operands(w, b),
+    "onednn": lambda w, b, rows, fp32: onednn.operands(w, b, rows),
 }
 
 CHUNKS_ENV = "FASTBERT_STACK_CHUNKS"
@@ -182,11 +182,12 @@ class Stack:
             return rows.cut(loop.layers(plan, s, weights, x, packing), total, None)
         operands: list[torch.Tensor] = []
         eps: list[float] = []
+        fp32 = gemm.fp32_mode() if "gemm" in gemms else ""  # read once for every layer's packs
         for qkv_w, qkv_b, o_w, o_b, n1_w, n1_b, eps1, i_w, i_b, _, f_w, f_b, n2_w, n2_b, eps2, _ in weights:
             linears = ((qkv_w, qkv_b), (o_w, o_b), (i_w, i_b), (f_w, f_b))
             norms = (None, (n1_w, n1_b, eps1), None, (n2_w, n2_b, eps2))
             for (w, b), backend, norm in zip(linears, gemms, norms, strict=True):
-                operands += OPERANDS[backend](w, b, x.shape[0])
+                operands += OPERANDS[backend](w, b, x.shape[0], fp32)
                 if norm is not None:  # an output projection, followed by its LayerNorm
                     operands += [norm[0], norm[1]]
                     eps.append(norm[2])
