@@ -101,12 +101,12 @@ def _gelu_times_up(y: torch.Tensor) -> torch.Tensor:
 def systems() -> tuple[str, ...]:
     """The columns of this run: the int16-pair int8 GEMM only where the kernels in use read quads (VNNI), the FMA fp32
     GEMM only where fp32 GEMMs run as bf16x3."""
-    return SYSTEMS + ((PAIRS,) if int8.k_per_step() == 4 else ()) + ((FMA,) if gemm.fp32_mode() == "bf16x3" else ())
+    return SYSTEMS + ((PAIRS,) if int8.k_per_step() == 4 else ()) + ((FMA,) if gemm.fp32_mode() != "fma" else ())
 
 
 def run(hiddens: list[int], rows: list[int], budget: float) -> dict:
     cpu, _ = native.load("_native_cpu")
-    tiles = gemm.fp32_mode() == "bf16x3"
+    tiles = gemm.fp32_mode() != "fma"
     peaks = [cpu.arithmetic_peak("fp32", 0.5)]  # measured before and after the GEMMs: the higher is the roof
     tile_peaks = [cpu.arithmetic_peak("amx_bf16", 0.5) if tiles else None]
     results = []

@@ -161,9 +161,9 @@ def suite_for(device: torch.device, kind: str) -> Suite:
         systems = tuple(s for s in CPU_SYSTEMS if "compile" not in s)
         return Suite(models, ("fp32", "bf16"), dict.fromkeys(models, (headline,)), systems)
     shapes = {
-        "bert-base": (headline, Shape(1, 128, False)),
+        "bert-base": (headline, Shape(1, 16, False), Shape(1, 128, False)),
         "roberta-base": (headline,),
-        "minilm": (headline, Shape(1, 128, False), Shape(32, 128, True), Shape(8, 512, True)),
+        "minilm": (headline, Shape(1, 16, False), Shape(1, 128, False), Shape(32, 128, True), Shape(8, 512, True)),
         "minilm-l3": (headline,),
         "deberta-v3-base": (Shape(8, 512, True),),  # with --models deberta-v3-base: issue 37's shape
         # with --models modernbert-base / gte-base: issue 36's shapes (8 x 512 ragged; the encode workload's 32 x 128)
@@ -333,7 +333,7 @@ def measure_arithmetic_peak(device: torch.device, dtype_name: str) -> float | No
     if module is None:
         return None
     peak = module.arithmetic_peak(dtype_name)
-    if dtype_name == "fp32" and gemm.fp32_mode() == "bf16x3" and (tiles := module.arithmetic_peak("amx_bf16")):
+    if dtype_name == "fp32" and gemm.fp32_mode() != "fma" and (tiles := module.arithmetic_peak("amx_bf16")):
         peak = max(peak or 0.0, tiles / 6)
     return peak
 

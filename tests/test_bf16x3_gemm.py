@@ -143,14 +143,21 @@ def test_bad_kernel_arguments_raise(amx) -> None:
 
 
 def test_which_fp32_calls_take_it(amx, monkeypatch: pytest.MonkeyPatch) -> None:
-    x, w, b = operands(9, 64, 40)
-    assert gemm.fp32_mode() == "bf16x3"
-    assert (gemm.fp32_kernel(64), gemm.fp32_kernel(78)) == ("bf16x3", "fma")
-    assert gemm.fp32_pack(w).dtype == torch.bfloat16
+    """The tiles above FMA_ROWS rows where K is whole tile steps; vector FMA at fewer rows (its own pack) and at any
+    other K; FASTBERT_CPU_FP32=bf16x3 asks for the tiles at any row count, =fma for vector FMA throughout."""
+    (x, w, b), few = operands(gemm.FMA_ROWS + 1, 64, 40), torch.randn(gemm.FMA_ROWS, 64)
+    assert gemm.fp32_mode() == "auto"
+    kernels = (gemm.fp32_kernel(64, gemm.FMA_ROWS + 1), gemm.fp32_kernel(64, gemm.FMA_ROWS), gemm.fp32_kernel(78, 99))
+    assert kernels == ("bf16x3", "fma", "fma")
+    assert gemm.fp32_pack(w, 17).dtype == torch.bfloat16 and gemm.fp32_pack(w, 16).dtype == torch.float32
     assert torch.equal(gemm.linear(x, w, b, "gelu"), amx.bf16x3_linear(x, gemm.pack_bf16x3(w), 40, b, "gelu"))
-    assert "bf16x3" in gemm.describe()
+    assert torch.equal(gemm.linear(few, w, b, "gelu"), amx.fp32_linear(few, gemm.pack_panels(w, 1), 40, b, "gelu"))
+    assert "bf16x3" in gemm.describe() and f"above {gemm.FMA_ROWS} rows" in gemm.describe()
+    monkeypatch.setenv(gemm.FP32_ENV, "bf16x3")
+    assert gemm.fp32_kernel(64, 1) == "bf16x3" and "above" not in gemm.describe()
+    assert torch.equal(gemm.linear(few, w, b, "gelu"), amx.bf16x3_linear(few, gemm.pack_bf16x3(w), 40, b, "gelu"))
     monkeypatch.setenv(gemm.FP32_ENV, "fma")
-    assert gemm.fp32_kernel(64) == "fma" and gemm.fp32_pack(w).dtype == torch.float32
+    assert gemm.fp32_kernel(64, 99) == "fma" and gemm.fp32_pack(w, 99).dtype == torch.float32
     assert torch.equal(gemm.linear(x, w, b, "gelu"), amx.fp32_linear(x, gemm.pack_panels(w, 1), 40, b, "gelu"))
     assert "FMA" in gemm.describe() and "bf16x3" not in gemm.describe().split(";")[0]
     monkeypatch.setenv(gemm.FP32_ENV, "fast")
@@ -178,8 +185,27 @@ def test_an_fp32_model_on_it_matches_transformers_and_stacks_bitwise(amx, monkey
         chosen = ops.select("linear", (torch.randn(5, 64), model.encoder.layer[0].intermediate.dense.weight), {})[1]
     valid = mask.bool()
     assert (outs[0][valid] - expected[valid]).abs().max().item() <= 1e-5
-    assert chosen == "gemm" and gemm.fp32_kernel(64) == "bf16x3"
+    assert chosen == "gemm" and gemm.fp32_kernel(64, int(mask.sum())) == "bf16x3"
     monkeypatch.setenv(gemm.FP32_ENV, "fma")  # the same model on the FMA kernel: other roundings, so bf16x3 ran above
     with torch.inference_mode():
         fma = model(ids, attention_mask=mask).last_hidden_state
     assert not torch.equal(fma, outs[0]) and (fma[valid] - expected[valid]).abs().max().item() <= 1e-5
+
+
+def test_a_short_query_runs_on_vector_fma_stacked_and_per_op(amx, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One sequence of FMA_ROWS tokens or fewer: every layer's GEMMs on the FMA kernel, stacked and per op alike
+    (bitwise the output with FASTBERT_CPU_FP32=fma, not the tiles' with =bf16x3), within DESIGN's fp32 atol of each
+    other."""
+    monkeypatch.setenv("FASTBERT_CPU_GEMM", "gemm")
+    model = tiny_bert(hidden_size=64, num_attention_heads=4, intermediate_size=128, num_hidden_layers=3)
+    ids = torch.randint(1, 120, (1, gemm.FMA_ROWS), generator=torch.Generator().manual_seed(4))
+    outs = {}
+    for mode, stacked in (("auto", "1"), ("auto", "0"), ("fma", "1"), ("bf16x3", "1")):
+        monkeypatch.setenv(gemm.FP32_ENV, mode)
+        monkeypatch.setenv("FASTBERT_LAYER_STACK", stacked)
+        with torch.inference_mode():
+            outs[mode, stacked] = model(ids).last_hidden_state
+    assert "layers 1-3 in one native call" in layer_stack.describe()
+    assert torch.equal(outs["auto", "1"], outs["auto", "0"]) and torch.equal(outs["auto", "1"], outs["fma", "1"])
+    assert not torch.equal(outs["auto", "1"], outs["bf16x3", "1"])
+    assert (outs["auto", "1"] - outs["bf16x3", "1"]).abs().max().item() <= 1e-5

@@ -44,6 +44,11 @@ NO_SCALES = torch.empty(0)  # an fp32 pack's per-channel scales, for `operands`
 _TIE_MARGIN = 1.0  # its epilogues are in both timings: faster outright, or the other path keeps the call
 FP32_ENV = "FASTBERT_CPU_FP32"
 FP32_MODES = ("auto", "bf16x3", "fma")
+# fp32 GEMMs of this many rows or fewer take vector FMA where the tiles could run them ("auto"): at so few rows both
+# kernels wait on the weight, and the FMA pack's 4 bytes an element come faster than the three bf16 parts' 6
+# (all-MiniLM-L6-v2 at one 16-token sentence: 1.18x back to back, 1.19x between other systems' calls; BERT-base
+# 1.16x there; at 24 rows the tiles are 1.07x faster)
+FMA_ROWS = 16
 
 _packs = WeightCache()  # (weight) -> packed panels: fp32, bf16 or bf16x3 parts
 # (N, K, act, epilogue (_EPILOGUES), size class) -> (gemm wins, why)
@@ -103,39 +108,44 @@ def pack_bf16x3(weight: torch.Tensor) -> torch.Tensor:
 
 
 def fp32_mode() -> str:
-    """How fastbert's fp32 GEMMs multiply here: "bf16x3" (AMX bf16 tiles, three bf16 parts an operand) where the
-    kernels have AMX bf16 tiles, else "fma"; FASTBERT_CPU_FP32=fma asks for vector FMA anywhere. A value that is
-    not a mode is a ValueError listing them."""
+    """How fastbert's fp32 GEMMs multiply here: "auto" (AMX bf16 tiles, three bf16 parts an operand, above FMA_ROWS
+    rows; vector FMA at fewer) where the kernels have AMX bf16 tiles, else "fma"; FASTBERT_CPU_FP32=bf16x3 asks for
+    the tiles at any row count, =fma for vector FMA anywhere. A value that is not a mode is a ValueError listing
+    them."""
     asked = os.environ.get(FP32_ENV, "auto")
     if asked not in FP32_MODES:
         raise ValueError(f"{FP32_ENV}={asked!r} is not one of {', '.join(FP32_MODES)}")
     cpu, _ = native.load("_native_cpu")
     has_tiles = cpu is not None and hasattr(cpu, "bf16x3_linear") and cpu.has_bf16_linear()
-    return "bf16x3" if asked != "fma" and has_tiles else "fma"
+    return asked if asked != "fma" and has_tiles else "fma"
 
 
-def fp32_kernel(k: int, mode: str | None = None) -> str:
-    """The kernel an fp32 GEMM over K takes: "bf16x3" where `mode` (fp32_mode() when None) says so and K is whole
-    tile steps of 32, else "fma"."""
-    return "bf16x3" if k % 32 == 0 and (mode or fp32_mode()) == "bf16x3" else "fma"
+def fp32_kernel(k: int, rows: int, mode: str | None = None) -> str:
+    """The kernel an fp32 GEMM of `rows` rows over K takes: "bf16x3" where `mode` (fp32_mode() when None) allows the
+    tiles and K is whole tile steps of 32, in "auto" only above FMA_ROWS rows; else "fma"."""
+    mode = mode or fp32_mode()
+    if mode == "fma" or k % 32 or (mode == "auto" and rows <= FMA_ROWS):
+        return "fma"
+    return "bf16x3"
 
 
-def fp32_pack(weight: torch.Tensor, mode: str | None = None) -> torch.Tensor:
-    """The cached pack of an fp32 weight for the kernel its K takes (fp32_kernel): bf16x3 parts or fp32 panels."""
-    if fp32_kernel(weight.shape[1], mode) == "bf16x3":
+def fp32_pack(weight: torch.Tensor, rows: int, mode: str | None = None) -> torch.Tensor:
+    """The cached pack of an fp32 weight for the kernel a call of `rows` rows takes (fp32_kernel): bf16x3 parts or
+    fp32 panels (a weight called at both sizes keeps both)."""
+    if fp32_kernel(weight.shape[1], rows, mode) == "bf16x3":
         return _packs.get(weight, ("bf16x3",), (), lambda: pack_bf16x3(weight))
     return packed(weight)
 
 
 def operands(
-    weight: torch.Tensor, bias: torch.Tensor, mode: str | None = None
+    weight: torch.Tensor, bias: torch.Tensor, rows: int, mode: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A GEMM as the native `encoder_layers` takes it (fastbert.execution.stack): (packed panels, bf16 for a bf16
-    weight, bf16x3 parts or fp32 for an fp32 one (fp32_pack, in `mode`: fp32_mode() read once for a forward's
-    layers); no scales; bias)."""
+    """A GEMM of `rows` rows as the native `encoder_layers` takes it (fastbert.execution.stack): (packed panels, bf16
+    for a bf16 weight, bf16x3 parts or fp32 for an fp32 one (fp32_pack, in `mode`: fp32_mode() read once for a
+    forward's layers); no scales; bias)."""
     if weight.dtype == torch.bfloat16:
         return packed(weight, torch.bfloat16), NO_SCALES, bias
-    return fp32_pack(weight, mode), NO_SCALES, bias
+    return fp32_pack(weight, rows, mode), NO_SCALES, bias
 
 
 def bf16_refusal(op: str, call: dict) -> str | None:
@@ -163,7 +173,7 @@ def linear(
     cpu, _ = native.load("_native_cpu")
     if x.dtype == torch.bfloat16:
         return cpu.bf16_linear(x, packed(weight, torch.bfloat16), weight.shape[0], bias, act)
-    pack = fp32_pack(weight)
+    pack = fp32_pack(weight, x.numel() // max(x.shape[-1], 1))
     run = cpu.bf16x3_linear if pack.dtype == torch.bfloat16 else cpu.fp32_linear
     return run(x, pack, weight.shape[0], bias, act)
 
@@ -254,7 +264,7 @@ def dense_residual_layernorm(
     if x.dtype == torch.bfloat16:
         return cpu.bf16_linear(x, packed(weight, torch.bfloat16), weight.shape[0], bias, None, residual, ln_weight,
                                ln_bias, eps)  # fmt: skip
-    pack = fp32_pack(weight)
+    pack = fp32_pack(weight, x.shape[0])
     run = cpu.bf16x3_linear if pack.dtype == torch.bfloat16 else cpu.fp32_linear
     return run(x, pack, weight.shape[0], bias, None, residual, ln_weight, ln_bias, eps)
 
@@ -364,7 +374,8 @@ def _refuses(op: str, call: dict, forced: bool) -> str | None:
 
     def verdict() -> tuple[bool, str]:
         x = call["x"]
-        kernel = fp32_kernel(x.shape[-1]) if x.dtype == torch.float32 and op != "gated_linear" else None
+        fp32 = x.dtype == torch.float32 and op != "gated_linear"
+        kernel = fp32_kernel(x.shape[-1], x.numel() // x.shape[-1]) if fp32 else None
         return judge(_verdicts, op, call, mine, fallback[op], ("gemm", "oneDNN/torch"), _TIE_MARGIN, kernel)
 
     return refuses_call(call, forced, op, verdict, bf16_refusal)
@@ -383,9 +394,11 @@ def describe() -> str | None:
     cpu, _ = native.load("_native_cpu")
     bf16 = ("bf16 on AMX tiles (tdpbf16ps: 16 x 16 fp32 sums of 32 bf16 products each) where K is a multiple of 32"
             if getattr(cpu, "has_bf16_linear", bool)() else "no bf16 (no AMX tiles here: bf16 GEMMs run on oneDNN)")
-    if fp32_mode() == "bf16x3":
-        fp32 = ("fp32 on AMX bf16 tiles where K is a multiple of 32 (bf16x3: each operand as three bf16 parts, six "
-                f"products summed in fp32, fp32's accuracy; {FP32_ENV}=fma for vector FMA), else on vector FMA tiles")
+    if (mode := fp32_mode()) != "fma":
+        rows = f"above {FMA_ROWS} rows " if mode == "auto" else ""
+        fp32 = (f"fp32 on AMX bf16 tiles {rows}where K is a multiple of 32 (bf16x3: each operand as three bf16 parts, "
+                f"six products summed in fp32, fp32's accuracy; {FP32_ENV}=fma for vector FMA"
+                + (", =bf16x3 for the tiles at any row count" if rows else "") + "), else on vector FMA tiles")
     else:
         why = f"{FP32_ENV}=fma" if os.environ.get(FP32_ENV) == "fma" else "no AMX bf16 tiles here"
         fp32 = f"fp32 on vector FMA tiles ({why})"

@@ -51,7 +51,7 @@ MIN_CHUNK_TOKENS = 48  # the native call's kChunkTokens: no chunk shorter (a GEM
 # GEMM backend -> (weight, bias, rows, fp32 mode) -> its three operands as the native call takes them: (pack,
 # per-channel scales, bias), oneDNN's (pack, the rows of each call, bias)
 OPERANDS: dict[str, Callable[[torch.Tensor, torch.Tensor, int, str], tuple[torch.Tensor, ...]]] = {
-    "gemm": lambda w, b, rows, fp32: gemm.operands(w, b, fp32),
+    "gemm": gemm.operands,
     "int8": lambda w, b, rows, fp32: int8.operands(w, b),
     "onednn": lambda w, b, rows, fp32: onednn.operands(w, b, rows),
 }
