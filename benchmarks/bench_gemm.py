@@ -1,7 +1,8 @@
 """The encoder's GEMMs with their epilogues, side by side in one run: fastbert's fp32 kernel (the `gemm` backend),
 oneDNN with a prepacked weight, torch (F.linear, then the epilogue), and fastbert's int8 kernel for scale (on VNNI
 kernels also as int16 pairs, the pack it reads without VNNI: what the u8 x s8 quads gain). Where fastbert's fp32
-GEMMs run as bf16x3 on AMX tiles (gemm.fp32_mode()), its vector FMA kernel is a column of its own.
+GEMMs run as bf16x3 on AMX tiles (gemm.fp32_mode(); above gemm.FMA_ROWS rows), its vector FMA kernel is a column of
+its own.
 
 Per layer of a BERT encoder with hidden size H on M tokens: QKV [M, H] x [H, 3H]; attention output [M, H] x [H, H]
 + residual + LayerNorm; FFN in [M, H] x [H, 4H] + GELU; FFN out [M, 4H] x [4H, H] + residual + LayerNorm; and a gated
@@ -156,8 +157,8 @@ def markdown(doc: dict) -> str:
         "",
         *((f"**{warning}**", "") if (warning := model_report.load_warning(doc)) else ()),
         f"GFLOP/s (2 M N K per second; int8: multiply-adds x 2), and fastbert gemm's share of the {label}."
-        + (" fastbert gemm runs fp32 as bf16x3 on AMX tiles where K is a multiple of 32; fastbert gemm (FMA) is its "
-           "vector FMA kernel." if FMA in names else ""),
+        + (f" fastbert gemm runs fp32 as bf16x3 on AMX tiles where K is a multiple of 32, above {gemm.FMA_ROWS} rows; "
+           "fastbert gemm (FMA) is its vector FMA kernel." if FMA in names else ""),
         "",
         "| H | M | layer | " + " | ".join(names) + " | gemm / oneDNN | gemm / torch | gemm % of peak |",
         "|---:|---:|---|" + "---:|" * (len(names) + 3),

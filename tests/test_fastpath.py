@@ -133,7 +133,7 @@ def test_gemm_calibration_is_reported_in_explain(monkeypatch: pytest.MonkeyPatch
     x, w = torch.randn(5, 24), torch.randn(12, 24)
     with torch.no_grad(), ops.exclude_backends("gemm"):  # oneDNN's own verdict decides (gemm may beat both here)
         ops.linear(x, w)
-    verdict = onednn.verdicts()[(torch.float32, 12, 24, False, False, "small")]
+    verdict = onednn.verdicts()[(torch.float32, 12, 24, False, False, "few")]
     assert "for [5, 24] x [24, 12] float32: oneDNN " in verdict[1] and " ms vs F.linear " in verdict[1]
     assert fastbert.explain().count("linear: ") == 1
     assert ("linear: onednn" in fastbert.explain()) == verdict[0]
@@ -156,7 +156,7 @@ def test_gemm_calibration_times_the_path_it_would_replace(monkeypatch: pytest.Mo
     x, w, b = torch.randn(7, 40), torch.randn(20, 40), torch.randn(20)
     with torch.no_grad():
         ops.linear(x, w, b, "gelu")
-    verdict = onednn.verdicts()[(torch.float32, 20, 40, True, True, "small")]
+    verdict = onednn.verdicts()[(torch.float32, 20, 40, True, True, "few")]
     assert " ms vs F.linear + bias_act " in verdict[1]
     assert calls and torch.equal(calls[0][1], b) and calls[0][2] == "gelu"
 
@@ -183,7 +183,7 @@ def test_residual_calibration_times_whole_ops(monkeypatch: pytest.MonkeyPatch) -
         monkeypatch.setattr(timing_store, "lookup", lambda *a: None)  # no verdict kept from an earlier run
         with torch.no_grad(), ops.exclude_backends("gemm"), ops.watching() as chosen:
             out = ops.dense_residual_layernorm(x, w, b, res, lw, lb, 1e-12)
-        key = (torch.float32, torch.float32, 20, 40, "residual", "small")
+        key = (torch.float32, torch.float32, 20, 40, "residual", "few")
         assert onednn.verdicts()[key][0] == onednn_faster and "the op without it" in onednn.verdicts()[key][1]
         assert chosen[0] == ("dense_residual_layernorm", "onednn" if onednn_faster else "torch")
         assert "bias_residual_layernorm" in {op for op, _ in ran}  # the rival: a GEMM, then the epilogue op
@@ -192,7 +192,7 @@ def test_residual_calibration_times_whole_ops(monkeypatch: pytest.MonkeyPatch) -
         assert_close("dense_residual_layernorm", out, reference.dense_residual_layernorm(*wide, 1e-12))
     with torch.no_grad(), ops.exclude_backends("gemm"):  # a bf16 call is timed apart from the fp32 one
         ops.dense_residual_layernorm(*(t.bfloat16() for t in (x, w, b, res, lw, lb)), 1e-12)
-    assert (torch.bfloat16, onednn.gemm_dtype(torch.bfloat16), 20, 40, "residual", "small") in onednn.verdicts()
+    assert (torch.bfloat16, onednn.gemm_dtype(torch.bfloat16), 20, 40, "residual", "few") in onednn.verdicts()
 
 
 def test_training_uses_autograd_path_and_gets_gradients() -> None:

@@ -83,7 +83,7 @@ def test_encoder_layers_release_the_gil() -> None:
     ones, zeros = torch.ones(H), torch.zeros(H)
 
     def dense(n: int, k: int) -> list[torch.Tensor]:
-        return list(gemm.operands(torch.randn(n, k, generator=g) / k**0.5, torch.randn(n, generator=g)))
+        return list(gemm.operands(torch.randn(n, k, generator=g) / k**0.5, torch.randn(n, generator=g), T))
 
     layer = [*dense(3 * H, H), *dense(H, H), ones, zeros, *dense(FFN, H), *dense(H, FFN), ones, zeros]
     call = lambda: EXT.encoder_layers(x, cu, 56, HEADS, 1 / math.sqrt(H // HEADS), layer * 2, "gelu", [1e-12] * 4)  # noqa: E731

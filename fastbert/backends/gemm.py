@@ -9,7 +9,9 @@ fp32 on AMX tiles (`bf16x3_linear`, amx_bf16x3_linear.inc): where the kernels ha
 whose K is a multiple of 32 splits x and W into three bf16 parts each and sums the six products that reach fp32's
 rounding, with fp32's accuracy (its error against an fp64 reference within 2x that of torch fp32 or the FMA kernel,
 tests/test_bf16x3_gemm.py) at 1.1-1.6x the FMA kernel's speed at BERT-base's shapes (`python -m
-benchmarks.bench_gemm`). `FASTBERT_CPU_FP32=fma` keeps fp32 GEMMs on vector FMA.
+benchmarks.bench_gemm`), above FMA_ROWS rows: at fewer the GEMM waits on its weight, whose FMA pack (4 bytes an
+element) comes faster than the three parts (6). `FASTBERT_CPU_FP32=fma` keeps fp32 GEMMs on vector FMA, `=bf16x3` on
+the tiles at any row count.
 The kernel keeps its split rows (and, at K over 768, its running sums) allocated on each calling thread between calls,
 up to 64 MiB each.
 
@@ -44,11 +46,11 @@ NO_SCALES = torch.empty(0)  # an fp32 pack's per-channel scales, for `operands`
 _TIE_MARGIN = 1.0  # its epilogues are in both timings: faster outright, or the other path keeps the call
 FP32_ENV = "FASTBERT_CPU_FP32"
 FP32_MODES = ("auto", "bf16x3", "fma")
-# fp32 GEMMs of this many rows or fewer take vector FMA where the tiles could run them ("auto"): at so few rows both
-# kernels wait on the weight, and the FMA pack's 4 bytes an element come faster than the three bf16 parts' 6
-# (all-MiniLM-L6-v2 at one 16-token sentence: 1.18x back to back, 1.19x between other systems' calls; BERT-base
-# 1.16x there; at 24 rows the tiles are 1.07x faster)
-FMA_ROWS = 16
+# fp32 GEMMs of this many rows or fewer (timing's "few" size class) take vector FMA where the tiles could run them
+# ("auto"): at so few rows both kernels wait on the weight, and the FMA pack's 4 bytes an element come faster than the
+# three bf16 parts' 6 (all-MiniLM-L6-v2 at one 16-token sentence: 1.18x back to back, 1.19x between other systems'
+# calls; BERT-base 1.16x there; at 24 rows the tiles are 1.07x faster)
+FMA_ROWS = timing.FEW_M
 
 _packs = WeightCache()  # (weight) -> packed panels: fp32, bf16 or bf16x3 parts
 # (N, K, act, epilogue (_EPILOGUES), size class) -> (gemm wins, why)
@@ -264,7 +266,7 @@ def dense_residual_layernorm(
     if x.dtype == torch.bfloat16:
         return cpu.bf16_linear(x, packed(weight, torch.bfloat16), weight.shape[0], bias, None, residual, ln_weight,
                                ln_bias, eps)  # fmt: skip
-    pack = fp32_pack(weight, x.shape[0])
+    pack = fp32_pack(weight, x.numel() // max(x.shape[-1], 1))
     run = cpu.bf16x3_linear if pack.dtype == torch.bfloat16 else cpu.fp32_linear
     return run(x, pack, weight.shape[0], bias, None, residual, ln_weight, ln_bias, eps)
 

@@ -125,7 +125,7 @@ def input_reader(*tensors: torch.Tensor | None) -> ModuleType | None:
     packing in fastbert.padding: one pass each, not a dozen small torch ops): every given tensor on the CPU, the
     native backend not left out (`ops.exclude_backends`), not under tracing; else None (torch's ops, any device)."""
     cpu = _loaded.get("_native_cpu", (None, None))[0] or load("_native_cpu")[0]
-    if cpu is None or "native" in scope.excluded_backends() or torch.compiler.is_compiling():
+    if cpu is None or "native" in scope.excluded_backends() or torch.compiler.is_compiling() or torch.jit.is_tracing():
         return None
     return cpu if all(t is None or t.is_cpu for t in tensors) else None
 

@@ -30,7 +30,10 @@ import torch
 
 from fastbert.backends import timing_store
 
-SMALL_M = 128  # calibration size classes: latency-sized (M < 128 rows) and throughput-sized inputs
+# calibration size classes: a few rows (M <= FEW_M: a GEMM waits on its weight; fastbert's fp32 GEMMs take vector FMA
+# there, fastbert.backends.gemm.FMA_ROWS), latency-sized (M < SMALL_M) and throughput-sized inputs
+FEW_M = 16
+SMALL_M = 128
 REPEATS = 9  # interleaved samples of each path per check
 NOISY = 1.5  # a path whose median sample is this far above its best was disturbed while timed (quiet: 1.0-1.1x)
 NOISE_FLOOR_S = 50e-6  # ...by at least this much per call: below it a wrong pick costs too little to check again
@@ -62,7 +65,7 @@ def cpu_gemm_mode() -> str:
 
 def size_class(rows: int) -> str:
     """The size class a GEMM of `rows` rows is judged in: one verdict per class and weight shape."""
-    return "small" if rows < SMALL_M else "large"
+    return "few" if rows <= FEW_M else "small" if rows < SMALL_M else "large"
 
 
 @contextlib.contextmanager
