@@ -48,8 +48,8 @@ FP32_ENV = "FASTBERT_CPU_FP32"
 FP32_MODES = ("auto", "bf16x3", "fma")
 # fp32 GEMMs of this many rows or fewer (timing's "few" size class) take vector FMA where the tiles could run them
 # ("auto"): at so few rows both kernels wait on the weight, and the FMA pack's 4 bytes an element come faster than the
-# three bf16 parts' 6 (all-MiniLM-L6-v2 at one 16-token sentence: 1.18x back to back, 1.19x between other systems'
-# calls; BERT-base 1.16x there; at 24 rows the tiles are 1.07x faster)
+# three bf16 parts' 6. One sequence, back to back, 2 threads: all-MiniLM-L6-v2 1.66x (16 tokens), 1.15x (24), 1.27x
+# (28), 0.89x (32); BERT-base 1.55x, 1.19x, 1.23x, 0.86x.
 FMA_ROWS = timing.FEW_M
 
 _packs = WeightCache()  # (weight) -> packed panels: fp32, bf16 or bf16x3 parts
