@@ -192,6 +192,14 @@ def test_an_fp32_model_on_it_matches_transformers_and_stacks_bitwise(amx, monkey
     assert not torch.equal(fma, outs[0]) and (fma[valid] - expected[valid]).abs().max().item() <= 1e-5
 
 
+def test_a_bucketed_batch_takes_its_real_rows_kernel(amx) -> None:
+    """Row buckets (fastbert.execution.rows) must not change a GEMM's kernel, or a forward's bits would depend on
+    whether its rows were bucketed: FMA_ROWS is a bucket's bound."""
+    from fastbert.execution.rows import bucket
+
+    assert all(gemm.fp32_kernel(64, rows) == gemm.fp32_kernel(64, bucket(rows)) for rows in range(1, 300))
+
+
 def test_a_short_query_runs_on_vector_fma_stacked_and_per_op(amx, monkeypatch: pytest.MonkeyPatch) -> None:
     """One sequence of FMA_ROWS tokens or fewer: every layer's GEMMs on the FMA kernel, stacked and per op alike
     (bitwise the output with FASTBERT_CPU_FP32=fma, not the tiles' with =bf16x3), within DESIGN's fp32 atol of each

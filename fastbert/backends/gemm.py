@@ -48,8 +48,9 @@ FP32_ENV = "FASTBERT_CPU_FP32"
 FP32_MODES = ("auto", "bf16x3", "fma")
 # fp32 GEMMs of this many rows or fewer (timing's "few" size class) take vector FMA where the tiles could run them
 # ("auto"): at so few rows both kernels wait on the weight, and the FMA pack's 4 bytes an element come faster than the
-# three bf16 parts' 6. One sequence, back to back, 2 threads: all-MiniLM-L6-v2 1.66x (16 tokens), 1.15x (24), 1.27x
-# (28), 0.89x (32); BERT-base 1.55x, 1.19x, 1.23x, 0.86x.
+# three bf16 parts' 6, and the FMA kernel cuts such GEMMs by columns alone (csrc/cpu/linear.inc, kFewRows). One
+# sequence, back to back, 2 threads: all-MiniLM-L6-v2 1.66x (16 tokens), 1.15x (24), 1.26x (28), 1.10x (32); BERT-base
+# 1.55x, 1.19x, 1.21x, 1.09x. A row bucket's bound, so bucketing never changes a GEMM's kernel.
 FMA_ROWS = timing.FEW_M
 
 _packs = WeightCache()  # (weight) -> packed panels: fp32, bf16 or bf16x3 parts

@@ -32,7 +32,7 @@ from fastbert.backends import timing_store
 
 # calibration size classes: a few rows (M <= FEW_M: a GEMM waits on its weight; fastbert's fp32 GEMMs take vector FMA
 # there, fastbert.backends.gemm.FMA_ROWS), latency-sized (M < SMALL_M) and throughput-sized inputs
-FEW_M = 28  # two of the AVX-512 FMA kernel's 14-row tiles: csrc/cpu/linear.inc cuts such GEMMs by columns alone
+FEW_M = 32  # a row bucket's bound (fastbert.execution.rows): a bucketed batch stays in its real rows' class
 SMALL_M = 128
 REPEATS = 9  # interleaved samples of each path per check
 NOISY = 1.5  # a path whose median sample is this far above its best was disturbed while timed (quiet: 1.0-1.1x)
