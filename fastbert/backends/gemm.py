@@ -123,6 +123,11 @@ def fp32_mode() -> str:
     return asked if asked != "fma" and has_tiles else "fma"
 
 
+def rows_of(x: torch.Tensor) -> int:
+    """The rows of a GEMM on x [*, K]: what its kernel and its size class are chosen by."""
+    return x.numel() // max(x.shape[-1], 1)
+
+
 def fp32_kernel(k: int, rows: int, mode: str | None = None) -> str:
     """The kernel an fp32 GEMM of `rows` rows over K takes: "bf16x3" where `mode` (fp32_mode() when None) allows the
     tiles and K is whole tile steps of 32, in "auto" only above FMA_ROWS rows; else "fma"."""
@@ -176,7 +181,7 @@ def linear(
     cpu, _ = native.load("_native_cpu")
     if x.dtype == torch.bfloat16:
         return cpu.bf16_linear(x, packed(weight, torch.bfloat16), weight.shape[0], bias, act)
-    pack = fp32_pack(weight, x.numel() // max(x.shape[-1], 1))
+    pack = fp32_pack(weight, rows_of(x))
     run = cpu.bf16x3_linear if pack.dtype == torch.bfloat16 else cpu.fp32_linear
     return run(x, pack, weight.shape[0], bias, act)
 
@@ -267,7 +272,7 @@ def dense_residual_layernorm(
     if x.dtype == torch.bfloat16:
         return cpu.bf16_linear(x, packed(weight, torch.bfloat16), weight.shape[0], bias, None, residual, ln_weight,
                                ln_bias, eps)  # fmt: skip
-    pack = fp32_pack(weight, x.numel() // max(x.shape[-1], 1))
+    pack = fp32_pack(weight, rows_of(x))
     run = cpu.bf16x3_linear if pack.dtype == torch.bfloat16 else cpu.fp32_linear
     return run(x, pack, weight.shape[0], bias, None, residual, ln_weight, ln_bias, eps)
 
@@ -343,7 +348,7 @@ def judge(
     the fp32 and int8 GEMM backends' first-use verdict, checked again while provisional (timing.judge). `names`:
     (mine, other) in words; `kernel`: which of its kernels `mine` runs, where that varies (a verdict per kernel)."""
     x, weight = call["x"], call["weight"]
-    rows = x.numel() // x.shape[-1]
+    rows = rows_of(x)
     dtype = str(x.dtype).removeprefix("torch.")
     if kernel is not None:
         dtype += f" as {kernel}"
@@ -378,7 +383,7 @@ def _refuses(op: str, call: dict, forced: bool) -> str | None:
     def verdict() -> tuple[bool, str]:
         x = call["x"]
         fp32 = x.dtype == torch.float32 and op != "gated_linear"
-        kernel = fp32_kernel(x.shape[-1], x.numel() // x.shape[-1]) if fp32 else None
+        kernel = fp32_kernel(x.shape[-1], rows_of(x)) if fp32 else None
         return judge(_verdicts, op, call, mine, fallback[op], ("gemm", "oneDNN/torch"), _TIE_MARGIN, kernel)
 
     return refuses_call(call, forced, op, verdict, bf16_refusal)

@@ -124,10 +124,12 @@ def input_reader(*tensors: torch.Tensor | None) -> ModuleType | None:
     """The CPU extension, where a forward's input reads can run in it (fastbert.validation's range checks, the mask's
     packing in fastbert.padding: one pass each, not a dozen small torch ops): every given tensor on the CPU, the
     native backend not left out (`ops.exclude_backends`), not under tracing; else None (torch's ops, any device)."""
-    cpu = _loaded.get("_native_cpu", (None, None))[0] or load("_native_cpu")[0]
+    if not all(t is None or t.is_cpu for t in tensors):  # first: a GPU forward asks nothing more
+        return None
+    cpu, _ = load("_native_cpu")
     if cpu is None or "native" in scope.excluded_backends() or torch.compiler.is_compiling() or torch.jit.is_tracing():
         return None
-    return cpu if all(t is None or t.is_cpu for t in tensors) else None
+    return cpu
 
 
 _policy = ["off"]  # the extension's policy as last set, so oversubscribed() with it off calls nothing per GEMM
