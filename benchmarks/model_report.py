@@ -70,6 +70,26 @@ def write_results(directory: str, stem: str, doc: dict[str, Any], markdown: Call
     return table
 
 
+UNSTEADY = 0.85  # a fixed GEMM's median speed below this share of its best: the host's other tenants were busy
+
+
+def host_steadiness(seconds: float = 1.5) -> dict[str, float]:
+    """A fixed fp32 GEMM on cache-resident operands ([128, 384] x [384, 384], torch's threads), timed over and over
+    for `seconds`: its best and median GFLOP/s. Other tenants of a shared host (a VM's neighbours) slow it for a second
+    or two at a time while this machine's load average stays low; on a quiet host the median is within a few percent
+    of the best."""
+    x, w = torch.randn(128, 384), torch.randn(384, 384)
+    flops = 2 * 128 * 384 * 384
+    for _ in range(5):
+        torch.mm(x, w)
+    times, end = [], time.perf_counter() + seconds
+    while (start := time.perf_counter()) < end:
+        torch.mm(x, w)
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return {"best_gflops": flops / times[0] / 1e9, "median_gflops": flops / times[len(times) // 2] / 1e9}
+
+
 def cpu_run() -> dict[str, Any]:
     """What every CPU benchmark's JSON opens with: the machine (name, ISA class, results key), torch's threads,
     versions, commit, time and load."""
@@ -82,6 +102,7 @@ def cpu_run() -> dict[str, Any]:
         "commit": git_commit(),
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "load_average": os.getloadavg(),
+        "host_steadiness": host_steadiness(),
     }
 
 
@@ -96,6 +117,7 @@ def document(
         "commit": git_commit(),
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "host_steadiness": host_steadiness() if device.type == "cpu" else None,
         "wall_seconds": round(seconds, 1),
         "peak_flops": dict(peaks),  # the best large matmul measured in this run: the "% peak" denominator
         "arithmetic_peak_flops": dict(ceilings),  # from registers (CPU): what no GEMM can pass (run_model)
@@ -105,8 +127,8 @@ def document(
 
 
 def load_warning(doc: dict[str, Any]) -> str | None:
-    """One line for every table and plot of a run that was not alone on its CPUs: the neighbours it was given, or a
-    load average above the CPU count; None for a quiet run."""
+    """One line for every table and plot of a run that was not alone on its CPUs: the neighbours it was given, a
+    load average above the CPU count, or a host whose other tenants made a fixed GEMM unsteady; None for a quiet run."""
     load = [*(doc.get("load_average") or ()), *(doc.get("load_average_at_start") or ())]
     cpus = os.cpu_count() or 1
     if doc.get("neighbour_counts"):
@@ -115,6 +137,12 @@ def load_warning(doc: dict[str, Any]) -> str | None:
     if load and max(load) > cpus:
         return (f"Warning: the machine was oversubscribed (load average up to {max(load):.1f} on {cpus} CPUs): "
                 "timings measure scheduling stalls as much as compute.")  # fmt: skip
+    steady = doc.get("host_steadiness")
+    if steady and steady["median_gflops"] < UNSTEADY * steady["best_gflops"]:
+        return (f"Warning: the host was unsteady: a fixed cache-resident GEMM ran at a median "
+                f"{steady['median_gflops'] / steady['best_gflops']:.0%} of its best speed at the end of the run (other "
+                "tenants of the host, which the load average does not show): read the ratios of interleaved rounds, "
+                "not absolute figures.")  # fmt: skip
     return None
 
 

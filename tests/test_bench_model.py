@@ -383,3 +383,20 @@ def test_a_failed_rows_reason_keeps_the_cause_after_a_location_line() -> None:
     long = model_systems.failure(ValueError("x" * 5000))
     assert len(long) <= len("ValueError: ") + model_systems.FAILURE_CHARS and long.endswith("...")
     assert model_systems.failure(KeyError()) == "KeyError: no message"
+
+
+@pytest.mark.parametrize(("median", "warned"), [(70.0, True), (95.0, False), (None, False)])
+def test_an_unsteady_host_is_warned_about_though_its_load_is_low(median: float | None, warned: bool) -> None:
+    """A quiet load average with a fixed GEMM's median well below its best (a shared host's other tenants) gets the
+    warning every table and plot prints; a steady probe, or none recorded (older runs), does not."""
+    doc = {"load_average": (0.1, 0.1, 0.1), "host_steadiness": None}
+    if median is not None:
+        doc["host_steadiness"] = {"best_gflops": 100.0, "median_gflops": median}
+    warning = model_report.load_warning(doc)
+    assert (warning is not None and "unsteady" in warning and f"{median / 100:.0%}" in warning) if warned else (
+        warning is None)  # fmt: skip
+
+
+def test_host_steadiness_times_a_real_gemm() -> None:
+    probe = model_report.host_steadiness(seconds=0.05)
+    assert 0 < probe["median_gflops"] <= probe["best_gflops"]
