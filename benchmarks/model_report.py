@@ -92,7 +92,7 @@ def host_steadiness(seconds: float = 1.5) -> dict[str, float]:
 
 def cpu_run() -> dict[str, Any]:
     """What every CPU benchmark's JSON opens with: the machine (name, ISA class, results key), torch's threads,
-    versions, commit, time and load."""
+    versions, commit, time, load and the host's steadiness."""
     return {
         "device": device_name(torch.device("cpu")),
         "cpu_kind": capabilities.cpu_kind(),
