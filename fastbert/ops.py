@@ -400,9 +400,10 @@ def _without(backend: str, op: str) -> Callable[..., torch.Tensor]:
     """The op as it would dispatch with `backend` left out: what a backend that chooses by first-use timing (int8,
     gemm) compares itself with."""
 
-    def run(**call: Any) -> torch.Tensor:  # the call by name, in parameter order (as select builds it)
+    def run(**call: Any) -> torch.Tensor:  # the call by name, its first argument (a tensor) first, as select builds it
+        first, *rest = call
         with exclude_backends(backend):
-            return _dispatch(op, *call.values())
+            return _dispatch(op, call[first], **{name: call[name] for name in rest})
 
     return run
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fastbert import ops, reference
-from fastbert.backends import gemm, int8, native
+from fastbert.backends import gemm, int8, native, onednn
 from tests.kernel_checks import assert_close
 from tests.test_native import check, poisoned, strided
 
@@ -162,3 +162,17 @@ def test_a_bias_or_weight_changed_in_place_is_read_again() -> None:
             tensor.add_(0.5)
             assert_close("gated_linear after an edit", ops.gated_linear(x, w, b, u, c, "gelu"),
                          fp64(x, w, b, u, c, "gelu"))  # fmt: skip
+
+
+def test_gated_linear_by_keyword_times_its_first_use_on_the_call_as_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`act` by name with `bias` left out: the first-use timing's path without fastbert's GEMM got the call's values in
+    the order given (act where bias goes) and raised; it runs the call by name."""
+    monkeypatch.setenv("FASTBERT_TIMING_CACHE", "0")
+    monkeypatch.setattr(gemm, "_verdicts", {})
+    monkeypatch.setattr(onednn, "_verdicts", {})
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(13, 32, generator=g), torch.randn(128, 32, generator=g)
+    with torch.no_grad():
+        out = ops.gated_linear(x, w, act="relu")
+    ref = reference.gated_linear(x.double(), w.double(), act="relu")
+    assert_close("gated_linear, act by keyword", out, ref, reference.gated_linear(x, w, act="relu"))
