@@ -24,10 +24,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """`fastbert explain`: run a tiny model once and print the dispatch decisions."""
+    """`fastbert explain`: run a tiny model once, and a gated feed-forward's two ops, and print the dispatch
+    decisions."""
     import torch
 
-    from fastbert import BertConfig, BertModel, explain
+    from fastbert import BertConfig, BertModel, explain, ops
     from fastbert.train.distributed import resolve_device
 
     device = resolve_device(args.device)
@@ -35,8 +36,10 @@ def run(args: argparse.Namespace) -> int:
     model = BertModel(config).to(device).eval()
     ids = torch.randint(1, 32, (2, 8), device=device)  # no pad id (0): padding is the mask's, as in real batches
     mask = torch.tensor([[1] * 8, [1] * 5 + [0] * 3], device=device)  # a ragged batch: the unpadded path runs
+    x = torch.randn(13, 32, device=device)  # a gated feed-forward's two ops (GeGLU, as ModernBERT's), which BERT lacks
     with torch.no_grad():
         model(ids, attention_mask=mask)
+        ops.gated_act(*ops.gated_linear(x, torch.randn(128, 32, device=device)).chunk(2, dim=-1))
     print(explain())
     return 0
 
