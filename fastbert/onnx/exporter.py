@@ -41,7 +41,7 @@ class ExportReport:
     parity: dict[tuple[int, int], float] = field(default_factory=dict)
     optimized_path: str | None = None
     fused: dict[str, int] | None = None
-    # fp32: optimized vs unoptimized graph; fp16: optimized graph vs fp32 PyTorch
+    # fp32: optimized vs unoptimized graph; fp16: optimized graph vs PyTorch in fp64
     optimized_parity: dict[tuple[int, int], float] = field(default_factory=dict)
     quantize: str | None = None  # "int8": `path` holds the dynamically quantised graph
     int8_parity: dict[tuple[int, int], dict[str, float]] = field(default_factory=dict)
@@ -50,7 +50,7 @@ class ExportReport:
         lines = [f"exported {self.path} ({'fp32 graph checked, then quantized' if self.quantize else self.dtype})"]
         if self.parity:
             worst = max(self.parity.values())
-            lines.append(f"  onnxruntime vs PyTorch, max abs error: {worst:.3g} over {len(self.parity)} shapes")
+            lines.append(f"  onnxruntime vs PyTorch in fp64, max abs error: {worst:.3g} over {len(self.parity)} shapes")
         if self.optimized_path:
             lines.append(f"optimized {self.optimized_path}: {self.fused}")
         if self.optimized_parity:
@@ -293,7 +293,7 @@ def export(
         report.optimized_path = opt_path
         report.fused = optimize(exported, path, opt_path)
         if check:
-            against = path if dtype == "fp32" else source  # fp16 graphs are judged against fp32 PyTorch
+            against = path if dtype == "fp32" else source  # fp16 graphs are judged against PyTorch in fp64
             report.optimized_parity = check_parity(exported, opt_path, shapes, reference=against, progress=progress)
     if progress:
         tqdm.write(report.summary())
