@@ -30,6 +30,26 @@ class ModelOutput(OrderedDict):
             return super().__getitem__(key)
         return self.to_tuple()[key]
 
+    def __setitem__(self, key: str, value: Any) -> None:
+        """Set a field, in its declared place among those present (so `out[0]` stays the first); None removes it."""
+        fields = type(self).fields
+        if key not in fields:
+            raise KeyError(f"{type(self).__name__} has no field {key!r}; its fields: {', '.join(fields)}")
+        if value is None:
+            self.pop(key, None)
+            return
+        super().__setitem__(key, value)
+        for later in fields[fields.index(key) + 1 :]:
+            if later in self:
+                self.move_to_end(later)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """`out.logits = x` writes the field, so attribute, key and index access keep agreeing (as in transformers)."""
+        if name in type(self).fields:
+            self[name] = value
+        else:
+            super().__setattr__(name, value)
+
     def to_tuple(self) -> tuple[Any, ...]:
         return tuple(self.values())
 
