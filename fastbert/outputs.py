@@ -6,6 +6,7 @@ Fields left as None are absent, exactly as in transformers, so `out[0]` is the f
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 
@@ -14,7 +15,10 @@ class ModelOutput(OrderedDict):
 
     fields: tuple[str, ...] = ()
 
-    def __init__(self, **values: Any) -> None:
+    def __init__(self, pairs: Mapping[str, Any] | Iterable[tuple[str, Any]] = (), /, **values: Any) -> None:
+        """Fields by keyword, or as a mapping or (name, value) pairs: the form Accelerate and DataParallel rebuild an
+        output with, `type(out)(pairs)`."""
+        values = {**dict(pairs), **values}
         unknown = set(values) - set(self.fields)
         if unknown:
             raise TypeError(f"{type(self).__name__} has no field(s) {sorted(unknown)}")

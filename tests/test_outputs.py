@@ -46,3 +46,19 @@ def test_an_unknown_field_is_refused_by_name() -> None:
         out["logit"] = torch.zeros(2)
     out.note = "kept"  # plain attributes stay plain, outside the mapping
     assert out.note == "kept" and list(out.keys()) == ["logits"]
+
+
+def test_rebuilt_from_pairs_as_accelerate_and_data_parallel_do() -> None:
+    logits, loss = torch.zeros(2), torch.tensor(1.0)
+    out = SequenceClassifierOutput(loss=loss, logits=logits)
+    for rebuilt in (type(out)(out.items()), type(out)(out), type(out)([("logits", logits)], loss=loss)):
+        assert list(rebuilt.keys()) == ["loss", "logits"] and rebuilt.loss is loss and rebuilt[1] is logits
+    with pytest.raises(TypeError, match=r"has no field\(s\) \['logit'\]"):
+        type(out)([("logit", logits)])
+
+
+def test_accelerate_moves_an_output_and_keeps_its_type() -> None:
+    accelerate_utils = pytest.importorskip("accelerate.utils")
+    out = SequenceClassifierOutput(loss=torch.tensor(1.0), logits=torch.zeros(2))
+    moved = accelerate_utils.send_to_device(out, "cpu")
+    assert type(moved) is SequenceClassifierOutput and list(moved.keys()) == ["loss", "logits"]
