@@ -217,6 +217,17 @@ def _normalise_keys(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
     return out
 
 
+def _load_dtype(dtype: torch.dtype | str | None, config: BertConfig) -> torch.dtype | None:
+    """The dtype to cast a loaded model to: as given, or for "auto" the one config.json records (None: as built)."""
+    if dtype != "auto":
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, 'auto' or None, got {dtype!r}")
+        return dtype
+    recorded = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    found = getattr(torch, recorded, None) if isinstance(recorded, str) else None
+    return found if isinstance(found, torch.dtype) and found.is_floating_point else None
+
+
 class PreTrainedModel(nn.Module):
     """Loading, saving and initialisation shared by BertModel and every head."""
 
@@ -368,20 +379,29 @@ class PreTrainedModel(nn.Module):
         allow_pickle: bool = False,
         strict_heads: bool = False,
         lora_task: str | None = None,
-        **config_overrides: Any,
+        torch_dtype: torch.dtype | str | None = None,
+        **overrides: Any,
     ) -> M:
-        """Load a transformers- or fastbert-saved directory; `dtype`/`device` cast after loading. `lora_task`: in a
-        checkpoint with task LoRA adapters (jina-embeddings-v3's original files), the task whose update is merged
-        into the weights (fastbert.adapters); None runs the base weights."""
+        """Load a transformers- or fastbert-saved directory; `dtype`/`device` cast after loading (`dtype="auto"`: the
+        dtype config.json records; `torch_dtype`: transformers 4's name for it). `lora_task`: in a checkpoint with task
+        LoRA adapters (jina-embeddings-v3's original files), the task whose update is merged into the weights
+        (fastbert.adapters); None runs the base weights. Further keywords go where transformers sends them: the
+        model's own arguments (`add_pooling_layer`) to its constructor, the rest over config.json's fields, as a
+        config built with them would take them (`num_labels=5` alone gives five labels LABEL_0..LABEL_4)."""
         if not os.path.isdir(directory):
             raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
+        if torch_dtype is not None and dtype is not None and torch_dtype != dtype:
+            raise ValueError(f"dtype={dtype} and torch_dtype={torch_dtype} disagree: pass dtype alone (the new name)")
         config = BertConfig.from_pretrained(directory)
+        dtype = _load_dtype(dtype if dtype is not None else torch_dtype, config)
         _check_family(cls, config)
-        for key, value in config_overrides.items():
-            setattr(config, key, value)
-        config.validate()
+        own = set(inspect.signature(cls.__init__).parameters) - {"self", "config"}
+        model_args = {k: v for k, v in overrides.items() if k in own}
+        config_overrides = {k: v for k, v in overrides.items() if k not in own}
+        if config_overrides:
+            config = config.updated(**config_overrides)
         check_sizes(directory, config, cls.head_kind, config_overrides)
-        model = cls(config)
+        model = cls(config, **model_args)
         state = load_checkpoint_dir(directory, allow_pickle)
         if adapters.present(state) or lora_task is not None:
             with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
@@ -407,11 +427,15 @@ class PreTrainedModel(nn.Module):
         config["architectures"] = [type(self).__name__]
         dtype = next(self.parameters()).dtype
         config["dtype"] = str(dtype).removeprefix("torch.")
-        with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
-            json.dump(config, f, indent=2, sort_keys=True)
+        text = json.dumps(config, indent=2, sort_keys=True)  # a field JSON cannot write fails before a file is touched
         state = to_hf_keys(self.unique_state_dict(), self.config, self.head_kind)
         tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
-        save_file(tensors, os.path.join(directory, WEIGHTS_NAME), metadata={"format": "pt"})
+        weights, config_path = os.path.join(directory, WEIGHTS_NAME), os.path.join(directory, "config.json")
+        save_file(tensors, weights + ".tmp", metadata={"format": "pt"})
+        with open(config_path + ".tmp", "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(weights + ".tmp", weights)  # whole files replace whole files: an interrupted save leaves the old
+        os.replace(config_path + ".tmp", config_path)
 
     @classmethod
     def from_hf(cls: type[M], hf_model: nn.Module) -> M:

@@ -431,6 +431,16 @@ class BertConfig:
             raise FileNotFoundError(f"no config.json in {directory}")
         return cls.from_json_file(path)
 
+    def updated(self, **fields: Any) -> BertConfig:
+        """A copy with `fields` set as construction would take them: `num_labels` alone labels LABEL_0..LABEL_{n-1}
+        (a label map read from the file would otherwise win), `id2label` alone derives label2id; validated."""
+        values = self.to_dict()
+        if "num_labels" in fields and "id2label" not in fields:
+            values.pop("id2label", None)
+        if "num_labels" in fields or "id2label" in fields:
+            values.pop("label2id", None)
+        return BertConfig.from_dict({**values, **fields})
+
     def to_json_string(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
 

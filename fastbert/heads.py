@@ -16,6 +16,7 @@ from fastbert.config import BertConfig
 from fastbert.masking import IGNORE_INDEX
 from fastbert.modeling import ACT_OF_CONFIG, BertModel
 from fastbert.outputs import (
+    BaseModelOutputWithPooling,
     MaskedLMOutput,
     ModelOutput,
     MultipleChoiceModelOutput,
@@ -24,6 +25,7 @@ from fastbert.outputs import (
     QuestionAnsweringModelOutput,
     SequenceClassifierOutput,
     TokenClassifierOutput,
+    return_dict_of,
 )
 
 
@@ -165,13 +167,24 @@ class BertPreTrainingHeads(nn.Module):
         return self.predictions(sequence_output), self.seq_relationship(pooled_output)
 
 
-def _finish(output: ModelOutput, return_dict: bool) -> ModelOutput | tuple:
-    return output if return_dict else output.to_tuple()
+def _finish(model: PreTrainedModel, output: ModelOutput, return_dict: bool | None) -> ModelOutput | tuple:
+    """The output, or its tuple where `return_dict` (None: the config's `return_dict`, default True) says so."""
+    return output if return_dict_of(model.config, return_dict) else output.to_tuple()
 
 
-def _encoder_kwargs(kwargs: dict) -> dict:
-    """Encoder arguments of a head's forward; the head decides the return type itself."""
-    return {**kwargs, "return_dict": True}
+def _encode(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    token_type_ids: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+    kwargs: dict,
+) -> BaseModelOutputWithPooling:
+    """The head's encoder pass on transformers' inputs (their order in every head's forward, as Trainer's column
+    filter reads them); further encoder arguments as given; the head decides the return type itself."""
+    return model.bert(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                      **{**kwargs, "return_dict": True})  # fmt: skip
 
 
 class _WithMLMDecoder(PreTrainedModel):
@@ -210,13 +223,23 @@ class BertForMaskedLM(_WithMLMDecoder):
         self.cls = BertOnlyMLMHead(config)
         self.post_init()
 
-    def forward(self, input_ids=None, labels=None, return_dict: bool = True, **kwargs) -> MaskedLMOutput | tuple:
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        return_dict=None,
+        **kwargs,
+    ) -> MaskedLMOutput | tuple:
         """`labels` [B, S]: token ids at masked positions, -100 elsewhere."""
-        out = self.bert(input_ids, **_encoder_kwargs(kwargs))
+        out = _encode(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, kwargs)
         logits = self.cls(out.last_hidden_state)
         loss = _mlm_loss(logits, labels, self.config.vocab_size)
         result = MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions)
-        return _finish(result, return_dict)
+        return _finish(self, result, return_dict)
 
 
 class BertForPreTraining(_WithMLMDecoder):
@@ -231,9 +254,18 @@ class BertForPreTraining(_WithMLMDecoder):
         self.post_init()
 
     def forward(
-        self, input_ids=None, labels=None, next_sentence_label=None, return_dict: bool = True, **kwargs
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        next_sentence_label=None,
+        return_dict=None,
+        **kwargs,
     ) -> PreTrainingOutput | tuple:
-        out = self.bert(input_ids, **_encoder_kwargs(kwargs))
+        out = _encode(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, kwargs)
         prediction, relationship = self.cls(out.last_hidden_state, out.pooler_output)
         loss = None
         if labels is not None and next_sentence_label is not None:
@@ -247,7 +279,7 @@ class BertForPreTraining(_WithMLMDecoder):
             hidden_states=out.hidden_states,
             attentions=out.attentions,
         )
-        return _finish(result, return_dict)
+        return _finish(self, result, return_dict)
 
 
 class BertForNextSentencePrediction(PreTrainedModel):
@@ -259,15 +291,25 @@ class BertForNextSentencePrediction(PreTrainedModel):
         self.cls = BertOnlyNSPHead(config)
         self.post_init()
 
-    def forward(self, input_ids=None, labels=None, return_dict: bool = True, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        return_dict=None,
+        **kwargs,
+    ):
         """`labels` [B]: 0 = B follows A, 1 = B is random."""
-        out = self.bert(input_ids, **_encoder_kwargs(kwargs))
+        out = _encode(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, kwargs)
         logits = self.cls(out.pooler_output)
         loss = None if labels is None else F.cross_entropy(logits.view(-1, 2).float(), labels.view(-1))
         result = NextSentencePredictorOutput(
             loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions
         )
-        return _finish(result, return_dict)
+        return _finish(self, result, return_dict)
 
 
 def _classifier_dropout(config: BertConfig, head: str = "") -> float:
@@ -354,14 +396,24 @@ class BertForSequenceClassification(PreTrainedModel):
             self.classifier = ClassificationHead(config)
         self.post_init()
 
-    def forward(self, input_ids=None, labels=None, return_dict: bool = True, **kwargs):
-        out = self.bert(input_ids, **_encoder_kwargs(kwargs))
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        return_dict=None,
+        **kwargs,
+    ):
+        out = _encode(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, kwargs)
         if isinstance(self.classifier, ClassificationHead):
             logits = self.classifier(out.last_hidden_state[:, 0])
         elif self.config.family.llama_layers:
-            logits = self._llama_logits(out.last_hidden_state, kwargs.get("attention_mask"))
+            logits = self._llama_logits(out.last_hidden_state, attention_mask)
         elif self.config.family.head_transform:
-            pooled = pool(self.config, out.last_hidden_state, kwargs.get("attention_mask"), first_real=False)
+            pooled = pool(self.config, out.last_hidden_state, attention_mask, first_real=False)
             logits = self.classifier(self.dropout(self.head(pooled)))
         else:
             logits = self.classifier(self.dropout(out.pooler_output))
@@ -369,7 +421,7 @@ class BertForSequenceClassification(PreTrainedModel):
         result = SequenceClassifierOutput(
             loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions
         )
-        return _finish(result, return_dict)
+        return _finish(self, result, return_dict)
 
     def _llama_logits(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """EuroBERT's head: dense -> GELU -> classifier on the pooled state ("bos": the first token, "mean"), or on
@@ -433,9 +485,19 @@ class BertForTokenClassification(PreTrainedModel):
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
-    def forward(self, input_ids=None, labels=None, return_dict: bool = True, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        labels=None,
+        return_dict=None,
+        **kwargs,
+    ):
         """`labels` [B, S]: a class per token, -100 where no loss is wanted."""
-        out = self.bert(input_ids, **_encoder_kwargs(kwargs))
+        out = _encode(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, kwargs)
         logits = self.classifier(self.dropout(_head(self, out.last_hidden_state)))
         loss = None
         if labels is not None:
@@ -443,7 +505,7 @@ class BertForTokenClassification(PreTrainedModel):
         result = TokenClassifierOutput(
             loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions
         )
-        return _finish(result, return_dict)
+        return _finish(self, result, return_dict)
 
 
 class BertForQuestionAnswering(PreTrainedModel):
@@ -459,9 +521,20 @@ class BertForQuestionAnswering(PreTrainedModel):
         self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
-    def forward(self, input_ids=None, start_positions=None, end_positions=None, return_dict: bool = True, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        token_type_ids=None,
+        position_ids=None,
+        inputs_embeds=None,
+        start_positions=None,
+        end_positions=None,
+        return_dict=None,
+        **kwargs,
+    ):
         """Span positions outside the input are ignored in the loss (clamped to S, the ignore index)."""
-        out = self.bert(input_ids, **_encoder_kwargs(kwargs))
+        out = _encode(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, kwargs)
         logits = self.qa_outputs(self.dropout(_head(self, out.last_hidden_state)))
         start_logits, end_logits = (t.squeeze(-1).contiguous() for t in logits.split(1, dim=-1))
         loss = None
@@ -480,7 +553,7 @@ class BertForQuestionAnswering(PreTrainedModel):
             hidden_states=out.hidden_states,
             attentions=out.attentions,
         )
-        return _finish(result, return_dict)
+        return _finish(self, result, return_dict)
 
 
 class BertForMultipleChoice(PreTrainedModel):
@@ -505,7 +578,7 @@ class BertForMultipleChoice(PreTrainedModel):
         position_ids=None,
         inputs_embeds=None,
         labels=None,
-        return_dict: bool = True,
+        return_dict=None,
         **kwargs,
     ):
         lead = input_ids if input_ids is not None else inputs_embeds
@@ -516,13 +589,8 @@ class BertForMultipleChoice(PreTrainedModel):
         def flat(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.reshape(-1, *t.shape[2:])
 
-        out = self.bert(
-            flat(input_ids),
-            attention_mask=flat(attention_mask),
-            token_type_ids=flat(token_type_ids),
-            position_ids=flat(position_ids),
-            inputs_embeds=flat(inputs_embeds),
-            **_encoder_kwargs(kwargs),
+        out = _encode(
+            self, *map(flat, (input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds)), kwargs
         )
         if self.config.family.head_transform:
             pooled = self.head(pool(self.config, out.last_hidden_state, flat(attention_mask), first_real=True))
@@ -533,7 +601,7 @@ class BertForMultipleChoice(PreTrainedModel):
         result = MultipleChoiceModelOutput(
             loss=loss, logits=logits, hidden_states=out.hidden_states, attentions=out.attentions
         )
-        return _finish(result, return_dict)
+        return _finish(self, result, return_dict)
 
 
 HEADS = {

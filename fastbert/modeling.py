@@ -22,7 +22,7 @@ from fastbert.checkpoint import PreTrainedModel
 from fastbert.config import ACT_KINDS, BertConfig
 from fastbert.execution import CudaGraphs, Inputs
 from fastbert.execution.structure import plain
-from fastbert.outputs import BaseModelOutputWithPooling
+from fastbert.outputs import BaseModelOutputWithPooling, output_flags, return_dict_of
 from fastbert.padding import Packing, rows_with_gaps, unpad_and_read
 from fastbert.prenorm import LlamaLayer, PreNormLayer
 from fastbert.relative_positions import DisentangledRows, bias_table, distance_buckets
@@ -590,13 +590,16 @@ class BertModel(PreTrainedModel):
         token_type_ids: torch.Tensor | None = None,  # [B, S]
         position_ids: torch.Tensor | None = None,  # [B, S] or [1, S] or [S]
         inputs_embeds: torch.Tensor | None = None,  # [B, S, E]
-        output_attentions: bool = False,
-        output_hidden_states: bool = False,
-        return_dict: bool = True,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
         packed_output: bool = False,
         head_mask: torch.Tensor | None = None,  # transformers 4's argument (5 dropped it): None or all ones only
     ) -> BaseModelOutputWithPooling | tuple:
-        """Encode a batch; `packed_output=True` gives `last_hidden_state` as `[total_tokens, H]` (valid tokens only)."""
+        """Encode a batch; `packed_output=True` gives `last_hidden_state` as `[total_tokens, H]` (valid tokens only).
+        The output flags left None take the config's (`output_attentions`, `output_hidden_states`, `return_dict`)."""
+        output_attentions, output_hidden_states = output_flags(self.config, output_attentions, output_hidden_states)
+        return_dict = return_dict_of(self.config, return_dict)
         if head_mask is not None and not bool((torch.as_tensor(head_mask) == 1).all()):
             raise ValueError(
                 "head_mask: fastbert's fused attention has no per-head mask (transformers 5 dropped the argument "

@@ -58,6 +58,19 @@ class ModelOutput(OrderedDict):
         return tuple(self.values())
 
 
+def return_dict_of(config: object, return_dict: bool | None) -> bool:
+    """transformers' rule: `return_dict` left None takes the config's field (absent: True)."""
+    return bool(getattr(config, "return_dict", True)) if return_dict is None else return_dict
+
+
+def output_flags(config: object, attentions: bool | None, hidden_states: bool | None) -> tuple[bool, bool]:
+    """(output_attentions, output_hidden_states): an argument left None takes the config's field (absent: False)."""
+    return (
+        bool(getattr(config, "output_attentions", False)) if attentions is None else attentions,
+        bool(getattr(config, "output_hidden_states", False)) if hidden_states is None else hidden_states,
+    )
+
+
 def _output(name: str, *fields: str) -> type[ModelOutput]:
     return type(name, (ModelOutput,), {"fields": fields, "__doc__": f"Fields: {', '.join(fields)}."})
 

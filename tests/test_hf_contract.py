@@ -1,0 +1,116 @@
+"""The calling contract transformers users rely on beyond the numbers: every head takes transformers' inputs in
+transformers' order (positional callers and Trainer's column filter, which keeps only the dataset columns the
+forward names), and the output flags left None follow the config, as in transformers."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+import fastbert
+from fastbert.heads import HEADS
+
+transformers = pytest.importorskip("transformers")
+TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+ATOL = 1e-5  # DESIGN: fp32 against transformers, every valid row
+INPUTS = 5  # input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds
+
+
+def pair(name: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(0)
+    hf = getattr(transformers, name)(transformers.BertConfig(**TINY, attn_implementation="eager")).eval()
+    return hf, getattr(fastbert, name).from_hf(hf).eval()
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, TINY["vocab_size"], (3, 8), generator=gen)
+    mask = torch.ones(3, 8, dtype=torch.long)
+    mask[1, 5:] = 0
+    return ids, mask
+
+
+def names(cls: type) -> list[str]:
+    return [p for p in inspect.signature(cls.forward).parameters if p not in ("self", "kwargs")]
+
+
+@pytest.mark.parametrize("name", sorted(HEADS))
+def test_every_head_names_transformers_inputs_in_their_order(name: str) -> None:
+    ours, theirs = names(HEADS[name]), names(getattr(transformers, name))
+    assert ours[:INPUTS] == theirs[:INPUTS]
+    labels = [p for p in theirs[INPUTS:] if "label" in p or p.endswith("_positions")]
+    assert bool(labels) == (name != "BertModel")
+    assert [p for p in ours if p in labels] == labels  # what Trainer keeps of a labelled dataset
+
+
+@pytest.mark.parametrize("name", ["BertForMaskedLM", "BertForSequenceClassification", "BertForQuestionAnswering"])
+def test_positional_inputs_mean_what_they_mean_in_transformers(name: str) -> None:
+    hf, fb = pair(name)
+    ids, mask = batch()
+    types = torch.zeros_like(ids)
+    with torch.no_grad():
+        want, got = hf(ids, mask, types), fb(ids, mask, types)
+    assert list(got.keys()) == [k for k in want.keys() if k != "loss"]  # no labels given: no loss
+    valid = mask.bool()
+    for key in got.keys():
+        a, b = got[key], want[key]
+        if a.dim() >= 2 and a.shape[:2] == ids.shape:  # per-token outputs: valid positions
+            a, b = a[valid], b[valid]
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["BertModel", "BertForSequenceClassification"])
+def test_output_flags_left_none_follow_the_config(name: str) -> None:
+    hf, fb = pair(name)
+    ids, mask = batch()
+    with torch.no_grad():
+        assert isinstance(fb(ids, attention_mask=mask, return_dict=None), fastbert.outputs.ModelOutput)
+        for model in (hf, fb):
+            model.config.output_hidden_states = True
+            model.config.output_attentions = True
+        want, got = hf(ids, attention_mask=mask), fb(ids, attention_mask=mask)
+        assert len(got.hidden_states) == len(want.hidden_states) == TINY["num_hidden_layers"] + 1
+        assert len(got.attentions) == len(want.attentions) == TINY["num_hidden_layers"]
+        assert fb(ids, attention_mask=mask, output_hidden_states=False).hidden_states is None  # the argument wins
+        for model in (hf, fb):
+            model.config.return_dict = False
+        want, got = hf(ids, attention_mask=mask), fb(ids, attention_mask=mask)
+    want = [x for x in want if not (isinstance(x, tuple) and not x)]  # transformers 5's empty past_key_values
+    assert type(got) is tuple and len(got) == len(want)
+    first = (lambda t: t[mask.bool()]) if name == "BertModel" else (lambda t: t)  # last_hidden_state; logits
+    torch.testing.assert_close(first(got[0]), first(want[0]), atol=ATOL, rtol=0)
+
+
+def test_from_pretrained_keywords_go_where_transformers_sends_them(tmp_path) -> None:
+    """A base checkpoint fine-tuned with num_labels=5 saves and reloads (in fastbert and transformers); the model's
+    own argument reaches its constructor, a config flag the config, the dtype the weights."""
+    hf, _ = pair("BertModel")
+    hf.save_pretrained(tmp_path / "base")
+    head = fastbert.BertForSequenceClassification.from_pretrained(tmp_path / "base", num_labels=5)
+    assert head.config.num_labels == 5 and list(head.config.id2label.values()) == [f"LABEL_{i}" for i in range(5)]
+    head.save_pretrained(tmp_path / "tuned")
+    for cls in (fastbert.BertForSequenceClassification, transformers.BertForSequenceClassification):
+        assert cls.from_pretrained(tmp_path / "tuned").classifier.out_features == 5
+    kwargs = dict(add_pooling_layer=False, output_hidden_states=True)
+    ours, theirs = (m.from_pretrained(tmp_path / "base", **kwargs) for m in (fastbert.BertModel, transformers.BertModel))
+    assert ours.pooler is None and theirs.pooler is None
+    ids, mask = batch()
+    assert len(ours(ids, attention_mask=mask).hidden_states) == TINY["num_hidden_layers"] + 1
+    assert fastbert.BertModel.from_pretrained(tmp_path / "base", torch_dtype=torch.bfloat16).dtype == torch.bfloat16
+    ours.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    assert fastbert.BertModel.from_pretrained(tmp_path / "bf16", dtype="auto").dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="disagree"):
+        fastbert.BertModel.from_pretrained(tmp_path / "base", dtype=torch.float16, torch_dtype=torch.bfloat16)
+
+
+def test_a_save_that_fails_leaves_the_saved_checkpoint_whole(tmp_path) -> None:
+    _, model = pair("BertModel")
+    model.save_pretrained(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    model.config.note = object()  # a field JSON cannot write
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        model.save_pretrained(tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
