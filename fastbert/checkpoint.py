@@ -21,6 +21,7 @@ from torch import nn
 from fastbert import adapters
 from fastbert.config import OFF_ONLY_FIELDS, BertConfig
 from fastbert.families import family_of, to_fastbert_keys, to_hf_keys
+from fastbert.model_methods import ModelMethods
 
 log = logging.getLogger("fastbert.checkpoint")
 
@@ -228,8 +229,9 @@ def _load_dtype(dtype: torch.dtype | str | None, config: BertConfig) -> torch.dt
     return found if isinstance(found, torch.dtype) and found.is_floating_point else None
 
 
-class PreTrainedModel(nn.Module):
-    """Loading, saving and initialisation shared by BertModel and every head."""
+class PreTrainedModel(ModelMethods, nn.Module):
+    """Loading, saving and initialisation shared by BertModel and every head (transformers' other model methods:
+    fastbert.model_methods)."""
 
     base_model_prefix = "bert"  # fastbert's attribute for the encoder in every family; keys are renamed on load/save
     model_type = "bert"  # the family this class is named for; BertModel and the Bert heads build any family's config

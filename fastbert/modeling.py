@@ -580,9 +580,6 @@ class BertModel(PreTrainedModel):
                 module._fused = None
         weight_stamp.forget(self.parameters())
 
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.embeddings.word_embeddings
-
     def forward(
         self,
         input_ids: torch.Tensor | None = None,  # [B, S]
@@ -595,9 +592,19 @@ class BertModel(PreTrainedModel):
         return_dict: bool | None = None,
         packed_output: bool = False,
         head_mask: torch.Tensor | None = None,  # transformers 4's argument (5 dropped it): None or all ones only
+        encoder_hidden_states: torch.Tensor | None = None,  # a decoder's arguments, which transformers' encoders take
+        encoder_attention_mask: torch.Tensor | None = None,  # too: None only (is_decoder configs are refused)
+        past_key_values: object | None = None,
+        use_cache: bool | None = None,  # ignored, as transformers ignores it outside a decoder
     ) -> BaseModelOutputWithPooling | tuple:
         """Encode a batch; `packed_output=True` gives `last_hidden_state` as `[total_tokens, H]` (valid tokens only).
         The output flags left None take the config's (`output_attentions`, `output_hidden_states`, `return_dict`)."""
+        decoder = {"encoder_hidden_states": encoder_hidden_states, "encoder_attention_mask": encoder_attention_mask,
+                   "past_key_values": past_key_values}  # fmt: skip
+        given = [name for name, value in decoder.items() if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: fastbert's encoders have no cross-attention and no key/value "
+                             "cache; pass None (load a decoder with transformers)")  # fmt: skip
         output_attentions, output_hidden_states = output_flags(self.config, output_attentions, output_hidden_states)
         return_dict = return_dict_of(self.config, return_dict)
         if head_mask is not None and not bool((torch.as_tensor(head_mask) == 1).all()):

@@ -114,3 +114,51 @@ def test_a_save_that_fails_leaves_the_saved_checkpoint_whole(tmp_path) -> None:
     with pytest.raises(TypeError, match="not JSON serializable"):
         model.save_pretrained(tmp_path)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("size", [131, 64])
+def test_resize_token_embeddings_keeps_transformers_rows_and_logits(tied: bool, size: int, tmp_path) -> None:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(**TINY, tie_word_embeddings=tied)
+    hf = transformers.BertForMaskedLM(config).eval()
+    fb = fastbert.BertForMaskedLM.from_hf(hf).eval()
+    kept = min(size, TINY["vocab_size"])
+    for model in (hf, fb):
+        assert model.resize_token_embeddings(size, pad_to_multiple_of=4).num_embeddings == -(-size // 4) * 4
+    assert fb.config.vocab_size == hf.config.vocab_size == -(-size // 4) * 4
+    decoder = fb.get_output_embeddings()
+    assert (decoder.weight is fb.get_input_embeddings().weight) == tied and decoder.bias is fb.cls.predictions.bias
+    torch.testing.assert_close(fb.get_input_embeddings().weight[:kept], hf.get_input_embeddings().weight[:kept])
+    ids, mask = batch()
+    ids = ids % kept
+    with torch.no_grad():
+        want, got = hf(ids, attention_mask=mask).logits, fb(ids, attention_mask=mask).logits
+    assert got.shape == want.shape
+    valid = mask.bool()
+    torch.testing.assert_close(got[valid][:, :kept], want[valid][:, :kept], atol=ATOL, rtol=0)
+    fb.save_pretrained(tmp_path)
+    assert transformers.BertForMaskedLM.from_pretrained(tmp_path).config.vocab_size == fb.config.vocab_size
+    if size > TINY["vocab_size"]:  # a new token runs, and trains
+        fb.train()
+        new = torch.full((1, 4), size - 1)
+        fb(new, labels=new).loss.backward()
+        assert fb.get_input_embeddings().weight.grad[size - 1].abs().sum() > 0
+
+
+def test_set_input_embeddings_refuses_another_width() -> None:
+    _, fb = pair("BertModel")
+    with pytest.raises(ValueError, match="16 wide; this model's are 32"):
+        fb.set_input_embeddings(torch.nn.Embedding(10, 16))
+    assert fb.base_model is fb and fb.main_input_name == "input_ids"
+
+
+def test_a_decoders_arguments_are_taken_as_transformers_encoders_take_them() -> None:
+    hf, fb = pair("BertForSequenceClassification")
+    ids, mask = batch()
+    with torch.no_grad():
+        want = hf(ids, attention_mask=mask, use_cache=False, encoder_hidden_states=None).logits
+        got = fb(ids, attention_mask=mask, use_cache=False, encoder_hidden_states=None).logits
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="encoder_hidden_states: fastbert's encoders have no cross-attention"):
+        fb(ids, encoder_hidden_states=torch.zeros(3, 8, TINY["hidden_size"]))
