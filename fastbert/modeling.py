@@ -16,6 +16,7 @@ import operator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils import checkpoint as activations
 
 from fastbert import execution, ops, prenorm, reference, relative_positions, weight_stamp
 from fastbert.checkpoint import PreTrainedModel
@@ -446,6 +447,9 @@ class BertEncoder(nn.Module):
                                      persistent=False)  # fmt: skip
         if config.family.pre_norm:  # the norm after the last layer
             self.final_norm = prenorm.norm(config)
+        # transformers' flag (model.gradient_checkpointing_enable sets it and the two below): recompute every
+        # checkpoint_every-th layer in the backward, with torch.utils.checkpoint's checkpoint_kwargs
+        self.gradient_checkpointing, self.checkpoint_every, self.checkpoint_kwargs = False, 1, {}
 
     def position_bias(self) -> torch.Tensor | None:
         """The [nH, 2R + 1] fp32 table by key - query distance the attention kernels read (None without one)."""
@@ -477,8 +481,13 @@ class BertEncoder(nn.Module):
         hidden, attentions = [x] if output_hidden_states else [], []
         final = self._modules.get("final_norm")
         bias = self.rotary_terms(packing, x.shape[0]) if self.rotary else self.relative_terms(packing.max_seqlen)
-        for layer in self.layer:
-            x, probs = layer(x, packing, output_attentions, bias)
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        for i, layer in enumerate(self.layer):
+            if recompute and i % self.checkpoint_every == 0:  # recomputed in the backward, same dropout masks
+                x, probs = activations.checkpoint(layer, x, packing, output_attentions, bias,
+                                                  **{"use_reentrant": False, **self.checkpoint_kwargs})  # fmt: skip
+            else:
+                x, probs = layer(x, packing, output_attentions, bias)
             if output_hidden_states:
                 hidden.append(x)
             if output_attentions:

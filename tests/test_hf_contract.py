@@ -4,6 +4,7 @@ forward names), and the output flags left None follow the config, as in transfor
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import pytest
@@ -95,7 +96,8 @@ def test_from_pretrained_keywords_go_where_transformers_sends_them(tmp_path) -> 
     for cls in (fastbert.BertForSequenceClassification, transformers.BertForSequenceClassification):
         assert cls.from_pretrained(tmp_path / "tuned").classifier.out_features == 5
     kwargs = dict(add_pooling_layer=False, output_hidden_states=True)
-    ours, theirs = (m.from_pretrained(tmp_path / "base", **kwargs) for m in (fastbert.BertModel, transformers.BertModel))
+    ours = fastbert.BertModel.from_pretrained(tmp_path / "base", **kwargs)
+    theirs = transformers.BertModel.from_pretrained(tmp_path / "base", **kwargs)
     assert ours.pooler is None and theirs.pooler is None
     ids, mask = batch()
     assert len(ours(ids, attention_mask=mask).hidden_states) == TINY["num_hidden_layers"] + 1
@@ -162,3 +164,37 @@ def test_a_decoders_arguments_are_taken_as_transformers_encoders_take_them() -> 
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
     with pytest.raises(ValueError, match="encoder_hidden_states: fastbert's encoders have no cross-attention"):
         fb(ids, encoder_hidden_states=torch.zeros(3, 8, TINY["hidden_size"]))
+
+
+class Pairs(torch.utils.data.Dataset):
+    """Ragged rows as a tokenizer's dataset gives them: ids, mask, token types, a label."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(1, TINY["vocab_size"], (10,), generator=torch.Generator().manual_seed(i))
+        mask = (torch.arange(10) < 6 + i % 4).long()
+        return {"input_ids": ids, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids), "labels": i % 2}
+
+
+def test_trainer_trains_evaluates_and_predicts_a_fastbert_head(tmp_path) -> None:
+    """transformers' Trainer with activation checkpointing, bf16 autocast and gradient accumulation: the forward gets
+    the mask and no loss keywords it cannot take, the weights move, evaluation and prediction run."""
+    pytest.importorskip("accelerate")
+    _, model = pair("BertForSequenceClassification")
+    before = [p.detach().clone() for p in model.parameters()]
+    calls = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(sorted(kwargs)), with_kwargs=True)
+    fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    checkpointing = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2,
+                                          gradient_accumulation_steps=2, bf16=True, use_cpu=True, report_to=[],
+                                          save_strategy="no", **{checkpointing: True})  # fmt: skip
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Pairs(), eval_dataset=Pairs())
+    trainer.train()
+    assert model.is_gradient_checkpointing
+    assert calls and all("attention_mask" in c and "num_items_in_batch" not in c for c in calls)
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert torch.isfinite(torch.tensor(trainer.evaluate()["eval_loss"]))
+    assert trainer.predict(Pairs()).predictions.shape == (len(Pairs()), 2)

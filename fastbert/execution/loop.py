@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils import checkpoint as activations
 
 from fastbert import relative_positions
 from fastbert.execution import rows
@@ -39,7 +40,33 @@ def layers(
     dense_residual_layernorm: FusedOp | None = None,
 ) -> torch.Tensor:  # [T, H]
     """Each layer of `weights` (Structure.layer_weights) applied to x with the plan's ops (the GEMM ops may be given
-    instead: the layer stack's first layer); each layer's output appended to `hidden` when given."""
+    instead: the layer stack's first layer); each layer's output appended to `hidden` when given. Under gradient
+    checkpointing (in training, recording) one layer at a time, the chosen ones recomputed in the backward with the
+    same dropout masks (torch's RNG state, which seeds every dropout, is restored)."""
+    encoder = structure.encoder
+    if not (encoder.gradient_checkpointing and plan.mode.training and plan.mode.grad):
+        return _layers(plan, structure, weights, x, packing, hidden, linear, dense_residual_layernorm)
+    options = {"use_reentrant": False, **encoder.checkpoint_kwargs}
+    for k in range(len(weights)):
+        args = (plan, structure, weights[k : k + 1], x, packing, None, linear, dense_residual_layernorm, k)
+        x = activations.checkpoint(_layers, *args, **options) if k % encoder.checkpoint_every == 0 else _layers(*args)
+        if hidden is not None:
+            hidden.append(x)
+    return x
+
+
+def _layers(
+    plan: Plan,
+    structure: Structure,
+    weights: Sequence[tuple],
+    x: torch.Tensor,  # [T, H]
+    packing: Packing,
+    hidden: list[torch.Tensor] | None,
+    linear: FusedOp | None,
+    dense_residual_layernorm: FusedOp | None,
+    start: int = 0,
+) -> torch.Tensor:  # [T, H]
+    """`layers` in one go; the first of `weights` is layer `start`."""
     linear = linear or plan.functions["linear"]
     drl = dense_residual_layernorm or plan.functions["dense_residual_layernorm"]
     attention, gated_linear = plan.functions["attention"], plan.functions["gated_linear"]
@@ -54,11 +81,11 @@ def layers(
     rotary = rotary[GLOBAL] if rotary is not None else None
     p_gate = getattr(structure.layers[0].modules[4], "dropout_p", 0.0)  # a gated intermediate's
     positions = structure.position_weights() if first.kinds and relative is not None else None
-    if positions is not None and len(positions) != len(weights):
-        raise ValueError("DeBERTa's layers run all together: the position projections follow the layers' order")
+    if positions is not None and len(positions) < start + len(weights):
+        raise ValueError("DeBERTa's layers run in order: the position projections follow the layers' order")
     qkv_shape, ctx_shape = (tokens, 3, heads, head_dim), (tokens, heads * head_dim)
     for i, (qkv_w, qkv_b, o_w, o_b, n1_w, n1_b, eps1, i_w, i_b, act, f_w, f_b, n2_w, n2_b, eps2, gate_w) in enumerate(
-            weights):  # fmt: skip
+            weights, start):  # fmt: skip
         qkv = linear(x, qkv_w, qkv_b, None).view(qkv_shape)
         if positions is not None:
             scores = _disentangled(qkv, relative.rows, positions[i], first, training)
