@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from fastbert import adapters
-from fastbert.config import OFF_ONLY_FIELDS, BertConfig
+from fastbert.config import BertConfig
 from fastbert.families import family_of, to_fastbert_keys, to_hf_keys
 from fastbert.model_methods import ModelMethods
 
@@ -241,6 +241,12 @@ class PreTrainedModel(ModelMethods, nn.Module):
 
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
+        if not isinstance(config, BertConfig):
+            raise TypeError(
+                f"{type(self).__name__} takes a fastbert.BertConfig, got {type(config).__module__}."
+                f"{type(config).__name__}: convert transformers' with fastbert.BertConfig.from_hf(config), or a live "
+                f"transformers model with {type(self).__name__}.from_hf(model)"
+            )
         if type(self).model_type != "bert":
             _check_family(type(self), config)
         self.config = config
@@ -442,12 +448,7 @@ class PreTrainedModel(ModelMethods, nn.Module):
     @classmethod
     def from_hf(cls: type[M], hf_model: nn.Module) -> M:
         """Convert a live transformers model (a supported family, any head) into this fastbert class, weights copied."""
-        hf_config = hf_model.config.to_dict()
-        family = family_of(hf_config.get("model_type", "bert"))
-        keep = _hf_fields() | {hf for hf, _ in family.config_names} | set(family.extra_fields) | {"model_type"}
-        keep |= set(family.config_defaults)
-        keep |= {name for name, _ in OFF_ONLY_FIELDS if hf_config.get(name)}  # switched on: BertConfig refuses it
-        config = BertConfig.from_dict({k: v for k, v in hf_config.items() if k in keep})
+        config = BertConfig.from_hf(hf_model.config)
         _check_family(cls, config)
         param = next(hf_model.parameters())
         model = built_like(cls, config, hf_model)
@@ -486,8 +487,3 @@ def _alias_present(key: str, state: Mapping[str, torch.Tensor], aliases: set[str
             return alias
     return None
 
-
-def _hf_fields() -> set[str]:
-    from fastbert.config import _DEFAULTS
-
-    return set(_DEFAULTS) | {"architectures"}

@@ -411,6 +411,17 @@ class BertConfig:
         return CONFIG_CLASSES[family.model_type](**values)
 
     @classmethod
+    def from_hf(cls, hf_config: Any) -> BertConfig:
+        """A transformers config object of a supported family, converted: the fields fastbert reads (its own names
+        or the family's), those it refuses when switched on, none of transformers' runtime fields."""
+        values = hf_config.to_dict()
+        family = family_of(values.get("model_type", "bert"))
+        keep = set(_DEFAULTS) | {"architectures", "model_type"} | {hf for hf, _ in family.config_names}
+        keep |= set(family.extra_fields) | set(family.config_defaults)
+        keep |= {name for name, _ in OFF_ONLY_FIELDS if values.get(name)}  # switched on: refused by name
+        return cls.from_dict({k: v for k, v in values.items() if k in keep})
+
+    @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> BertConfig:
         """A config.json; a file that is not JSON or holds a bad field is a ValueError naming the file."""
         with open(path, encoding="utf-8") as f:

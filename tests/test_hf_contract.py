@@ -198,3 +198,11 @@ def test_trainer_trains_evaluates_and_predicts_a_fastbert_head(tmp_path) -> None
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert torch.isfinite(torch.tensor(trainer.evaluate()["eval_loss"]))
     assert trainer.predict(Pairs()).predictions.shape == (len(Pairs()), 2)
+
+
+def test_a_transformers_config_is_refused_with_the_conversion_and_converts() -> None:
+    hf_config = transformers.BertConfig(**TINY)
+    with pytest.raises(TypeError, match=r"takes a fastbert.BertConfig, .*BertConfig.from_hf\(config\)"):
+        fastbert.BertModel(hf_config)
+    config = fastbert.BertConfig.from_hf(hf_config)
+    assert config.hidden_size == TINY["hidden_size"] and fastbert.BertModel(config).config is config
