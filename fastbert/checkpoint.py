@@ -218,15 +218,37 @@ def _normalise_keys(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
     return out
 
 
-def _load_dtype(dtype: torch.dtype | str | None, config: BertConfig) -> torch.dtype | None:
-    """The dtype to cast a loaded model to: as given, or for "auto" the one config.json records (None: as built)."""
-    if dtype != "auto":
-        if dtype is not None and not isinstance(dtype, torch.dtype):
-            raise TypeError(f"dtype must be a torch.dtype, 'auto' or None, got {dtype!r}")
+# from_pretrained's keywords that are not the model's or its config's: the Hub's (refused: a local directory is
+# read) and loader hints with nothing to do in fastbert (ignored)
+HUB_KEYWORDS = ("token", "use_auth_token", "cache_dir", "revision", "force_download", "resume_download", "proxies")
+IGNORED_KEYWORDS = ("local_files_only", "trust_remote_code", "low_cpu_mem_usage", "use_safetensors",
+                    "attn_implementation", "_fast_init")  # fmt: skip
+
+
+def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str | None:
+    """A torch.dtype, "auto", or None; a name ("bfloat16", "torch.float16") is read as its dtype."""
+    if dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype):
         return dtype
+    found = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else None
+    if not isinstance(found, torch.dtype) or not found.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, its name, 'auto' or None, got {dtype!r}")
+    return found
+
+
+def _recorded_dtype(config: BertConfig) -> torch.dtype | None:
+    """The dtype config.json records (transformers writes `dtype`, formerly `torch_dtype`), if a floating one."""
     recorded = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     found = getattr(torch, recorded, None) if isinstance(recorded, str) else None
     return found if isinstance(found, torch.dtype) and found.is_floating_point else None
+
+
+def _device_of(device_map: object) -> torch.device | str | None:
+    """transformers' device_map for one device: a device (or its name or index); "auto": the GPU when there is one."""
+    if device_map is None or isinstance(device_map, (str, int, torch.device)):
+        if device_map == "auto":
+            return "cuda" if torch.cuda.is_available() else None
+        return device_map
+    raise ValueError(f"device_map={device_map!r:.80}: fastbert places a model on one device; pass a device")
 
 
 class PreTrainedModel(ModelMethods, nn.Module):
@@ -382,7 +404,7 @@ class PreTrainedModel(ModelMethods, nn.Module):
     def from_pretrained(
         cls: type[M],
         directory: str | os.PathLike,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
         device: torch.device | str | None = None,
         allow_pickle: bool = False,
         strict_heads: bool = False,
@@ -391,26 +413,42 @@ class PreTrainedModel(ModelMethods, nn.Module):
         **overrides: Any,
     ) -> M:
         """Load a transformers- or fastbert-saved directory; `dtype`/`device` cast after loading (`dtype="auto"`: the
-        dtype config.json records; `torch_dtype`: transformers 4's name for it). `lora_task`: in a checkpoint with task
-        LoRA adapters (jina-embeddings-v3's original files), the task whose update is merged into the weights
-        (fastbert.adapters); None runs the base weights. Further keywords go where transformers sends them: the
-        model's own arguments (`add_pooling_layer`) to its constructor, the rest over config.json's fields, as a
-        config built with them would take them (`num_labels=5` alone gives five labels LABEL_0..LABEL_4)."""
+        dtype config.json records, else the weights'; a name such as "bfloat16" works too; `torch_dtype`: transformers
+        4's name, which `dtype` overrides). `lora_task`: in a checkpoint with task LoRA adapters (jina-embeddings-v3's
+        original files), the task whose update is merged into the weights (fastbert.adapters); None runs the base
+        weights. Further keywords go where transformers sends them: the model's own arguments (`add_pooling_layer`) to
+        its constructor, config fields over config.json's as a config built with them would take them (`num_labels=5`
+        alone gives five labels LABEL_0..LABEL_4); `subfolder` and `device_map` (one device) are read, loader hints
+        with nothing to do here ignored, the Hub's keywords refused (a local directory is read), any other refused."""
+        hub = sorted(k for k in overrides if k in HUB_KEYWORDS)
+        if hub:
+            raise ValueError(f"{', '.join(hub)}: fastbert reads a local directory; fetch the checkpoint first "
+                             "(huggingface_hub.snapshot_download(repo_id) returns its path)")  # fmt: skip
+        for hint in IGNORED_KEYWORDS:
+            overrides.pop(hint, None)
+        directory = os.path.join(directory, overrides.pop("subfolder", ""))
+        device = _device_of(overrides.pop("device_map", None)) if device is None else device
         if not os.path.isdir(directory):
             raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
-        if torch_dtype is not None and dtype is not None and torch_dtype != dtype:
-            raise ValueError(f"dtype={dtype} and torch_dtype={torch_dtype} disagree: pass dtype alone (the new name)")
         config = BertConfig.from_pretrained(directory)
-        dtype = _load_dtype(dtype if dtype is not None else torch_dtype, config)
+        dtype = _as_dtype(dtype if dtype is not None else torch_dtype)
         _check_family(cls, config)
         own = set(inspect.signature(cls.__init__).parameters) - {"self", "config"}
         model_args = {k: v for k, v in overrides.items() if k in own}
         config_overrides = {k: v for k, v in overrides.items() if k not in own}
+        unknown = sorted(set(config_overrides) - config.field_names())
+        if unknown:
+            raise TypeError(f"{cls.__name__}.from_pretrained got keyword(s) {unknown}: neither the model's arguments "
+                            f"({', '.join(sorted(own))}) nor fields of its config")  # fmt: skip
+        recorded = _recorded_dtype(config)
         if config_overrides:
             config = config.updated(**config_overrides)
-        check_sizes(directory, config, cls.head_kind, config_overrides)
+        fastbert_name = dict(config.family.config_names)  # DistilBERT's n_layers given: num_hidden_layers
+        check_sizes(directory, config, cls.head_kind, {fastbert_name.get(k, k) for k in config_overrides})
         model = cls(config, **model_args)
         state = load_checkpoint_dir(directory, allow_pickle)
+        if dtype == "auto":
+            dtype = recorded or next((t.dtype for t in state.values() if t.is_floating_point()), None)
         if adapters.present(state) or lora_task is not None:
             with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
                 state = adapters.merged(state, lora_task, json.load(f))
@@ -439,10 +477,16 @@ class PreTrainedModel(ModelMethods, nn.Module):
         state = to_hf_keys(self.unique_state_dict(), self.config, self.head_kind)
         tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
         weights, config_path = os.path.join(directory, WEIGHTS_NAME), os.path.join(directory, "config.json")
-        save_file(tensors, weights + ".tmp", metadata={"format": "pt"})
-        with open(config_path + ".tmp", "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(weights + ".tmp", weights)  # whole files replace whole files: an interrupted save leaves the old
+        try:  # both written beside, then each moved over its old file: a save that fails leaves the last one
+            save_file(tensors, weights + ".tmp", metadata={"format": "pt"})
+            with open(config_path + ".tmp", "w", encoding="utf-8") as f:
+                f.write(text)
+        except BaseException:
+            for path in (weights + ".tmp", config_path + ".tmp"):
+                if os.path.exists(path):
+                    os.remove(path)
+            raise
+        os.replace(weights + ".tmp", weights)
         os.replace(config_path + ".tmp", config_path)
 
     @classmethod

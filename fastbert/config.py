@@ -24,6 +24,7 @@ ACT_KINDS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu
 LAYER_KINDS = ("full_attention", "sliding_attention")  # transformers' layer_types of the rotary families
 ROPE_FIELDS = {"full_attention": "global_rope_theta", "sliding_attention": "local_rope_theta"}  # older configs' names
 SHARING = ("none", "all", "attention", "ffn")
+OUTPUT_FLAGS = ("output_hidden_states", "output_attentions", "return_dict")  # read by forward where left None
 
 _DEFAULTS: dict[str, Any] = {
     "vocab_size": 30522,
@@ -416,7 +417,7 @@ class BertConfig:
         or the family's), those it refuses when switched on, none of transformers' runtime fields."""
         values = hf_config.to_dict()
         family = family_of(values.get("model_type", "bert"))
-        keep = set(_DEFAULTS) | {"architectures", "model_type"} | {hf for hf, _ in family.config_names}
+        keep = set(_DEFAULTS) | {"architectures", "model_type", *OUTPUT_FLAGS} | {hf for hf, _ in family.config_names}
         keep |= set(family.extra_fields) | set(family.config_defaults)
         keep |= {name for name, _ in OFF_ONLY_FIELDS if values.get(name)}  # switched on: refused by name
         return cls.from_dict({k: v for k, v in values.items() if k in keep})
@@ -441,6 +442,14 @@ class BertConfig:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no config.json in {directory}")
         return cls.from_json_file(path)
+
+    def field_names(self) -> set[str]:
+        """Every field a caller may set: this config's, fastbert's and transformers' (the family's names too), and the
+        output flags transformers' forward reads."""
+        family = self.family
+        names = set(vars(self)) | set(_DEFAULTS) | set(family.config_defaults) | set(family.extra_fields)
+        names |= {name for pair in family.config_names for name in pair} | set(OUTPUT_FLAGS)
+        return {name for name in names if not name.startswith("_")}
 
     def updated(self, **fields: Any) -> BertConfig:
         """A copy with `fields` set as construction would take them: `num_labels` alone labels LABEL_0..LABEL_{n-1}

@@ -77,53 +77,63 @@ class ModelMethods:
         return bool(self.base_model.encoder.gradient_checkpointing)
 
     def enable_input_require_grads(self) -> None:
-        """The word embeddings' output requires grad even where they are frozen (peft: adapters trained under
-        reentrant checkpointing need a graph from the first layer on). The embeddings then run module by module."""
-        self.disable_input_require_grads()
-        hook = self.get_input_embeddings().register_forward_hook(lambda module, args, out: out.requires_grad_(True))
-        self.__dict__["_input_grads_hook"] = hook
+        """The encoder's input requires grad even where the embeddings are frozen (peft: adapters trained under
+        reentrant checkpointing need a graph from the first layer on). A flag the fused path reads, not transformers'
+        hook on the embeddings, which would send the embeddings module by module."""
+        self.base_model.encoder.inputs_require_grad = True
 
     def disable_input_require_grads(self) -> None:
-        hook = self.__dict__.pop("_input_grads_hook", None)
-        if hook is not None:
-            hook.remove()
+        self.base_model.encoder.inputs_require_grad = False
 
     def resize_token_embeddings(
-        self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None
+        self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None, mean_resizing: bool = True
     ) -> nn.Embedding:
-        """Grow or shrink the vocabulary (new tokens added to a tokenizer): rows kept up to the smaller size, new rows
-        set to the mean of the old ones (transformers' default samples around that mean), as are an untied MLM
-        decoder's; its bias gets zeros. Returns the new word embeddings; None keeps the size."""
-        old = self.get_input_embeddings()
-        if new_num_tokens is None:
-            return old
-        for name, value in (("new_num_tokens", new_num_tokens), ("pad_to_multiple_of", pad_to_multiple_of)):
+        """Grow or shrink the vocabulary (tokens added to a tokenizer), as transformers does: the same modules and
+        Parameters, their data resized (hooks and optimizer references stay), rows kept up to the smaller size; new
+        rows the old rows' mean where `mean_resizing` (transformers samples close around it), else drawn as at
+        initialisation; an untied MLM decoder resized alike, its bias padded with zeros. A size that would cut the
+        padding token is refused. Returns the word embeddings."""
+        embeddings = self.get_input_embeddings()
+        count = embeddings.num_embeddings if new_num_tokens is None else new_num_tokens
+        for name, value in (("new_num_tokens", count), ("pad_to_multiple_of", pad_to_multiple_of)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if pad_to_multiple_of is not None:
-            new_num_tokens = -(-new_num_tokens // pad_to_multiple_of) * pad_to_multiple_of
+            count = -(-count // pad_to_multiple_of) * pad_to_multiple_of
+        if count == embeddings.num_embeddings:
+            return embeddings
+        pad = self.config.pad_token_id
+        if pad is not None and pad >= count:
+            raise ValueError(f"{count} tokens would cut the padding token (pad_token_id={pad})")
         decoder = getattr(self, "get_output_embeddings", lambda: None)()
-        tied = decoder is not None and decoder.weight is old.weight
-        padding = old.padding_idx if old.padding_idx is not None and old.padding_idx < new_num_tokens else None
-        new = nn.Embedding(new_num_tokens, old.embedding_dim, padding_idx=padding, device=old.weight.device,
-                           dtype=old.weight.dtype)  # fmt: skip
-        new.weight = _resized(old.weight, new_num_tokens)
+        tied = decoder is not None and decoder.weight is embeddings.weight
+        std = None if mean_resizing else self.config.initializer_range
+        _resize(embeddings.weight, count, std)
+        embeddings.num_embeddings = count
         if decoder is not None:
             if not tied:
-                decoder.weight = _resized(decoder.weight, new_num_tokens)
-            predictions = self.cls.predictions
-            if predictions.bias is not None:
-                predictions.bias = _resized(predictions.bias, new_num_tokens, fill=0.0)
-            decoder.out_features = new_num_tokens
-        self.set_input_embeddings(new)
-        return new
+                _resize(decoder.weight, count, std)
+            if decoder.bias is not None:
+                _resize(decoder.bias, count, None, fill=0.0)
+            decoder.out_features = count
+        self.config.vocab_size = count
+        weights_changed = getattr(self.base_model, "weights_changed", None)
+        if weights_changed is not None:  # .data was swapped: the copies kept of the weights are stale
+            weights_changed()
+        return embeddings
 
 
-def _resized(rows: nn.Parameter, count: int, fill: float | None = None) -> nn.Parameter:
-    """`rows` cut or grown to `count` along dim 0; new rows `fill`, or the mean of the old rows."""
+def _resize(param: nn.Parameter, count: int, std: float | None, fill: float | None = None) -> None:
+    """`param.data` cut or grown to `count` rows in place; new rows `fill`, else N(0, std), else the old rows' mean."""
     with torch.no_grad():
+        rows = param.data
         out = rows.new_empty(count, *rows.shape[1:])
         kept = min(count, rows.shape[0])
         out[:kept] = rows[:kept]
-        out[kept:] = rows.mean(0) if fill is None else fill
-    return nn.Parameter(out, requires_grad=rows.requires_grad)
+        if fill is not None:
+            out[kept:] = fill
+        elif std is not None:
+            out[kept:].normal_(0.0, std)
+        else:
+            out[kept:] = rows.float().mean(0).to(rows.dtype)
+        param.data = out

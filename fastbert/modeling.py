@@ -450,6 +450,7 @@ class BertEncoder(nn.Module):
         # transformers' flag (model.gradient_checkpointing_enable sets it and the two below): recompute every
         # checkpoint_every-th layer in the backward, with torch.utils.checkpoint's checkpoint_kwargs
         self.gradient_checkpointing, self.checkpoint_every, self.checkpoint_kwargs = False, 1, {}
+        self.inputs_require_grad = False  # the layers' input requires grad even under frozen embeddings (peft)
 
     def position_bias(self) -> torch.Tensor | None:
         """The [nH, 2R + 1] fp32 table by key - query distance the attention kernels read (None without one)."""
@@ -482,6 +483,8 @@ class BertEncoder(nn.Module):
         final = self._modules.get("final_norm")
         bias = self.rotary_terms(packing, x.shape[0]) if self.rotary else self.relative_terms(packing.max_seqlen)
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        if (recompute or self.inputs_require_grad) and torch.is_grad_enabled() and not x.requires_grad:
+            x.requires_grad_()  # frozen embeddings: a (reentrant) checkpoint still sees a graph from here on
         for i, layer in enumerate(self.layer):
             if recompute and i % self.checkpoint_every == 0:  # recomputed in the backward, same dropout masks
                 x, probs = activations.checkpoint(layer, x, packing, output_attentions, bias,

@@ -9,6 +9,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import torch
+
 
 class ModelOutput(OrderedDict):
     """An ordered mapping of the non-None fields, with attribute access and integer indexing."""
@@ -16,9 +18,10 @@ class ModelOutput(OrderedDict):
     fields: tuple[str, ...] = ()
 
     def __init__(self, pairs: Mapping[str, Any] | Iterable[tuple[str, Any]] = (), /, **values: Any) -> None:
-        """Fields by keyword, or as a mapping or (name, value) pairs: the form Accelerate and DataParallel rebuild an
-        output with, `type(out)(pairs)`."""
-        values = {**dict(pairs), **values}
+        """Fields by keyword, as a mapping or (name, value) pairs (the form Accelerate and DataParallel rebuild an
+        output with, `type(out)(pairs)`), or a tensor given first: the first field, as in transformers."""
+        first = isinstance(pairs, torch.Tensor)
+        values = {**({self.fields[0]: pairs} if first else dict(pairs)), **values}
         unknown = set(values) - set(self.fields)
         if unknown:
             raise TypeError(f"{type(self).__name__} has no field(s) {sorted(unknown)}")

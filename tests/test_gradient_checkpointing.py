@@ -82,15 +82,22 @@ def test_every_other_layer_and_the_encoders_own_flag(model_type: str) -> None:
         plain.activation_checkpointing_enable(offload=True)
 
 
-def test_peft_style_reentrant_checkpointing_with_frozen_embeddings_trains_the_layers() -> None:
+@pytest.mark.parametrize("peft", [False, True])
+def test_reentrant_checkpointing_with_frozen_embeddings_trains_the_layers(peft: bool) -> None:
+    """A reentrant checkpoint sees no graph where its input needs no grad: with frozen embeddings the layers would
+    silently get none. Checkpointing makes the layers' input require grad, and so does peft's
+    enable_input_require_grads, without sending the embeddings module by module."""
     plain, checkpointed = model("bert"), model("bert")
-    for m in (plain, checkpointed):  # both hooked: the hooked embeddings run (and draw dropout) module by module
+    for m in (plain, checkpointed):
         m.get_input_embeddings().requires_grad_(False)
-        m.enable_input_require_grads()
     checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    if peft:
+        checkpointed.enable_input_require_grads()
     want, got = steps(plain), steps(checkpointed)
     for a, b in zip(got[1], want[1], strict=True):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+    notes = [plan.note for plan in checkpointed.bert.plans.plans.values()]
+    assert notes and all(note.startswith("one loop over the layers") for note in notes), notes  # the fused loop
     with pytest.raises(TypeError, match="must be a dict"):
         checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs=True)
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 
 import pytest
 import torch
 
 import fastbert
+from fastbert.checkpoint import CheckpointError
 from fastbert.heads import HEADS
 
 transformers = pytest.importorskip("transformers")
@@ -104,11 +106,30 @@ def test_from_pretrained_keywords_go_where_transformers_sends_them(tmp_path) -> 
     assert fastbert.BertModel.from_pretrained(tmp_path / "base", torch_dtype=torch.bfloat16).dtype == torch.bfloat16
     ours.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
     assert fastbert.BertModel.from_pretrained(tmp_path / "bf16", dtype="auto").dtype == torch.bfloat16
-    with pytest.raises(ValueError, match="disagree"):
-        fastbert.BertModel.from_pretrained(tmp_path / "base", dtype=torch.float16, torch_dtype=torch.bfloat16)
+    load = fastbert.BertModel.from_pretrained
+    assert load(tmp_path / "base", dtype=torch.float16, torch_dtype=torch.bfloat16).dtype == torch.float16  # dtype wins
+    assert load(tmp_path / "base", dtype="bfloat16").dtype == torch.bfloat16
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    del config["dtype"]
+    (tmp_path / "bf16" / "config.json").write_text(json.dumps(config))
+    assert load(tmp_path / "bf16", dtype="auto").dtype == torch.bfloat16  # nothing recorded: the weights' dtype
+    assert load(tmp_path, subfolder="base", trust_remote_code=True, local_files_only=True).dtype == torch.float32
+    with pytest.raises(ValueError, match="cache_dir, token: fastbert reads a local directory"):
+        load(tmp_path / "base", token="hf_x", cache_dir="/tmp")
+    with pytest.raises(TypeError, match=r"keyword\(s\) \['hidden_sise'\]: neither the model's arguments"):
+        load(tmp_path / "base", hidden_sise=64)
 
 
-def test_a_save_that_fails_leaves_the_saved_checkpoint_whole(tmp_path) -> None:
+def test_a_family_name_given_is_named_in_the_size_check(tmp_path) -> None:
+    torch.manual_seed(0)
+    hf = transformers.DistilBertModel(transformers.DistilBertConfig(vocab_size=99, dim=32, n_layers=2, n_heads=4,
+                                                                    hidden_dim=64))  # fmt: skip
+    hf.save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match=r"config.json \(with num_hidden_layers given\): n_layers=3"):
+        fastbert.DistilBertModel.from_pretrained(tmp_path, n_layers=3)
+
+
+def test_a_save_that_fails_leaves_the_saved_checkpoint_whole(tmp_path, monkeypatch) -> None:
     _, model = pair("BertModel")
     model.save_pretrained(tmp_path)
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
@@ -116,6 +137,17 @@ def test_a_save_that_fails_leaves_the_saved_checkpoint_whole(tmp_path) -> None:
     with pytest.raises(TypeError, match="not JSON serializable"):
         model.save_pretrained(tmp_path)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    del model.config.note
+
+    def disk_full(tensors: dict, path: str, metadata: dict) -> None:
+        with open(path, "wb") as f:
+            f.write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("safetensors.torch.save_file", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        model.save_pretrained(tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # no partial file left behind
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -146,6 +178,24 @@ def test_resize_token_embeddings_keeps_transformers_rows_and_logits(tied: bool, 
         new = torch.full((1, 4), size - 1)
         fb(new, labels=new).loss.backward()
         assert fb.get_input_embeddings().weight.grad[size - 1].abs().sum() > 0
+
+
+def test_resize_keeps_the_modules_and_parameters_and_refuses_cutting_the_padding_token() -> None:
+    """As transformers: the same module and Parameter (hooks and optimizer references stay), no change at the same
+    size, None with pad_to_multiple_of pads the current size; new rows by the initialiser without mean_resizing."""
+    _, fb = pair("BertForMaskedLM")
+    embeddings, weight = fb.get_input_embeddings(), fb.get_input_embeddings().weight
+    optimizer = torch.optim.SGD(fb.parameters(), lr=0.1)
+    assert fb.resize_token_embeddings(TINY["vocab_size"]) is embeddings and embeddings.weight is weight
+    grown = fb.resize_token_embeddings(None, pad_to_multiple_of=64, mean_resizing=False)
+    assert grown is embeddings and grown.weight is weight and weight.shape[0] == fb.config.vocab_size == 128
+    assert any(p is weight for group in optimizer.param_groups for p in group["params"])
+    new_rows = weight[TINY["vocab_size"] :]
+    assert 0 < new_rows.std().item() < 3 * TINY.get("initializer_range", 0.02)
+    fb.config.pad_token_id = 90
+    with pytest.raises(ValueError, match=r"50 tokens would cut the padding token \(pad_token_id=90\)"):
+        fb.resize_token_embeddings(50)
+    assert fb.config.vocab_size == 128
 
 
 def test_set_input_embeddings_refuses_another_width() -> None:
@@ -198,6 +248,16 @@ def test_trainer_trains_evaluates_and_predicts_a_fastbert_head(tmp_path) -> None
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert torch.isfinite(torch.tensor(trainer.evaluate()["eval_loss"]))
     assert trainer.predict(Pairs()).predictions.shape == (len(Pairs()), 2)
+
+
+def test_from_hf_keeps_the_output_flags_the_forward_follows() -> None:
+    hf, _ = pair("BertModel")
+    hf.config.output_hidden_states = True
+    ids, mask = batch()
+    with torch.no_grad():
+        assert len(fastbert.BertModel.from_hf(hf)(ids, attention_mask=mask).hidden_states) == len(
+            hf(ids, attention_mask=mask).hidden_states
+        )
 
 
 def test_a_transformers_config_is_refused_with_the_conversion_and_converts() -> None:

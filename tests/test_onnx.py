@@ -192,6 +192,23 @@ def test_parity_is_judged_against_fp64_not_pytorchs_fp32(tmp_path):
         check_parity(other, tmp_path / "m.onnx", [(1, 8)], reference=other, progress=False)
 
 
+def test_parity_bound_has_a_ceiling(tmp_path):
+    """A PyTorch fp32 path far from fp64 (1e-2 of noise) does not loosen the gate past 1e-3: a graph 4e-3 off fails."""
+    model = tiny()
+    export(model, tmp_path / "m.onnx", check=False, progress=False)
+    with torch.no_grad():
+        model.encoder.layer[-1].output.LayerNorm.bias += 4e-3
+
+    def far_from_fp64(module, args, out):
+        if out["last_hidden_state"].dtype == torch.float32:
+            out["last_hidden_state"] = out["last_hidden_state"] + 1e-2
+        return out
+
+    model.register_forward_hook(far_from_fp64)
+    with pytest.raises(RuntimeError, match=r"\(bound 0\.001\)"):
+        check_parity(model, tmp_path / "m.onnx", [(1, 8)], reference=model, progress=False)
+
+
 def test_bad_input_errors(tmp_path):
     with pytest.raises(TypeError, match="expected fastbert.BertModel or a head"):
         export(torch.nn.Linear(4, 4), tmp_path / "m.onnx")

@@ -55,6 +55,8 @@ def test_rebuilt_from_pairs_as_accelerate_and_data_parallel_do() -> None:
         assert list(rebuilt.keys()) == ["loss", "logits"] and rebuilt.loss is loss and rebuilt[1] is logits
     with pytest.raises(TypeError, match=r"has no field\(s\) \['logit'\]"):
         type(out)([("logit", logits)])
+    first = type(out)(loss, logits=logits)  # a tensor given first is the first field, as in transformers
+    assert list(first.keys()) == ["loss", "logits"] and first.loss is loss
 
 
 def test_accelerate_moves_an_output_and_keeps_its_type() -> None:

@@ -4,6 +4,7 @@ ops, no module calls and no dispatch. It computes what fastbert.modeling's forwa
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -43,47 +44,80 @@ def layers(
     instead: the layer stack's first layer); each layer's output appended to `hidden` when given. Under gradient
     checkpointing (in training, recording) one layer at a time, the chosen ones recomputed in the backward with the
     same dropout masks (torch's RNG state, which seeds every dropout, is restored)."""
-    encoder = structure.encoder
-    if not (encoder.gradient_checkpointing and plan.mode.training and plan.mode.grad):
-        return _layers(plan, structure, weights, x, packing, hidden, linear, dense_residual_layernorm)
+    terms = _terms(plan, structure, packing, x.shape[0], linear, dense_residual_layernorm)
+    positions = terms.positions
+    if positions is not None and len(positions) != len(weights):
+        raise ValueError("DeBERTa's layers run all together: the position projections follow the layers' order")
+    encoder, mode = structure.encoder, plan.mode
+    checkpointing = encoder.gradient_checkpointing and mode.training and mode.grad
+    if (checkpointing or encoder.inputs_require_grad) and mode.grad and not x.requires_grad:
+        x.requires_grad_()  # frozen embeddings: a (reentrant) checkpoint still sees a graph from here on
+    if not checkpointing:
+        return _layers(terms, weights, x, hidden)
     options = {"use_reentrant": False, **encoder.checkpoint_kwargs}
     for k in range(len(weights)):
-        args = (plan, structure, weights[k : k + 1], x, packing, None, linear, dense_residual_layernorm, k)
+        args = (terms, weights[k : k + 1], x, None, k)
         x = activations.checkpoint(_layers, *args, **options) if k % encoder.checkpoint_every == 0 else _layers(*args)
         if hidden is not None:
             hidden.append(x)
     return x
 
 
-def _layers(
-    plan: Plan,
-    structure: Structure,
-    weights: Sequence[tuple],
-    x: torch.Tensor,  # [T, H]
-    packing: Packing,
-    hidden: list[torch.Tensor] | None,
-    linear: FusedOp | None,
-    dense_residual_layernorm: FusedOp | None,
-    start: int = 0,
-) -> torch.Tensor:  # [T, H]
-    """`layers` in one go; the first of `weights` is layer `start`."""
-    linear = linear or plan.functions["linear"]
-    drl = dense_residual_layernorm or plan.functions["dense_residual_layernorm"]
-    attention, gated_linear = plan.functions["attention"], plan.functions["gated_linear"]
-    training = plan.mode.training
+class _Terms(NamedTuple):
+    """What every layer of one forward reads, found once a forward."""
+
+    linear: FusedOp
+    drl: FusedOp  # dense_residual_layernorm
+    attention: FusedOp
+    gated_linear: FusedOp
+    training: bool
+    first: nn.Module  # the first layer's self-attention: heads, head size, scale, DeBERTa's kinds
+    p_attn: float
+    p_hidden: float
+    p_gate: float  # a gated intermediate's dropout
+    cu: torch.Tensor  # [B + 1] cu_seqlens
+    max_seqlen: int
+    qkv_shape: tuple[int, ...]  # (T, 3, nH, D)
+    ctx_shape: tuple[int, ...]  # (T, nH * D)
+    relative: object  # MPNet's [nH, 2R + 1] table or DeBERTa's rows, None without
+    bias: torch.Tensor | None  # MPNet's table
+    rotary: torch.Tensor | None  # [2, T, R/2]: GTE's, NomicBERT's, Jina's (every layer global)
+    positions: list | None  # DeBERTa's per-layer position projections
+
+
+def _terms(plan: Plan, structure: Structure, packing: Packing, tokens: int, linear: FusedOp | None,
+           dense_residual_layernorm: FusedOp | None) -> _Terms:  # fmt: skip
     first = structure.layers[0].self_attention
-    heads, head_dim, scale = first.num_heads, first.head_dim, first.scale
-    p_attn, p_hidden = first.dropout_p, structure.layers[0].modules[3].dropout_p
-    cu, max_seqlen, tokens = packing.cu_seqlens, packing.max_seqlen, x.shape[0]
-    relative = structure.relative_terms(max_seqlen)  # MPNet's table or DeBERTa's rows, read once a forward
-    bias = relative if structure.relative is not None else None
-    rotary = structure.rotary_terms(packing, tokens)  # GTE's, NomicBERT's, Jina's tables: every layer global
-    rotary = rotary[GLOBAL] if rotary is not None else None
-    p_gate = getattr(structure.layers[0].modules[4], "dropout_p", 0.0)  # a gated intermediate's
-    positions = structure.position_weights() if first.kinds and relative is not None else None
-    if positions is not None and len(positions) < start + len(weights):
-        raise ValueError("DeBERTa's layers run in order: the position projections follow the layers' order")
-    qkv_shape, ctx_shape = (tokens, 3, heads, head_dim), (tokens, heads * head_dim)
+    relative = structure.relative_terms(packing.max_seqlen)
+    rotary = structure.rotary_terms(packing, tokens)
+    return _Terms(
+        linear or plan.functions["linear"],
+        dense_residual_layernorm or plan.functions["dense_residual_layernorm"],
+        plan.functions["attention"],
+        plan.functions["gated_linear"],
+        plan.mode.training,
+        first,
+        first.dropout_p,
+        structure.layers[0].modules[3].dropout_p,
+        getattr(structure.layers[0].modules[4], "dropout_p", 0.0),
+        packing.cu_seqlens,
+        packing.max_seqlen,
+        (tokens, 3, first.num_heads, first.head_dim),
+        (tokens, first.num_heads * first.head_dim),
+        relative,
+        relative if structure.relative is not None else None,
+        rotary[GLOBAL] if rotary is not None else None,
+        structure.position_weights() if first.kinds and relative is not None else None,
+    )
+
+
+def _layers(
+    terms: _Terms, weights: Sequence[tuple], x: torch.Tensor, hidden: list[torch.Tensor] | None, start: int = 0
+) -> torch.Tensor:  # [T, H] -> [T, H]
+    """`layers` in one go, with the forward's `_terms`; the first of `weights` is layer `start`."""
+    (linear, drl, attention, gated_linear, training, first, p_attn, p_hidden, p_gate, cu, max_seqlen, qkv_shape,
+     ctx_shape, relative, bias, rotary, positions) = terms  # fmt: skip
+    scale = first.scale
     for i, (qkv_w, qkv_b, o_w, o_b, n1_w, n1_b, eps1, i_w, i_b, act, f_w, f_b, n2_w, n2_b, eps2, gate_w) in enumerate(
             weights, start):  # fmt: skip
         qkv = linear(x, qkv_w, qkv_b, None).view(qkv_shape)

@@ -2,8 +2,11 @@
 
 A graph is judged against the truth, the PyTorch model evaluated in fp64, at valid positions, never against another
 rounding of it: PyTorch's fp32 can be the less exact of the two (an AVX2 CPU's GEMMs sum in another order). An fp32
-graph may differ from fp64 by 1e-4, or by twice the fp32 reference's own error where that is larger; an fp16 graph by
-twice the fp16 model's own error plus a small floor (the project's low-precision rule). Every output must be finite
+graph may differ from fp64 by 1e-4, or by twice the fp32 reference's own error where that is larger, never by more
+than 1e-3 (a PyTorch fp32 path gone wrong does not loosen the gate further); an fp16 graph by twice the fp16 model's
+own error plus a small floor (the project's low-precision rule). A few tables are built in fp32 even in the fp64
+evaluation (rotary frequencies, MPNet's bias table, EuroBERT's RMSNorm statistics): "fp64" is the model's arithmetic
+there, not exact. Every output must be finite
 everywhere, padding included.
 """
 
@@ -23,6 +26,7 @@ from fastbert.onnx.session import Session
 
 BATCHES, LENGTHS = (1, 3), (1, 8, 128, 512)
 FP32_ATOL = 1e-4
+FP32_CEILING = 1e-3
 FP16_FLOOR = 1e-3
 
 
@@ -88,8 +92,8 @@ def check_parity(
     """Max abs error of the ONNX graph at `path` per (batch, seqlen); raises CheckError if any is out of bounds.
 
     `model` is the exported PyTorch model (its dtype is the graph's); `reference` is the fp32 PyTorch model (evaluated
-    in fp64 on a copy, so a check holds twice the model's weights at once), or another fp32 ONNX graph to compare
-    against within 1e-4 (the unoptimized export, for the optimized one).
+    in fp64 on a copy: a check holds the weights three times over, the fp64 copy twice), or another fp32 ONNX graph to
+    compare against within 1e-4 (the unoptimized export, for the optimized one).
     """
     fp16 = next(model.parameters()).dtype == torch.float16
     if fp16 and not isinstance(reference, PreTrainedModel):
@@ -111,7 +115,7 @@ def check_parity(
             want = _torch_outputs(other, inputs)
             rounded = _torch_outputs(model if fp16 else reference, inputs)  # PyTorch's own error at this precision
             own = max(_errors(model, rounded, want, mask).values())
-            bound = 2 * own + FP16_FLOOR if fp16 else max(FP32_ATOL, 2 * own)
+            bound = 2 * own + FP16_FLOOR if fp16 else min(max(FP32_ATOL, 2 * own), FP32_CEILING)
         errors = _errors(model, got, want, mask)
         worst = max(errors.values())
         if worst > bound:
