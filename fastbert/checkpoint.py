@@ -229,16 +229,20 @@ def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str | None:
     """A torch.dtype, "auto", or None; a name ("bfloat16", "torch.float16") is read as its dtype."""
     if dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype):
         return dtype
-    found = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else None
-    if not isinstance(found, torch.dtype) or not found.is_floating_point:
+    found = _floating_dtype(dtype)
+    if found is None:
         raise TypeError(f"dtype must be a floating torch.dtype, its name, 'auto' or None, got {dtype!r}")
     return found
 
 
 def _recorded_dtype(config: BertConfig) -> torch.dtype | None:
     """The dtype config.json records (transformers writes `dtype`, formerly `torch_dtype`), if a floating one."""
-    recorded = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    found = getattr(torch, recorded, None) if isinstance(recorded, str) else None
+    return _floating_dtype(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
+
+
+def _floating_dtype(name: object) -> torch.dtype | None:
+    """The floating torch.dtype a name ("bfloat16", "torch.float16") names, else None."""
+    found = getattr(torch, name.removeprefix("torch."), None) if isinstance(name, str) else None
     return found if isinstance(found, torch.dtype) and found.is_floating_point else None
 
 

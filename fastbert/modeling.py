@@ -611,12 +611,12 @@ class BertModel(PreTrainedModel):
     ) -> BaseModelOutputWithPooling | tuple:
         """Encode a batch; `packed_output=True` gives `last_hidden_state` as `[total_tokens, H]` (valid tokens only).
         The output flags left None take the config's (`output_attentions`, `output_hidden_states`, `return_dict`)."""
-        decoder = {"encoder_hidden_states": encoder_hidden_states, "encoder_attention_mask": encoder_attention_mask,
-                   "past_key_values": past_key_values}  # fmt: skip
-        given = [name for name, value in decoder.items() if value is not None]
-        if given:
-            raise ValueError(f"{', '.join(given)}: fastbert's encoders have no cross-attention and no key/value "
-                             "cache; pass None (load a decoder with transformers)")  # fmt: skip
+        if encoder_hidden_states is not None or encoder_attention_mask is not None or past_key_values is not None:
+            decoder = {"encoder_hidden_states": encoder_hidden_states, "encoder_attention_mask": encoder_attention_mask,
+                       "past_key_values": past_key_values}  # fmt: skip
+            given = ", ".join(name for name, value in decoder.items() if value is not None)
+            raise ValueError(f"{given}: fastbert's encoders have no cross-attention and no key/value cache; pass None "
+                             "(load a decoder with transformers)")  # fmt: skip
         output_attentions, output_hidden_states = output_flags(self.config, output_attentions, output_hidden_states)
         return_dict = return_dict_of(self.config, return_dict)
         if head_mask is not None and not bool((torch.as_tensor(head_mask) == 1).all()):
