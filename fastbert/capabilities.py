@@ -6,6 +6,8 @@ The answers steer the dispatch and are reported by `fastbert.explain()`:
   emulates), bf16 GEMMs run by the rule below.
 - `onednn_bf16_prepack()`: does oneDNN's prepacked bf16 linear run here? (torch's `_is_mkldnn_bf16_supported()` can
   say yes on a CPU where the prepack then refuses: only a try tells.)
+- `onednn_bf16_row_cuts()`: does oneDNN's bf16 GEMM split some row counts badly between threads here, so that two calls
+  on the row halves beat one? Timed once; where it does not, no GEMM's rows are cut and none is timed per row count.
 
 The rule for bf16 without bf16 instructions: a bf16 GEMM accumulating in fp32 is the same arithmetic as an fp32 GEMM
 on the bf16 operands upcast (a product of two bf16 values is exact in fp32; only the summation order may differ),
@@ -247,6 +249,59 @@ def _time_new_row_counts(dtype: torch.dtype) -> Finding:
     return Finding(first > 4 * seen, words)
 
 
+# where oneDNN's bf16 GEMM split rows badly between 2 threads (AMX): [M, 768] x [768, 768] at M = 512-768 took
+# 1.41-1.55x two calls on its row halves (`python -m benchmarks.bench_onednn_rows`)
+_CUT_PROBE_ROWS, _CUT_PROBE_K, _CUT_PROBE_N = (512, 640, 768), 768, 768
+_CUT_PROBE_MARGIN = 1.1  # halves this much faster at some row count: worth timing row counts as they come
+
+
+def onednn_bf16_row_cuts() -> Finding:
+    """Can two oneDNN bf16 GEMM calls on a GEMM's row halves beat one call here? With AMX, oneDNN split some row counts
+    badly between threads, and fastbert.backends.onednn.row_parts times cutting at every new row count; elsewhere one
+    call won at every count, and that timing cost the first pass over a stream of new row counts a third of its speed
+    (all-mpnet-base-v2 bf16 on a Zen 4). Timed once on the shape where AMX split worst, with torch's threads."""
+    return _time_row_cuts()
+
+
+@_probe
+def _time_row_cuts() -> Finding:
+    if not onednn_bf16_prepack().ok:
+        return Finding(False, "bf16 GEMMs do not run on oneDNN's bf16 kernels here")
+    threads = torch.get_num_threads()
+    if threads < 2:
+        return Finding(False, "one thread: a GEMM's rows have no threads to be split between")
+    w = _cpu_randn(_CUT_PROBE_N, _CUT_PROBE_K).bfloat16()
+    x = _cpu_randn(max(_CUT_PROBE_ROWS), _CUT_PROBE_K).bfloat16()
+    packed = torch.ops.mkldnn._reorder_linear_weight(w)
+
+    def call(rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
+
+    gains = {}
+    for m in _CUT_PROBE_ROWS:
+        rows = x[:m]
+        runs = {"one": functools.partial(call, rows), "halves": lambda rows=rows: [call(h) for h in rows.chunk(2)]}
+        best = _best_wall_seconds(runs)
+        gains[m] = best["one"] / best["halves"]
+    m, gain = max(gains.items(), key=lambda item: item[1])
+    shape = f"[{m}, {_CUT_PROBE_K}] x [{_CUT_PROBE_K}, {_CUT_PROBE_N}] bf16 on {threads} threads"
+    if gain >= _CUT_PROBE_MARGIN:
+        return Finding(True, f"two calls on the row halves ran {gain:.2f}x one call on {shape}: row counts are timed")
+    return Finding(False, f"two calls on the row halves never ran {_CUT_PROBE_MARGIN}x one call (best {gain:.2f}x on "
+                          f"{shape}): one call at every row count")
+
+
+def _best_wall_seconds(runs: dict) -> dict[str, float]:
+    """Best-of-N wall seconds per run, interleaved: for what the caller's whole thread team does."""
+    for fn in runs.values():
+        fn()
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(_PROBE_REPEATS):
+        for name, fn in runs.items():
+            best[name] = min(best[name], _seconds(fn))
+    return best
+
+
 def _best_seconds(runs: dict) -> dict[str, float]:
     """Best-of-N CPU seconds of this thread per run, interleaved: time the process spends descheduled on a shared
     machine does not count, and a noisy moment hits every run alike."""
@@ -293,6 +348,9 @@ def report() -> list[str]:
     if not bf16.ok:
         lines.append("  so bf16 runs as fp32 GEMMs on the upcast bf16 operands, rounded once to bf16 (same arithmetic)")
     lines.append(f"oneDNN bf16 prepack: {'yes' if onednn_bf16_prepack().ok else 'no'}: {onednn_bf16_prepack().why}")
+    if bf16.ok and onednn_bf16_prepack().ok:
+        cuts = onednn_bf16_row_cuts()
+        lines.append(f"oneDNN bf16 GEMMs cut by rows: {'timed per row count' if cuts.ok else 'never'}: {cuts.why}")
     lines.append(f"fast precision here: {str(fast_dtype(torch.device('cpu'))).removeprefix('torch.')}")
     caches = ", ".join(f"{name}={os.environ.get(name, 'unset')}" for name in ONEDNN_CACHE_ENV)
     lines.append(f"oneDNN primitive caches: {caches} (unset: 1024 entries each, oneDNN's default)")

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastbert import reference
+from fastbert import capabilities, reference
 from fastbert.backends import onednn, timing
 from fastbert.execution import stack as layer_stack
 from tests.conftest import NATIVE_CPU, tiny_bert
@@ -19,6 +19,13 @@ pytestmark = pytest.mark.skipif(onednn.unavailable_reason() is not None, reason=
 ONEDNN_BF16 = onednn.unavailable_reason() is None and onednn.gemm_dtype(torch.bfloat16) == torch.bfloat16
 
 BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def cuts_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on a CPU where the probe found halves faster (AMX): row counts are timed and cut."""
+    found = capabilities.Finding(True, "set by the test")
+    monkeypatch.setattr(capabilities, "onednn_bf16_row_cuts", lambda: found)
 
 
 def settled(wins: bool) -> timing.Verdict:
@@ -38,6 +45,7 @@ def packed(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return weight, pack, b
 
 
+@pytest.mark.usefixtures("cuts_timed")
 def test_parts_follow_the_verdicts_and_the_stack_reads_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FASTBERT_CPU_GEMM", raising=False)
     _, pack, b = packed(32, 48)
@@ -52,6 +60,7 @@ def test_parts_follow_the_verdicts_and_the_stack_reads_the_same(monkeypatch: pyt
     assert onednn._decided_parts(key, 601) == (601,)  # a row count nobody timed: one call
 
 
+@pytest.mark.usefixtures("cuts_timed")
 @pytest.mark.parametrize("halves_faster", [True, False])
 def test_first_use_times_both_and_keeps_the_faster(halves_faster: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FASTBERT_CPU_GEMM", raising=False)
@@ -64,6 +73,7 @@ def test_first_use_times_both_and_keeps_the_faster(halves_faster: bool, monkeypa
     assert all(v[0] == halves_faster and "oneDNN on row parts" in v[1] for v in onednn._splits.values())
 
 
+@pytest.mark.usefixtures("cuts_timed")
 def test_few_rows_fp32_and_wide_outputs_make_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(onednn, "_splits", SplitEverywhere())
     _, pack, b = packed(32, 48)
@@ -74,6 +84,41 @@ def test_few_rows_fp32_and_wide_outputs_make_one_call(monkeypatch: pytest.Monkey
     assert onednn.row_parts(torch.randn(600, 32).to(BF16), pack, b, 48) == (600,)  # N > K: never cut
 
 
+def test_where_halves_never_won_no_row_count_is_timed_or_cut(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the probe found one call at least as fast at every row count (no AMX), row_parts times nothing, even for
+    a row count never seen, and every GEMM is one call; the stack's question is settled for every row count."""
+    monkeypatch.delenv("FASTBERT_CPU_GEMM", raising=False)
+    monkeypatch.setattr(onednn, "_splits", {})
+    monkeypatch.setattr(capabilities, "onednn_bf16_row_cuts", lambda: capabilities.Finding(False, "set by the test"))
+    monkeypatch.setattr(timing, "samples", lambda *fns, **kw: pytest.fail("a row count was timed"))
+    weight, pack, b = packed(32, 48)
+    for m in (256, 513, 1000):
+        assert onednn.row_parts(torch.randn(m, 48).to(BF16), pack, b, 32) == (m,)
+        assert onednn.parts_settled(weight, m)
+    assert onednn._splits == {}
+
+
+def test_the_probe_cuts_where_halves_win_and_not_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """capabilities.onednn_bf16_row_cuts: yes where halves beat one call by the margin at some probed row count, no
+    where they do not, and no on one thread without timing anything."""
+    if not capabilities.onednn_bf16_prepack().ok:
+        pytest.skip(capabilities.onednn_bf16_prepack().why)
+
+    def verdict(halves_gain: float) -> capabilities.Finding:
+        monkeypatch.setattr(capabilities, "_best_wall_seconds", lambda runs: {"one": halves_gain, "halves": 1.0})
+        return capabilities._time_row_cuts.__wrapped__()
+
+    assert verdict(1.5).ok and "1.50x" in verdict(1.5).why
+    assert not verdict(1.05).ok and "1.05x" in verdict(1.05).why
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert not verdict(1.5).ok and "one thread" in verdict(1.5).why
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("cuts_timed")
 @pytest.mark.parametrize("act", [None, "gelu"])
 def test_cut_gemm_meets_the_bf16_rule(act: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FASTBERT_CPU_GEMM", raising=False)
@@ -85,6 +130,7 @@ def test_cut_gemm_meets_the_bf16_rule(act: str | None, monkeypatch: pytest.Monke
     assert_close(f"oneDNN linear on row parts, act {act}", out, ref64, reference.linear(x, weight, bias, act))
 
 
+@pytest.mark.usefixtures("cuts_timed")
 def test_cut_residual_gemm_meets_the_bf16_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FASTBERT_CPU_GEMM", raising=False)
     monkeypatch.setattr(onednn, "_splits", SplitEverywhere())
@@ -101,6 +147,7 @@ def test_cut_residual_gemm_meets_the_bf16_rule(monkeypatch: pytest.MonkeyPatch) 
     assert_close("oneDNN residual GEMM on row parts", out, ref(*(t.double() for t in operands)), ref(*operands))
 
 
+@pytest.mark.usefixtures("cuts_timed")
 @pytest.mark.skipif(NATIVE_CPU is None, reason="native CPU extension unavailable")
 @pytest.mark.skipif(not ONEDNN_BF16, reason="oneDNN multiplies bf16 as fp32 on this CPU: no GEMM is cut")
 def test_stacked_layers_make_the_same_cut_calls(monkeypatch: pytest.MonkeyPatch) -> None:

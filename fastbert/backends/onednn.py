@@ -185,8 +185,10 @@ def row_parts(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
     384] at 256-512 rows 1.1-1.7x longer than calls on 128 rows (`python -m benchmarks.bench_onednn_rows`; the cut that
     wins moves between runs and row counts, so it is timed, not assumed). fp32 GEMMs showed no such row counts, and
     GEMMs with more outputs than inputs (QKV, FFN in) gained at most 1.13x from halves, less than a first use spends
-    timing every row count; so only bf16 GEMMs with N <= K are cut. FASTBERT_CPU_GEMM leaves this alone: it picks the
-    backend, and this is how oneDNN takes the GEMM."""
+    timing every row count; so only bf16 GEMMs with N <= K are cut, and only on a CPU where a probe found halves
+    faster at all (without AMX one call won at every row count, and timing each new one cost a stream of batches a third
+    of its first pass). FASTBERT_CPU_GEMM leaves this alone: it picks the backend, and this is how oneDNN takes the
+    GEMM."""
     m, k = rows.shape
     shape = (rows.dtype, n, k)
     if _cuttable(*shape, m) and getattr(_splits.get((*shape, m)), "evidence", True) is not None:  # unsettled
@@ -228,8 +230,9 @@ def _halves(m: int) -> tuple[int, int]:
 
 
 def _cuttable(dtype: torch.dtype, n: int, k: int, m: int) -> bool:
-    """Whether row_parts times cutting a [m, k] x [k, n] GEMM in `dtype` (see its docstring for why these)."""
-    return dtype == torch.bfloat16 and n <= k and m >= _SPLIT_FROM
+    """Whether row_parts times cutting a [m, k] x [k, n] GEMM in `dtype` (see its docstring for why these): only on a
+    CPU where halves were found faster at all (capabilities.onednn_bf16_row_cuts)."""
+    return dtype == torch.bfloat16 and n <= k and m >= _SPLIT_FROM and capabilities.onednn_bf16_row_cuts().ok
 
 
 @functools.lru_cache(maxsize=256)
