@@ -99,21 +99,24 @@ def test_where_halves_never_won_no_row_count_is_timed_or_cut(monkeypatch: pytest
 
 
 def test_the_probe_cuts_where_halves_win_and_not_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
-    """capabilities.onednn_bf16_row_cuts: yes where halves beat one call by the margin at some probed row count, no
-    where they do not, and no on one thread without timing anything."""
+    """capabilities.onednn_bf16_row_cuts: yes where halves beat one call by the margin at most probed row counts, no
+    where they do not or at one only (a disturbed sample), and no on one thread without timing anything."""
     if not capabilities.onednn_bf16_prepack().ok:
         pytest.skip(capabilities.onednn_bf16_prepack().why)
 
-    def verdict(halves_gain: float) -> capabilities.Finding:
-        monkeypatch.setattr(capabilities, "_best_wall_seconds", lambda runs: {"one": halves_gain, "halves": 1.0})
+    def verdict(*gains: float) -> capabilities.Finding:
+        each = iter(gains)
+        monkeypatch.setattr(capabilities, "_best_wall_seconds", lambda runs: {"one": next(each), "halves": 1.0})
         return capabilities._time_row_cuts.__wrapped__()
 
-    assert verdict(1.5).ok and "1.50x" in verdict(1.5).why
-    assert not verdict(1.05).ok and "1.05x" in verdict(1.05).why
+    assert verdict(1.5, 1.4, 1.6).ok and "by 1.50x" in verdict(1.5, 1.4, 1.6).why
+    assert verdict(1.0, 1.2, 1.3).ok  # two row counts of three
+    assert not verdict(1.05, 1.0, 1.02).ok and "median 1.02x" in verdict(1.05, 1.0, 1.02).why
+    assert not verdict(1.0, 1.6, 0.98).ok  # one disturbed row count does not decide
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert not verdict(1.5).ok and "one thread" in verdict(1.5).why
+        assert not verdict(1.5, 1.5, 1.5).ok and "one thread" in verdict(1.5, 1.5, 1.5).why
     finally:
         torch.set_num_threads(threads)
 
