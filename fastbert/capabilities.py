@@ -252,7 +252,7 @@ def _time_new_row_counts(dtype: torch.dtype) -> Finding:
 # where oneDNN's bf16 GEMM split rows badly between 2 threads (AMX): [M, 768] x [768, 768] at M = 512-768 took
 # 1.41-1.55x two calls on its row halves (`python -m benchmarks.bench_onednn_rows`), at all three
 _CUT_PROBE_ROWS, _CUT_PROBE_K, _CUT_PROBE_N = (512, 640, 768), 768, 768
-_CUT_PROBE_MARGIN = 1.1  # halves this much faster at some row count: worth timing row counts as they come
+_CUT_PROBE_MARGIN = 1.1  # halves this much faster (median of the three): worth timing row counts as they come
 
 
 def onednn_bf16_row_cuts() -> Finding:
@@ -265,6 +265,7 @@ def onednn_bf16_row_cuts() -> Finding:
 
 @_probe
 def _time_row_cuts() -> Finding:
+    """One oneDNN bf16 call against two on the row halves at each probe row count, best of a few interleaved each."""
     if not onednn_bf16_prepack().ok:
         return Finding(False, "bf16 GEMMs do not run on oneDNN's bf16 kernels here")
     threads = torch.get_num_threads()
