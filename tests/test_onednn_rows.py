@@ -104,21 +104,21 @@ def test_the_probe_cuts_where_halves_win_and_not_elsewhere(monkeypatch: pytest.M
     if not capabilities.onednn_bf16_prepack().ok:
         pytest.skip(capabilities.onednn_bf16_prepack().why)
 
-    def verdict(*gains: float) -> capabilities.Finding:
+    def verdict(*gains: float, threads: int = 2) -> capabilities.Finding:
         each = iter(gains)
         monkeypatch.setattr(capabilities, "_best_wall_seconds", lambda runs: {"one": next(each), "halves": 1.0})
-        return capabilities._time_row_cuts.__wrapped__()
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)  # test workers may run on one thread
+        try:
+            return capabilities._time_row_cuts.__wrapped__()
+        finally:
+            torch.set_num_threads(before)
 
     assert verdict(1.5, 1.4, 1.6).ok and "by 1.50x" in verdict(1.5, 1.4, 1.6).why
     assert verdict(1.0, 1.2, 1.3).ok  # two row counts of three
     assert not verdict(1.05, 1.0, 1.02).ok and "median 1.02x" in verdict(1.05, 1.0, 1.02).why
     assert not verdict(1.0, 1.6, 0.98).ok  # one disturbed row count does not decide
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert not verdict(1.5, 1.5, 1.5).ok and "one thread" in verdict(1.5, 1.5, 1.5).why
-    finally:
-        torch.set_num_threads(threads)
+    assert not verdict(1.5, 1.5, 1.5, threads=1).ok and "one thread" in verdict(1.5, 1.5, 1.5, threads=1).why
 
 
 @pytest.mark.usefixtures("cuts_timed")
