@@ -282,7 +282,7 @@ def _time_row_cuts() -> Finding:
     for m in _CUT_PROBE_ROWS:
         rows = x[:m]
         runs = {"one": functools.partial(call, rows), "halves": lambda rows=rows: [call(h) for h in rows.chunk(2)]}
-        best = _best_wall_seconds(runs)
+        best = _best_seconds(runs, time.perf_counter)  # wall: the whole team's split of the rows
         gains.append(best["one"] / best["halves"])
     gain = statistics.median(gains)  # one disturbed row count cannot decide; AMX lost at all three
     shape = (f"[{'/'.join(map(str, _CUT_PROBE_ROWS))}, {_CUT_PROBE_K}] x [{_CUT_PROBE_K}, {_CUT_PROBE_N}] bf16 on "
@@ -294,28 +294,18 @@ def _time_row_cuts() -> Finding:
                           f"{gain:.2f}x over {shape}): one call at every row count")
 
 
-def _best_wall_seconds(runs: dict) -> dict[str, float]:
-    """Best-of-N wall seconds per run, interleaved: for what the caller's whole thread team does."""
+def _best_seconds(runs: dict, clock: Callable[[], float] = time.thread_time) -> dict[str, float]:
+    """Best-of-N seconds per run, interleaved, on `clock`: by default this thread's CPU time, so time the process
+    spends descheduled on a shared machine does not count; time.perf_counter for what a whole thread team does. A
+    noisy moment hits every run alike."""
     for fn in runs.values():
         fn()
     best = dict.fromkeys(runs, float("inf"))
     for _ in range(_PROBE_REPEATS):
         for name, fn in runs.items():
-            best[name] = min(best[name], _seconds(fn))
-    return best
-
-
-def _best_seconds(runs: dict) -> dict[str, float]:
-    """Best-of-N CPU seconds of this thread per run, interleaved: time the process spends descheduled on a shared
-    machine does not count, and a noisy moment hits every run alike."""
-    for fn in runs.values():
-        fn()
-    best = dict.fromkeys(runs, float("inf"))
-    for _ in range(_PROBE_REPEATS):
-        for name, fn in runs.items():
-            start = time.thread_time()
+            start = clock()
             fn()
-            best[name] = min(best[name], time.thread_time() - start)
+            best[name] = min(best[name], clock() - start)
     return best
 
 

@@ -106,7 +106,7 @@ def test_the_probe_cuts_where_halves_win_and_not_elsewhere(monkeypatch: pytest.M
 
     def verdict(*gains: float, threads: int = 2) -> capabilities.Finding:
         each = iter(gains)
-        monkeypatch.setattr(capabilities, "_best_wall_seconds", lambda runs: {"one": next(each), "halves": 1.0})
+        monkeypatch.setattr(capabilities, "_best_seconds", lambda runs, clock: {"one": next(each), "halves": 1.0})
         before = torch.get_num_threads()
         torch.set_num_threads(threads)  # test workers may run on one thread
         try:
