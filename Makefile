@@ -58,7 +58,8 @@ AVX2_ENV   := FASTBERT_CPU_ISA=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=
               TORCHINDUCTOR_CACHE_DIR=$(CURDIR)/build/torchinductor-avx2
 AVX2_TESTS := tests/test_capabilities.py tests/test_fastpath.py tests/test_precision.py tests/test_native.py \
               tests/test_bench_model.py tests/test_model_equivalence.py tests/test_kernel_dispatch.py tests/test_int8.py \
-              tests/test_gemm.py tests/test_gated.py tests/test_eurobert.py tests/test_layer_stack.py
+              tests/test_gemm.py tests/test_gated.py tests/test_eurobert.py tests/test_layer_stack.py \
+              tests/test_bench_encode.py::test_mpnet_runs_every_system_without_token_types
 
 test: venv lint native cuda-check
 	$(PY) -m pytest -q -n 2 tests benchmarks --benchmark-disable  # two workers: the 2-core CI machine, in half the time

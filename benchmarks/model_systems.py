@@ -211,6 +211,8 @@ def openvino_runner(model: object, precision: str | None = "f32") -> Runner:
 
     core = ov.Core()
     config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": torch.get_num_threads()}
+    if precision is None and _onednn_capped_below_bf16():
+        precision = "f32"  # its choice on a CPU without bf16: its capped oneDNN has no bf16 kernels for bf16's pick
     if precision is not None:
         config["INFERENCE_PRECISION_HINT"] = precision
     compiled = core.compile_model(core.read_model(model) if isinstance(model, str) else model, "CPU", config)
@@ -225,10 +227,19 @@ def openvino_runner(model: object, precision: str | None = "f32") -> Runner:
     return run
 
 
+def _onednn_capped_below_bf16() -> bool:
+    """Whether ONEDNN_MAX_CPU_ISA (the AVX2 stand-in on a bigger CPU) leaves oneDNN, OpenVINO's CPU plugin's too,
+    without bf16 kernels, while the plugin still finds the CPU's bf16 instructions and would pick bf16."""
+    return os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper() in ("SSE41", "AVX", "AVX2", "AVX2_VNNI")
+
+
 def openvino_bf16_reason() -> str | None:
     """Why OpenVINO's CPU plugin would not run bf16 natively here (no bf16 instructions in its own probe), or None."""
     import openvino as ov
 
+    if _onednn_capped_below_bf16():
+        cap = os.environ["ONEDNN_MAX_CPU_ISA"]
+        return f"ONEDNN_MAX_CPU_ISA={cap} caps OpenVINO's oneDNN below bf16 (its f32 is the fp32 row)"
     if "BF16" not in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
         return "OpenVINO finds no bf16 instructions on this CPU (its default precision here is f32: the fp32 row)"
     return None
