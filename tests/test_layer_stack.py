@@ -9,9 +9,9 @@ import torch
 
 import fastbert
 from fastbert import BertModel, capabilities, ops
-from fastbert.backends import gemm, int8, onednn, timing
+from fastbert.backends import gemm, int8, native, onednn, timing
 from fastbert.execution import stack as layer_stack
-from tests.conftest import NATIVE_CPU, NATIVE_CPU_REASON, tiny_bert
+from tests.conftest import NATIVE_CPU, NATIVE_CPU_REASON, busy_spell, tiny_bert
 
 pytestmark = pytest.mark.skipif(NATIVE_CPU is None, reason=f"native CPU extension unavailable: {NATIVE_CPU_REASON}")
 
@@ -94,6 +94,37 @@ def test_chunks_of_sequences_equal_the_per_op_path_bitwise(ext, quantize: str | 
     assert ext.encoder_layers_chunks() == asked
     assert (f"; the batch in {asked} chunks" if asked > 1 else "; the batch whole") in layer_stack.describe()
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("policy", ["pool", "solo"], indirect=True)
+def test_a_busy_spell_cuts_more_chunks_for_the_pool_to_share(ext, policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a busy spell under the pool policy the batch is cut into up to four chunks a thread (a thread the OS runs
+    less claims fewer), bitwise the per-op path's rows; under solo, or with no spell, one a thread."""
+    monkeypatch.setenv(layer_stack.CHUNKS_ENV, "")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the cut needs a second thread (this suite's workers run one)
+    try:
+        hidden, inner = 64, 96
+        model = tiny_bert(num_hidden_layers=4, hidden_size=hidden, num_attention_heads=2, intermediate_size=inner,
+                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+        ids, mask = chunked_batch()
+        outs, used = [], []
+        with ops.use_backend("gemm"), torch.inference_mode():
+            for stacked, busy in (("0", False), ("1", False), ("1", True)):
+                monkeypatch.setenv("FASTBERT_LAYER_STACK", stacked)
+                native.set_busy_host_policy(policy if busy else "off")  # off: no spell, whatever the test load does
+                if busy:
+                    busy_spell()
+                outs.append(model(ids, attention_mask=mask).last_hidden_state)
+                used.append(ext.encoder_layers_chunks())
+                words = layer_stack.describe()
+        most = len(ext.sequence_chunks(cu_of(mask), hidden, inner, 8)) - 1
+    finally:
+        torch.set_num_threads(before)
+    assert 2 < most <= 8
+    assert used[1:] == [2, most if policy == "pool" else 2]
+    assert ("claimed as threads come free (a busy spell" in words) == (policy == "pool")
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 def test_sequences_cut_into_chunks_of_equal_work() -> None:

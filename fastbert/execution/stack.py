@@ -26,7 +26,9 @@ on its own). A layer's parallel regions (seven to nine: GEMMs, their quantising 
 become one a forward, and each thread keeps its layer's weights in its own L2: on 2 vCPUs of a Xeon with AMX, MiniLM-L6
 at 32 x 40 tokens ran 1.21x (fp32), 1.10x (int8) and 1.21x (bf16) faster than with the batch whole
 (`python -m benchmarks.bench_layer_stack`; benchmarks/results/layer_stack_cpu-avx512-amx.md). On a busy machine a
-thread the OS preempted holds up the other only at the end of the call, not at every region.
+thread the OS preempted holds up the other only at the end of the call, not at every region; in a busy spell (the
+busy-host pool, csrc/cpu/pool.h) the batch is cut into up to four chunks a thread, claimed as threads come free, so
+the call waits at its end for one small chunk, not for half the batch on a thread the OS runs a third of the time.
 """
 
 from __future__ import annotations
@@ -62,8 +64,8 @@ _status = {"tried": 0, "stacked": 0, "last": ""}  # for explain(): forwards that
 
 def chunks() -> int:
     """How many chunks of whole sequences the native call cuts a batch into, each through every layer on one thread
-    (encoder_layers, csrc/cpu/layer_stack.inc): 0, one per thread, unless FASTBERT_STACK_CHUNKS gives a count (1: the
-    batch whole, each kernel parallel on its own)."""
+    (encoder_layers, csrc/cpu/layer_stack.inc): 0, one per thread (four a thread in a busy spell), unless
+    FASTBERT_STACK_CHUNKS gives a count (1: the batch whole, each kernel parallel on its own)."""
     value = os.environ.get(CHUNKS_ENV, "").strip()
     if not value:
         return 0
@@ -72,11 +74,12 @@ def chunks() -> int:
     return int(value)
 
 
-def chunking(used: int, asked: int, own_gemms: bool) -> str:
-    """explain()'s words for a native call that ran `used` chunks, asked for `asked` (chunks())."""
+def chunking(used: int, asked: int, own_gemms: bool, threads: int) -> str:
+    """explain()'s words for a native call on `threads` threads that ran `used` chunks, asked for `asked` (chunks())."""
     if used > 1:
-        return (f"the batch in {used} chunks of whole sequences, each through every layer on one thread"
-                + (f" ({CHUNKS_ENV}={asked})" if asked else ""))  # fmt: skip
+        why = (f" ({CHUNKS_ENV}={asked})" if asked
+               else ", claimed as threads come free (a busy spell: up to four a thread)" if used > threads else "")
+        return f"the batch in {used} chunks of whole sequences, each through every layer on one thread{why}"
     if not own_gemms:
         why = "oneDNN's GEMMs run on torch's threads"
     elif asked == 1:
@@ -201,7 +204,7 @@ class Stack:
         _status["stacked"] += 1
         on = (f"every GEMM on {gemms[0]}" if len(set(gemms)) == 1
               else ", ".join(f"{what} on {name}" for what, name in zip(GEMMS, gemms, strict=True)))  # fmt: skip
-        how = chunking(cpu.encoder_layers_chunks(), asked, own_gemms)
+        how = chunking(cpu.encoder_layers_chunks(), asked, own_gemms, cpu.threading()[0])
         layers = len(s.layers)
         _status["last"] = (f"layers {layers - len(weights) + 1}-{layers} in one native call ({on}, attention on "
                            f"native; {how})")  # fmt: skip
