@@ -4,6 +4,8 @@ path (hooks, grad, a backend it has no kernel of, hidden states asked for); bad 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from fastbert import BertModel, capabilities, ops
 from fastbert.backends import gemm, int8, native, onednn, timing
 from fastbert.execution import stack as layer_stack
 from tests.conftest import NATIVE_CPU, NATIVE_CPU_REASON, busy_spell, tiny_bert
+from tests.kernel_checks import assert_close
 
 pytestmark = pytest.mark.skipif(NATIVE_CPU is None, reason=f"native CPU extension unavailable: {NATIVE_CPU_REASON}")
 
@@ -125,6 +128,42 @@ def test_a_busy_spell_cuts_more_chunks_for_the_pool_to_share(ext, policy: str, m
     assert used[1:] == [2, most if policy == "pool" else 2]
     assert ("claimed as threads come free (a busy spell" in words) == (policy == "pool")
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("policy", ["pool"], indirect=True)
+def test_a_busy_spell_cuts_onednn_layers_into_chunks_too(dtype: torch.dtype, policy: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """oneDNN's GEMMs run on torch's team, so with no spell the batch stays whole; in a busy spell it is cut like
+    fastbert's own, each chunk's GEMMs one oneDNN call on its thread, under inference mode on every thread. oneDNN may
+    round a chunk's rows differently: DESIGN's bound against the fp64 model (bf16: twice the whole batch's error)."""
+    monkeypatch.setenv("FASTBERT_CPU_GEMM", "onednn")
+    monkeypatch.setenv("FASTBERT_LAYER_STACK", "1")
+    monkeypatch.setenv(layer_stack.CHUNKS_ENV, "")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model = tiny_bert(num_hidden_layers=4, hidden_size=64, num_attention_heads=2, intermediate_size=96,
+                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+        ids, mask = chunked_batch()
+        with torch.inference_mode():
+            ref64 = copy.deepcopy(model).double()(ids, attention_mask=mask).last_hidden_state
+            model = model.to(dtype)
+            native.set_busy_host_policy("off")
+            model(ids, attention_mask=mask)  # a model's first forward runs op by op
+            whole = model(ids, attention_mask=mask).last_hidden_state
+            used_whole = NATIVE_CPU.encoder_layers_chunks()
+            native.set_busy_host_policy(policy)
+            busy_spell()
+            chunked = model(ids, attention_mask=mask).last_hidden_state
+            used = NATIVE_CPU.encoder_layers_chunks()
+    finally:
+        torch.set_num_threads(before)
+    assert used_whole == 1 and used > 2
+    assert "every GEMM on onednn" in layer_stack.describe()
+    real = mask.bool()
+    lowp = whole[real] if dtype != torch.float32 else None
+    assert_close(f"busy chunks, oneDNN {dtype}", chunked[real], ref64[real], lowp)
 
 
 def test_sequences_cut_into_chunks_of_equal_work() -> None:

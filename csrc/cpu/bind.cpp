@@ -5,6 +5,7 @@
 #include <torch/python.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #if defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>

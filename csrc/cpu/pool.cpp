@@ -195,9 +195,19 @@ int usable_threads(int torch_threads, std::string* why) {
   return n;
 }
 
-SoloScope::SoloScope() { ++solo_depth; }
+namespace {
+thread_local int solo_omp_threads = 0;  // this thread's OpenMP team size before its outermost SoloScope
+}  // namespace
 
-SoloScope::~SoloScope() { --solo_depth; }
+SoloScope::SoloScope() {
+  if (solo_depth++ > 0) return;
+  solo_omp_threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+}
+
+SoloScope::~SoloScope() {
+  if (--solo_depth == 0) omp_set_num_threads(solo_omp_threads);
+}
 
 int64_t late_region_count() { return late_regions.load(std::memory_order_relaxed); }
 

@@ -136,8 +136,9 @@ bool team_narrowed();
 // Threads workers.cpp has started so far (0 until the first busy spell).
 int worker_count();
 
-// A scope in which the calling thread's regions run on it alone and usable_threads() is 1: the work inside is one job
-// of a coarser region (encoder_layers' chunks of sequences) whose other jobs keep the other threads busy.
+// A scope in which the calling thread's regions run on it alone, usable_threads() is 1 and its OpenMP team is one
+// thread (torch's ops and oneDNN's GEMMs inside run on it alone): the work inside is one job of a coarser region
+// (encoder_layers' chunks of sequences) whose other jobs keep the other threads busy.
 class SoloScope {
  public:
   SoloScope();

@@ -81,7 +81,7 @@ def chunking(used: int, asked: int, own_gemms: bool, threads: int) -> str:
                else ", claimed as threads come free (a busy spell: up to four a thread)" if used > threads else "")
         return f"the batch in {used} chunks of whole sequences, each through every layer on one thread{why}"
     if not own_gemms:
-        why = "oneDNN's GEMMs run on torch's threads"
+        why = "oneDNN's GEMMs run on torch's threads outside a busy spell"
     elif asked == 1:
         why = f"{CHUNKS_ENV}=1"
     else:
@@ -197,10 +197,10 @@ class Stack:
         first = s.layers[0].self_attention
         cpu, _ = native.load("_native_cpu")
         scale = first.scale if first.scale is not None else 1.0 / math.sqrt(first.head_dim)  # DeBERTa's 1/sqrt(3D)
-        own_gemms, asked = "onednn" not in gemms, chunks()  # oneDNN's GEMMs run on torch's threads: the batch whole
+        own_gemms, asked = "onednn" not in gemms, chunks()
         x = cpu.encoder_layers(x, packing.cu_seqlens, int(packing.max_seqlen), first.num_heads, scale, operands,
                                s.layers[0].act, eps, s.position_bias(), bf16_products=native.bf16_products(),
-                               chunks=asked if own_gemms else 1)[:total]  # fmt: skip
+                               chunks=asked)[:total]  # fmt: skip
         _status["stacked"] += 1
         on = (f"every GEMM on {gemms[0]}" if len(set(gemms)) == 1
               else ", ".join(f"{what} on {name}" for what, name in zip(GEMMS, gemms, strict=True)))  # fmt: skip
