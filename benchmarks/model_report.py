@@ -107,7 +107,8 @@ def cpu_run() -> dict[str, Any]:
 
 
 def document(
-    rows: list, peaks: dict[str, float], ceilings: dict[str, float | None], device: torch.device, seconds: float
+    rows: list, peaks: dict[str, float], ceilings: dict[str, float | None], device: torch.device, seconds: float,
+    bandwidth: float | None = None,
 ) -> dict[str, Any]:
     """Everything a reader needs to trust (or distrust) the numbers, including the machine's load."""
     return {
@@ -121,6 +122,7 @@ def document(
         "wall_seconds": round(seconds, 1),
         "peak_flops": dict(peaks),  # the best large matmul measured in this run: the "% peak" denominator
         "arithmetic_peak_flops": dict(ceilings),  # from registers (CPU): what no GEMM can pass (run_model)
+        "read_bandwidth": bandwidth,  # bytes/s reading far past the caches (CPU; run_model.measure_read_bandwidth)
         "flops_formula": "per sequence of s real tokens: s * (2 * encoder_params + 4 * layers * s * hidden)",
         "rows": [dataclasses.asdict(r) for r in rows],
     }
@@ -163,7 +165,8 @@ def markdown(doc: dict[str, Any]) -> str:
         f"commit {doc['commit']}, {doc['date_utc']}, load average at start {doc.get('load_average_at_start')} and "
         f"end {doc['load_average']}, peaks measured (large matmul, the % peak denominator): {peaks}"
         + (f"; arithmetic ceiling (from registers, no memory; fp32 run as bf16x3 on AMX tiles: a sixth of the "
-           f"tiles' where higher): {ceilings}" if ceilings else ""),
+           f"tiles' where higher): {ceilings}" if ceilings else "")
+        + (f"; memory read {bw / 1e9:,.1f} GB/s" if (bw := doc.get("read_bandwidth")) else ""),
         "",
     ]
     if doc["device_type"] == "cpu" and (warning := load_warning(doc)):
@@ -191,7 +194,8 @@ def markdown(doc: dict[str, Any]) -> str:
                 f"| {r['seq_per_s']:,.1f} | {r['tok_per_s']:,.0f} | {_fmt(r['speedup_vs_sdpa'], '.2f')}x "
                 f"| {r['pct_peak']:.1f} | {r['max_abs_err']:.2e} |"
             )
-        bound = _bound_line(rows, doc["peak_flops"][dtype])
+        bound = " ".join(filter(None, (_bound_line(rows, doc["peak_flops"][dtype]),
+                                       _weights_line(rows, doc.get("read_bandwidth"), dtype))))  # fmt: skip
         lines += ["", bound, ""] if bound else [""]
     return "\n".join(lines)
 
@@ -216,6 +220,24 @@ def _bound_line(rows: list[dict], peak: float) -> str:
         for shape, (bound, sdpa) in _shape_bounds(rows, peak).items()
     ]
     return "Bound at 100% of the measured peak on useful FLOPs only: " + "; ".join(parts) + "." if parts else ""
+
+
+def _weights_line(rows: list[dict], bandwidth: float | None, dtype: str) -> str:
+    """Per shape, the real tokens/s of a forward that did nothing but read the encoder's weights once at the measured
+    memory bandwidth: a second bound, the tighter one for a few tokens, where the weights outweigh the work."""
+    parts = []
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        timed = [r for r in rows if r["shape"] == shape and not r["skipped"] and r.get("weight_bytes")]
+        if bandwidth and timed:
+            bound = timed[0]["real_tokens"] * bandwidth / timed[0]["weight_bytes"]
+            sdpa = next((r["tok_per_s"] for r in timed if r["system"] == "transformers sdpa"), None)
+            parts.append(f"{shape} {bound:,.0f} real tok/s" + (f" = {bound / sdpa:.2f}x sdpa" if sdpa else ""))
+    if not parts:
+        return ""
+    size = max(r["weight_bytes"] for r in rows if r.get("weight_bytes")) / 1e6
+    quarter = " (int8 rows read a quarter of them)" if dtype == "fp32" else ""
+    return (f"Bound by reading the encoder's {size:,.0f} MB of {dtype} weights once a forward{quarter} at the measured "
+            f"{bandwidth / 1e9:,.1f} GB/s: " + "; ".join(parts) + ".")
 
 
 def plot(doc: dict[str, Any], path: str) -> None:

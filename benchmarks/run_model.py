@@ -135,6 +135,7 @@ class Row:
     tok_per_s: float | None = None
     speedup_vs_sdpa: float | None = None
     flops_per_s: float | None = None  # useful FLOPs (see flops_per_batch) per second
+    weight_bytes: int | None = None  # the encoder's weights at the table's dtype, read once a forward (weight_bytes)
     pct_peak: float | None = None
     max_abs_err: float | None = None
     skipped: str | None = None
@@ -276,12 +277,21 @@ def make_batch(
     return ids.to(device), mask.to(device), torch.zeros_like(ids).to(device)
 
 
+def _encoder(hf: nn.Module) -> nn.Module:
+    return hf.encoder if hasattr(hf, "encoder") else hf.layers  # ModernBERT keeps its layers on the model
+
+
+def weight_bytes(hf: nn.Module, dtype_name: str) -> int:
+    """Bytes of the encoder's (non-embedding) parameters at `dtype_name`: what a forward reads at least once, from
+    memory where they do not fit the caches (BERT-base's 85 M: 340 MB in fp32)."""
+    return sum(p.numel() for p in _encoder(hf).parameters()) * DTYPES[dtype_name].itemsize
+
+
 def flops_per_batch(hf: nn.Module, lengths: torch.Tensor) -> float:
     """Useful forward FLOPs: per sequence of length s, s * (2 * P + 4 * d * sum over layers of the keys each query
     reads: s, or min(s, 2w + 1) on a sliding-window layer of half-window w), P = encoder (non-embedding) parameters,
     d hidden; padding is not useful work, so padded systems get no credit for it."""
-    encoder = hf.encoder if hasattr(hf, "encoder") else hf.layers  # ModernBERT keeps its layers on the model
-    params = sum(p.numel() for p in encoder.parameters())
+    params = sum(p.numel() for p in _encoder(hf).parameters())
     config, s = hf.config, lengths.double()
     kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     window = 2 * (getattr(config, "local_attention", 0) // 2) + 1
@@ -316,6 +326,16 @@ def measure_peak(device: torch.device, dtype: torch.dtype) -> float:
             fn()
             best = min([best] + [_time_once(fn, device)[0] for _ in range(5)])
     return 2 * n**3 / best
+
+
+def measure_read_bandwidth(device: torch.device) -> float | None:
+    """Bytes/s of reading 512 MiB (far past any CPU's caches) on torch's threads: the rate at which a forward can
+    stream weights that do not fit the caches. CPU only (None elsewhere); the best of five sums."""
+    if device.type != "cpu":
+        return None
+    x = torch.ones(128 * 2**20)
+    x.sum()
+    return x.numel() * x.element_size() / min(_time_once(x.sum, device)[0] for _ in range(5))
 
 
 def measure_arithmetic_peak(device: torch.device, dtype_name: str) -> float | None:
@@ -439,6 +459,7 @@ def run_suite(
     rows: list[Row] = []
     peaks = {name: measure_peak(device, DTYPES[name]) for name in suite.dtypes}  # re-measured at the end too
     ceilings = {name: measure_arithmetic_peak(device, name) for name in suite.dtypes}
+    bandwidth = measure_read_bandwidth(device)  # re-measured at the end too
     total = sum(len(suite.shapes[m]) for m in suite.models) * len(suite.dtypes) * len(suite.systems)
     started, load_at_start = time.time(), os.getloadavg() if hasattr(os, "getloadavg") else None
 
@@ -446,7 +467,7 @@ def run_suite(
         for row in rows:
             if row.flops_per_s is not None:
                 row.pct_peak = 100 * row.flops_per_s / peaks[row.dtype]
-        doc = model_report.document(rows, peaks, ceilings, device, time.time() - started)
+        doc = model_report.document(rows, peaks, ceilings, device, time.time() - started, bandwidth)
         doc["load_average_at_start"] = load_at_start
         doc["dtype_labels"] = {name: dtype_label(device, name) for name in suite.dtypes}
         doc["capabilities"] = capabilities.report() if device.type == "cpu" else []
@@ -469,6 +490,8 @@ def run_suite(
                 save(document())
     for name in suite.dtypes:  # the best of both: a neighbour's load during one measurement must not set the peak
         peaks[name] = max(peaks[name], measure_peak(device, DTYPES[name]))
+    if bandwidth is not None:
+        bandwidth = max(bandwidth, measure_read_bandwidth(device) or 0.0)
     return document()
 
 
@@ -608,7 +631,8 @@ def _rows(
     hf: nn.Module,
 ) -> list[Row]:
     real, flops = int(lengths.sum()), flops_per_batch(hf, lengths)
-    base = dict(model=model, dtype=dtype, shape=shape.label(), batch=shape.batch, seqlen=shape.seqlen, real_tokens=real)
+    base = dict(model=model, dtype=dtype, shape=shape.label(), batch=shape.batch, seqlen=shape.seqlen, real_tokens=real,
+                weight_bytes=weight_bytes(hf, dtype))  # fmt: skip
     sdpa = results.get("transformers sdpa")
     sdpa_s = statistics.median(sdpa[0]) if sdpa else None
     out = []

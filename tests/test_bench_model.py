@@ -186,6 +186,32 @@ def test_bound_line_is_the_peak_time_of_the_useful_flops() -> None:
 
 
 
+def test_weights_line_is_the_time_to_read_the_encoders_weights_once() -> None:
+    """1 GB of weights at 10 GB/s is 0.1 s a forward: 16 real tokens a forward make 160 tok/s, 2x sdpa's 80; a shape
+    with no row that knows its weights (an older run's file) gets no bound, and no bandwidth gives no line."""
+    base = dict(shape="b1 s16", real_tokens=16, skipped=None, weight_bytes=10**9)
+    rows = [dict(base, system="transformers sdpa", tok_per_s=80.0), dict(base, system="fastbert", tok_per_s=120.0),
+            dict(base, shape="b8 s128", weight_bytes=None, system="fastbert", tok_per_s=1.0)]  # fmt: skip
+    line = model_report._weights_line(rows, 10e9, "fp32")
+    assert line.startswith("Bound by reading the encoder's 1,000 MB of fp32 weights once a forward")
+    assert "b1 s16 160 real tok/s = 2.00x sdpa" in line and "b8 s128" not in line
+    assert model_report._weights_line(rows, None, "fp32") == ""
+
+
+def test_weight_bytes_and_read_bandwidth() -> None:
+    """BERT-base's encoder, not its embeddings: 12 layers of 7,087,872 parameters, 4 bytes each in fp32, 2 in bf16; a
+    finite bandwidth on CPU, None elsewhere."""
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.BertModel(transformers.BertConfig(num_hidden_layers=12))
+    assert run_model.weight_bytes(model, "fp32") == 4 * 12 * 7_087_872
+    assert run_model.weight_bytes(model, "bf16") == 2 * 12 * 7_087_872
+    bandwidth = run_model.measure_read_bandwidth(torch.device("cpu"))
+    assert bandwidth is not None and math.isfinite(bandwidth) and bandwidth > 0
+    assert run_model.measure_read_bandwidth(torch.device("meta")) is None
+
+
 def test_arithmetic_peak_checks_its_arguments() -> None:
     """The native FMA probe answers FLOP/s (or None without the instruction) and refuses what it cannot measure."""
     from fastbert.backends import native
