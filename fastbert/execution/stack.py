@@ -29,6 +29,8 @@ at 32 x 40 tokens ran 1.21x (fp32), 1.10x (int8) and 1.21x (bf16) faster than wi
 thread the OS preempted holds up the other only at the end of the call, not at every region; in a busy spell (the
 busy-host pool, csrc/cpu/pool.h) the batch is cut into up to four chunks a thread, claimed as threads come free, so
 the call waits at its end for one small chunk, not for half the batch on a thread the OS runs a third of the time.
+Layers on oneDNN's GEMMs (parallel on torch's team) keep the batch whole, except in a busy spell, where each chunk's
+GEMMs are one oneDNN call of its rows on its own thread (MiniLM bf16 beside two torch workers: 204 -> 262 sentences/s).
 """
 
 from __future__ import annotations
